@@ -1,0 +1,303 @@
+//! Anonymous huge-page arenas and their pool.
+
+use super::advise_parallel;
+use crate::sys::{RawMap, HUGE_PAGE};
+use crate::{Allocation, DeviceError, DeviceId, HostBuffer, Result};
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+
+/// Anonymous memory, 2 MiB aligned, with transparent huge pages requested.
+///
+/// Its capacity is rounded up to whole huge pages; its length is what the current load uses.
+#[derive(Debug)]
+pub struct Arena {
+    map: RawMap,
+    len: usize,
+}
+
+impl Arena {
+    /// Maps a new arena of `len` bytes. With `huge_pages`, asks for transparent huge pages
+    /// (`MADV_HUGEPAGE`), which this machine's `madvise` THP mode grants only when asked.
+    pub fn new(len: usize, huge_pages: bool) -> Result<Arena> {
+        let cap = if huge_pages {
+            len.max(1).next_multiple_of(HUGE_PAGE)
+        } else {
+            len.max(1)
+        };
+        let align = if huge_pages { HUGE_PAGE } else { 4096 };
+        let map = RawMap::anonymous(cap, align).map_err(|source| DeviceError::OutOfMemory {
+            device: DeviceId::CPU,
+            len,
+            source,
+        })?;
+        if huge_pages {
+            // Advisory: a kernel without THP refuses, and 4 KiB pages still work.
+            let _ = map.advise(0, map.len(), libc::MADV_HUGEPAGE);
+        }
+        Ok(Arena { map, len })
+    }
+
+    /// Bytes in use.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True if no byte is in use.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes mapped.
+    pub fn capacity(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Address of the first byte.
+    pub fn addr(&self) -> usize {
+        self.map.addr()
+    }
+
+    /// Sets the length in use (at most the capacity).
+    pub fn set_len(&mut self, len: usize) -> Result<()> {
+        crate::check_range(DeviceId::CPU, self.capacity(), 0, len)?;
+        self.len = len;
+        Ok(())
+    }
+
+    /// The bytes in use.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.map.as_slice()[..self.len]
+    }
+
+    /// The bytes in use, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        let len = self.len;
+        &mut self.map.as_mut_slice()[..len]
+    }
+
+    /// Faults every page in now, on `threads` threads (`MADV_POPULATE_WRITE`), so the copy that
+    /// follows takes no faults. Falls back to doing nothing on kernels without it (the copy
+    /// then faults pages as it goes).
+    pub fn prefault(&self, threads: usize) {
+        let _ = advise_parallel(&self.map, libc::MADV_POPULATE_WRITE, threads);
+    }
+}
+
+impl HostBuffer for Arena {
+    fn as_slice(&self) -> &[u8] {
+        Arena::as_slice(self)
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        Arena::as_mut_slice(self)
+    }
+}
+
+#[derive(Debug)]
+struct PoolInner {
+    free: Mutex<Vec<Arena>>,
+    max_arenas: usize,
+    huge_pages: bool,
+}
+
+/// Arenas kept for reuse across loads (the equivalent of veTurboIO's `init_io_helper`).
+///
+/// A load takes the smallest free arena that is big enough (or maps a new one); when the
+/// load's result is dropped the arena comes back. Reused arenas are already faulted in, so a
+/// load into one costs only the copy. Cloning shares the pool.
+#[derive(Debug, Clone)]
+pub struct ArenaPool {
+    inner: Arc<PoolInner>,
+}
+
+impl Default for ArenaPool {
+    fn default() -> Self {
+        Self::new(2)
+    }
+}
+
+impl ArenaPool {
+    /// A pool keeping at most `max_arenas` free arenas (the largest are kept).
+    pub fn new(max_arenas: usize) -> Self {
+        ArenaPool {
+            inner: Arc::new(PoolInner {
+                free: Mutex::new(Vec::new()),
+                max_arenas,
+                huge_pages: true,
+            }),
+        }
+    }
+
+    /// Takes an arena of at least `len` bytes, set to length `len`.
+    pub fn take(&self, len: usize) -> Result<PooledArena> {
+        let found = {
+            let mut free = self.inner.free.lock().unwrap_or_else(|p| p.into_inner());
+            let best = free
+                .iter()
+                .enumerate()
+                .filter(|(_, a)| a.capacity() >= len)
+                .min_by_key(|(_, a)| a.capacity())
+                .map(|(i, _)| i);
+            best.map(|i| free.swap_remove(i))
+        };
+        let mut arena = match found {
+            Some(a) => a,
+            None => {
+                // Drop the free arenas that are too small before mapping a bigger one, so the
+                // pool does not hold memory that no longer fits.
+                self.inner
+                    .free
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clear();
+                Arena::new(len, self.inner.huge_pages)?
+            }
+        };
+        arena.set_len(len)?;
+        Ok(PooledArena {
+            arena: Some(arena),
+            pool: Some(self.clone()),
+        })
+    }
+
+    fn give(&self, arena: Arena) {
+        let mut free = self.inner.free.lock().unwrap_or_else(|p| p.into_inner());
+        free.push(arena);
+        if free.len() > self.inner.max_arenas {
+            free.sort_by_key(|a| std::cmp::Reverse(a.capacity()));
+            free.truncate(self.inner.max_arenas);
+        }
+    }
+
+    /// Free arenas held now.
+    pub fn free_arenas(&self) -> usize {
+        self.inner
+            .free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+
+    /// Bytes held by free arenas.
+    pub fn free_bytes(&self) -> usize {
+        let free = self.inner.free.lock().unwrap_or_else(|p| p.into_inner());
+        free.iter().map(Arena::capacity).sum()
+    }
+
+    /// Unmaps every free arena.
+    pub fn clear(&self) {
+        self.inner
+            .free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+}
+
+/// An arena that goes back to its pool (if it has one) when dropped.
+#[derive(Debug)]
+pub struct PooledArena {
+    arena: Option<Arena>,
+    pool: Option<ArenaPool>,
+}
+
+impl PooledArena {
+    /// An arena that belongs to no pool.
+    pub fn unpooled(arena: Arena) -> Self {
+        PooledArena {
+            arena: Some(arena),
+            pool: None,
+        }
+    }
+
+    /// The arena.
+    pub fn arena(&self) -> &Arena {
+        // Only None during drop.
+        self.arena.as_ref().expect("arena present until drop")
+    }
+
+    /// The arena, mutable.
+    pub fn arena_mut(&mut self) -> &mut Arena {
+        self.arena.as_mut().expect("arena present until drop")
+    }
+}
+
+impl Drop for PooledArena {
+    fn drop(&mut self) {
+        if let (Some(arena), Some(pool)) = (self.arena.take(), self.pool.take()) {
+            pool.give(arena);
+        }
+    }
+}
+
+impl Allocation for PooledArena {
+    fn len(&self) -> usize {
+        self.arena().len()
+    }
+
+    fn device(&self) -> DeviceId {
+        DeviceId::CPU
+    }
+
+    fn host(&self) -> Option<&[u8]> {
+        Some(self.arena().as_slice())
+    }
+
+    fn host_mut(&mut self) -> Option<&mut [u8]> {
+        Some(self.arena_mut().as_mut_slice())
+    }
+
+    fn address(&self) -> u64 {
+        self.arena().addr() as u64
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arena_is_aligned_zeroed_and_writable() {
+        let mut a = Arena::new(3 << 20, true).unwrap();
+        assert_eq!(a.addr() % HUGE_PAGE, 0);
+        assert_eq!(a.capacity(), 4 << 20);
+        assert_eq!(a.len(), 3 << 20);
+        assert!(a.as_slice().iter().all(|&b| b == 0));
+        a.prefault(2);
+        a.as_mut_slice()[12345] = 7;
+        assert_eq!(a.as_slice()[12345], 7);
+        let small = Arena::new(100, false).unwrap();
+        assert_eq!(small.addr() % 4096, 0);
+        assert_eq!(small.len(), 100);
+    }
+
+    #[test]
+    fn pool_reuses_the_smallest_fitting_arena() {
+        let pool = ArenaPool::new(2);
+        let a = pool.take(5 << 20).unwrap();
+        let addr = a.address();
+        drop(a);
+        assert_eq!(pool.free_arenas(), 1);
+        let b = pool.take(1 << 20).unwrap();
+        assert_eq!(b.address(), addr, "the free arena is reused");
+        assert_eq!(b.len(), 1 << 20);
+        assert_eq!(pool.free_arenas(), 0);
+        // Too big for anything free: the small free ones are dropped and a new one mapped.
+        let c = pool.take(9 << 20).unwrap();
+        assert_ne!(c.address(), addr);
+        drop(b);
+        drop(c);
+        assert_eq!(pool.free_arenas(), 2);
+        let d = pool.take(100).unwrap();
+        let e = pool.take(100).unwrap();
+        let f = pool.take(100).unwrap();
+        drop((d, e, f));
+        assert_eq!(pool.free_arenas(), 2, "the pool keeps at most max_arenas");
+        pool.clear();
+        assert_eq!(pool.free_bytes(), 0);
+    }
+}

@@ -1,0 +1,148 @@
+//! Zero-copy loads: private writable file mappings populated from the page cache.
+
+use super::advise_parallel;
+use crate::sys::{touch_pages, RawMap};
+use crate::{Allocation, DeviceError, DeviceId, Result};
+use std::any::Any;
+use std::fs::File;
+
+/// A file mapped privately (`MAP_PRIVATE`, readable and writable).
+///
+/// Reading a page shares it with the page cache; writing one gives this mapping its own copy
+/// (copy-on-write), so the file on disk never changes. See the crate docs for the one hazard (a
+/// file truncated in place while mapped).
+#[derive(Debug)]
+pub struct FileMapping {
+    map: RawMap,
+}
+
+impl FileMapping {
+    /// Maps the first `len` bytes of `file` (`len` > 0). Nothing is read yet.
+    pub fn new(file: &File, len: usize) -> Result<FileMapping> {
+        let map = RawMap::file_private(file, len)
+            .map_err(|source| DeviceError::Map { op: "mmap", source })?;
+        Ok(FileMapping { map })
+    }
+
+    /// Maps every page now with `MADV_POPULATE_READ`, split over `threads` threads. For a file
+    /// in the page cache this only fills page tables (no copy); pages not cached are read from
+    /// disk. Kernels older than 5.14 lack the call; every page is then touched instead.
+    ///
+    /// Fails (instead of raising `SIGBUS` later) if the file has shrunk under the mapping.
+    pub fn populate(&self, threads: usize) -> Result<()> {
+        match advise_parallel(&self.map, libc::MADV_POPULATE_READ, threads) {
+            Ok(()) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                touch_pages(self.map.as_slice());
+                Ok(())
+            }
+            Err(source) => Err(DeviceError::Map {
+                op: "madvise(MADV_POPULATE_READ)",
+                source,
+            }),
+        }
+    }
+
+    /// Mapped bytes.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Never true: empty files are not mapped.
+    pub fn is_empty(&self) -> bool {
+        self.map.len() == 0
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        self.map.as_slice()
+    }
+
+    /// The bytes, writable (each page written is copied first).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.map.as_mut_slice()
+    }
+}
+
+impl Allocation for FileMapping {
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    fn device(&self) -> DeviceId {
+        DeviceId::CPU
+    }
+
+    fn host(&self) -> Option<&[u8]> {
+        Some(self.as_slice())
+    }
+
+    fn host_mut(&mut self) -> Option<&mut [u8]> {
+        Some(self.as_mut_slice())
+    }
+
+    fn address(&self) -> u64 {
+        self.map.addr() as u64
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn mapping_is_private_and_copy_on_write() {
+        let dir = std::env::temp_dir().join(format!("turboio-map-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f.bin");
+        let data: Vec<u8> = (0..(3 << 20) + 5).map(|i| (i % 251) as u8).collect();
+        std::fs::File::create(&path)
+            .unwrap()
+            .write_all(&data)
+            .unwrap();
+        let file = File::open(&path).unwrap();
+        let mut m = FileMapping::new(&file, data.len()).unwrap();
+        m.populate(2).unwrap();
+        assert!(m.as_slice() == &data[..]);
+        m.as_mut_slice()[10] = 99;
+        assert_eq!(m.as_slice()[10], 99);
+        drop(m);
+        assert_eq!(std::fs::read(&path).unwrap(), data, "the file is unchanged");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn populate_fails_cleanly_on_a_truncated_file() {
+        let dir = std::env::temp_dir().join(format!("turboio-trunc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f.bin");
+        std::fs::write(&path, vec![1u8; 1 << 20]).unwrap();
+        let file = File::open(&path).unwrap();
+        let m = FileMapping::new(&file, 1 << 20).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        let err = m.populate(1).unwrap_err();
+        assert!(err.to_string().contains("MADV_POPULATE_READ"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn empty_file_is_refused() {
+        let dir = std::env::temp_dir().join(format!("turboio-empty-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("e.bin");
+        std::fs::write(&path, b"").unwrap();
+        let file = File::open(&path).unwrap();
+        assert!(FileMapping::new(&file, 0).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,133 @@
+//! The CPU device.
+
+mod arena;
+mod mapping;
+
+pub use arena::{Arena, ArenaPool, PooledArena};
+pub use mapping::FileMapping;
+
+use crate::sys::{RawMap, HUGE_PAGE};
+use crate::{check_range, Allocation, Device, DeviceError, DeviceId, Result, Staging, Transfer};
+
+/// Runs `madvise(advice)` over `map` split into `threads` pieces at huge-page boundaries, one
+/// thread each, so that page faults are taken on every core at once.
+pub(crate) fn advise_parallel(
+    map: &RawMap,
+    advice: libc::c_int,
+    threads: usize,
+) -> std::io::Result<()> {
+    let len = map.len();
+    let pieces = threads.max(1).min(len.div_ceil(HUGE_PAGE)).max(1);
+    if pieces == 1 {
+        return map.advise(0, len, advice);
+    }
+    let step = len.div_ceil(pieces).next_multiple_of(HUGE_PAGE);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (1..pieces)
+            .map(|i| s.spawn(move || map.advise(i * step, step, advice)))
+            .collect();
+        let first = map.advise(0, step, advice);
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(std::io::Error::other("populate thread panicked")))
+            })
+            .fold(first, |acc, r| acc.and(r))
+    })
+}
+
+/// Host memory as a device.
+///
+/// Loads go straight into its allocations (they are host memory), so [`Device::upload`] is
+/// never needed and answers an error; the staging machinery exists for devices the CPU cannot
+/// address.
+#[derive(Debug, Clone)]
+pub struct CpuDevice {
+    pool: Option<ArenaPool>,
+    huge_pages: bool,
+}
+
+impl Default for CpuDevice {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl CpuDevice {
+    /// A CPU device whose arenas use huge pages and are not kept after a load.
+    pub fn new() -> Self {
+        CpuDevice {
+            pool: None,
+            huge_pages: true,
+        }
+    }
+
+    /// Keeps arenas in `pool` after the loads that used them end, for reuse by later loads.
+    pub fn with_pool(mut self, pool: ArenaPool) -> Self {
+        self.pool = Some(pool);
+        self
+    }
+
+    /// Turns transparent huge pages on or off for new arenas (on by default).
+    pub fn with_huge_pages(mut self, on: bool) -> Self {
+        self.huge_pages = on;
+        self
+    }
+
+    /// The pool, if any.
+    pub fn pool(&self) -> Option<&ArenaPool> {
+        self.pool.as_ref()
+    }
+
+    /// An arena of `len` bytes, from the pool when one fits.
+    pub fn arena(&self, len: usize) -> Result<PooledArena> {
+        match &self.pool {
+            Some(pool) => pool.take(len),
+            None => Ok(PooledArena::unpooled(Arena::new(len, self.huge_pages)?)),
+        }
+    }
+}
+
+impl Device for CpuDevice {
+    fn id(&self) -> DeviceId {
+        DeviceId::CPU
+    }
+
+    fn alloc(&self, len: usize) -> Result<Box<dyn Allocation>> {
+        Ok(Box::new(self.arena(len)?))
+    }
+
+    fn alloc_staging(&self, len: usize) -> Result<Staging> {
+        Ok(Box::new(Arena::new(len, false)?))
+    }
+
+    fn upload(
+        &self,
+        _src: Staging,
+        _len: usize,
+        _dst: &dyn Allocation,
+        _dst_offset: usize,
+    ) -> Result<Transfer> {
+        Err(DeviceError::Driver {
+            device: DeviceId::CPU,
+            message:
+                "CPU allocations are host memory: read into Allocation::host_mut instead of staging"
+                    .into(),
+        })
+    }
+
+    fn download(&self, src: &dyn Allocation, src_offset: usize, dst: &mut [u8]) -> Result<()> {
+        let bytes = src.host().ok_or(DeviceError::ForeignAllocation {
+            device: DeviceId::CPU,
+            other: src.device(),
+        })?;
+        check_range(DeviceId::CPU, bytes.len(), src_offset, dst.len())?;
+        dst.copy_from_slice(&bytes[src_offset..src_offset + dst.len()]);
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+}

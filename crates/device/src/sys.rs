@@ -1,0 +1,177 @@
+//! Raw memory mappings. Every `unsafe` block of this crate lives here.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::ptr::NonNull;
+
+/// The page size.
+pub(crate) fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if n > 0 {
+        n as usize
+    } else {
+        4096
+    }
+}
+
+/// Size of a transparent huge page on x86-64 and arm64 with 4 KiB pages.
+pub(crate) const HUGE_PAGE: usize = 2 << 20;
+
+/// A memory mapping this value owns exclusively; unmapped on drop.
+#[derive(Debug)]
+pub(crate) struct RawMap {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: RawMap owns its mapping exclusively (like a Vec<u8> owns its buffer); the memory is
+// plain bytes with no thread affinity, so moving or sharing the owner between threads is sound.
+// Mutation goes through &mut self only.
+unsafe impl Send for RawMap {}
+// SAFETY: see Send; &RawMap only hands out shared byte slices or calls madvise, which the
+// kernel serializes.
+unsafe impl Sync for RawMap {}
+
+impl RawMap {
+    /// An anonymous private mapping of `len` bytes (rounded up to pages) whose start is aligned
+    /// to `align` (a power of two, at least the page size). Zero-length maps are not allowed.
+    pub(crate) fn anonymous(len: usize, align: usize) -> io::Result<RawMap> {
+        let page = page_size();
+        let align = align.max(page);
+        let len = len.max(1).next_multiple_of(page);
+        let over = len
+            .checked_add(align - page)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
+        // SAFETY: a fresh anonymous mapping at an address of the kernel's choosing; no existing
+        // memory is affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                over,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let start = p as usize;
+        let aligned = start.next_multiple_of(align);
+        let head = aligned - start;
+        let tail = over - head - len;
+        // SAFETY: [start, start+head) and [aligned+len, start+over) lie inside the mapping just
+        // created and nothing refers to them; unmapping them trims it to [aligned, aligned+len).
+        unsafe {
+            if head > 0 {
+                libc::munmap(p, head);
+            }
+            if tail > 0 {
+                libc::munmap((aligned + len) as *mut libc::c_void, tail);
+            }
+        }
+        Ok(RawMap {
+            // aligned is inside a successful mapping, hence non-null.
+            ptr: NonNull::new(aligned as *mut u8)
+                .ok_or_else(|| io::Error::from(io::ErrorKind::Other))?,
+            len,
+        })
+    }
+
+    /// A private, writable (copy-on-write) mapping of the first `len` bytes of `file`.
+    pub(crate) fn file_private(file: &File, len: usize) -> io::Result<RawMap> {
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "cannot map an empty file",
+            ));
+        }
+        // SAFETY: maps `file` at a kernel-chosen address; MAP_PRIVATE means writes through the
+        // mapping never reach the file. The fd only needs to be valid for the call.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(RawMap {
+            ptr: NonNull::new(p as *mut u8).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?,
+            len,
+        })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is len bytes, readable, alive as long as self, and only mutated
+        // through &mut self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in as_slice, and &mut self guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// `madvise` on `[offset, offset + len)`, clipped to the mapping and widened to pages.
+    pub(crate) fn advise(&self, offset: usize, len: usize, advice: libc::c_int) -> io::Result<()> {
+        let page = page_size();
+        let start = (offset.min(self.len) / page) * page;
+        let end = offset.saturating_add(len).min(self.len);
+        if end <= start {
+            return Ok(());
+        }
+        // SAFETY: the range lies inside our mapping. The advice values used by this crate
+        // (HUGEPAGE, POPULATE_READ, POPULATE_WRITE) never change the contents visible to Rust:
+        // they only change how and when pages are faulted in.
+        let r = unsafe {
+            libc::madvise(
+                (self.addr() + start) as *mut libc::c_void,
+                end - start,
+                advice,
+            )
+        };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+}
+
+impl Drop for RawMap {
+    fn drop(&mut self) {
+        // SAFETY: we own the mapping and nothing borrows it any more (&mut self).
+        unsafe {
+            libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, self.len);
+        }
+    }
+}
+
+/// Reads one byte of every page in `bytes` so that each page is mapped (a fallback for kernels
+/// without `MADV_POPULATE_READ`).
+pub(crate) fn touch_pages(bytes: &[u8]) {
+    let page = page_size();
+    let mut sum = 0u8;
+    for i in (0..bytes.len()).step_by(page) {
+        // SAFETY: i < bytes.len(); a volatile read keeps the compiler from dropping it.
+        sum ^= unsafe { std::ptr::read_volatile(bytes.as_ptr().add(i)) };
+    }
+    std::hint::black_box(sum);
+}

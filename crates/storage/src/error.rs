@@ -1,0 +1,97 @@
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// The error of every storage operation. Backends fold their own detail into it, keeping
+/// "not found", "permission denied" and "not supported" distinct so callers (and the Python
+/// layer) can map them to the right exception.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StorageError {
+    /// The file (or its directory) does not exist.
+    #[error("{}: no such file or directory", path.display())]
+    NotFound {
+        /// The path asked for.
+        path: PathBuf,
+    },
+    /// The OS refused access.
+    #[error("{}: permission denied", path.display())]
+    PermissionDenied {
+        /// The path asked for.
+        path: PathBuf,
+    },
+    /// A read asked for bytes past the end of the file (the file is shorter than expected, e.g.
+    /// truncated while being read).
+    #[error("{}: file is too short: wanted bytes {offset}..{end} but the file has {file_len} bytes", path.display())]
+    ShortFile {
+        /// The file.
+        path: PathBuf,
+        /// Start of the range asked for.
+        offset: u64,
+        /// End of the range asked for.
+        end: u64,
+        /// The file's length.
+        file_len: u64,
+    },
+    /// The backend cannot do this (a destination kind, an option, an operation).
+    #[error("{backend}: not supported: {what}")]
+    Unsupported {
+        /// The backend's name.
+        backend: &'static str,
+        /// What was asked.
+        what: String,
+    },
+    /// The backend was left out of this build.
+    #[error("the `{backend}` storage backend is not compiled in (enable the `{feature}` feature of turboio)")]
+    NotCompiledIn {
+        /// The backend.
+        backend: &'static str,
+        /// The Cargo feature that enables it.
+        feature: &'static str,
+    },
+    /// The operation was cancelled by the caller.
+    #[error("cancelled")]
+    Cancelled,
+    /// The data source of a write failed (e.g. a tensor whose bytes are short).
+    #[error("{}: {message}", path.display())]
+    Source {
+        /// The file being written.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// Any other I/O failure, with the operation that failed.
+    #[error("{}: {op} failed: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What was being done ("open", "read", "write", "fsync", "rename", ...).
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl StorageError {
+    /// Wraps an OS error, turning ENOENT and EACCES/EPERM into their own variants.
+    pub fn io(path: &Path, op: &'static str, source: io::Error) -> Self {
+        match source.kind() {
+            io::ErrorKind::NotFound => StorageError::NotFound {
+                path: path.to_owned(),
+            },
+            io::ErrorKind::PermissionDenied => StorageError::PermissionDenied {
+                path: path.to_owned(),
+            },
+            _ => StorageError::Io {
+                path: path.to_owned(),
+                op,
+                source,
+            },
+        }
+    }
+
+    /// True for [`StorageError::NotFound`].
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, StorageError::NotFound { .. })
+    }
+}

@@ -1,0 +1,284 @@
+//! The `Storage` contract: every turboio backend (local files, GPUDirect Storage, the SFCS SDK)
+//! implements it, and the orchestrator composes it with a `Device` without knowing which
+//! backend it talks to.
+//!
+//! # Shape of the contract
+//!
+//! - [`Storage::open`] gives a [`StorageFile`]: a file of known length that can be read at any
+//!   offset from many threads at once.
+//! - Each thread that reads takes its own [`RangeReader`] from [`StorageFile::reader`]. A local
+//!   file hands out cheap shared descriptors; an SDK whose file handles must not be shared
+//!   between threads opens one per reader. Nothing above the backend needs to know.
+//! - [`StorageFile::read_ranges`] is the bulk path: many `(offset, destination)` pairs read in
+//!   parallel into host memory. The default implementation splits the ranges into chunks and
+//!   spreads them over threads, one reader each; backends override it when they can do better
+//!   (io_uring with a deep queue and `O_DIRECT`, for the local backend).
+//! - A per-chunk [`ChunkHook`] runs on the reading thread right after each chunk lands, while
+//!   the bytes are still in cache: decryption is fused into the read this way, and wrappers
+//!   pass it through so they never hide the inner backend's fast path.
+//! - [`StorageFile::read_to_device`] is for backends that DMA straight into device memory (GDS);
+//!   others answer [`StorageError::Unsupported`] and the orchestrator stages through host memory.
+//! - [`Storage::write_file`] writes a whole file atomically from a [`WriteSource`] that fills
+//!   chunks on demand (copying from host tensors, from device memory, or encrypting on the way),
+//!   so a save never needs a second full-size buffer.
+//!
+//! # Errors
+//!
+//! One [`StorageError`] with the path in every message and "not found", "permission denied" and
+//! "not supported" kept distinct.
+//!
+//! # Conformance
+//!
+//! With the `conformance` feature, [`conformance`] exports the checks every backend's tests run
+//! (round trips, odd offsets, short and missing files, concurrent readers, failed writes).
+#![deny(missing_docs)]
+#![forbid(unsafe_code)]
+
+mod error;
+mod parallel;
+
+#[cfg(feature = "conformance")]
+pub mod conformance;
+
+pub use error::StorageError;
+pub use parallel::{default_threads, for_each_chunk, split_requests, Chunk};
+
+use std::fmt::Debug;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// Result of storage operations.
+pub type Result<T, E = StorageError> = std::result::Result<T, E>;
+
+/// Bytes to read at `offset` into `dst` (exactly `dst.len()` bytes).
+#[derive(Debug)]
+pub struct ReadRequest<'a> {
+    /// Absolute offset in the file.
+    pub offset: u64,
+    /// Destination; filled completely or the read fails.
+    pub dst: &'a mut [u8],
+}
+
+/// Runs on the reading thread after a chunk has been read: `(file_offset, bytes)`.
+/// Used to decrypt in place while the bytes are hot in cache.
+pub type ChunkHook<'h> = &'h (dyn Fn(u64, &mut [u8]) -> Result<()> + Sync);
+
+/// Whether to bypass the page cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DirectIo {
+    /// Let the backend decide (the local backend uses `O_DIRECT` for files not in the page cache).
+    #[default]
+    Auto,
+    /// Bypass the cache where the file system allows it; fall back to buffered I/O where it refuses.
+    On,
+    /// Always go through the page cache.
+    Off,
+}
+
+/// How a bulk read or write is done. Backends ignore what does not apply to them.
+#[derive(Clone, Copy, Default)]
+pub struct IoOptions<'h> {
+    /// Worker threads; 0 means one per available core.
+    pub threads: usize,
+    /// Page-cache bypass.
+    pub direct: DirectIo,
+    /// Bytes per chunk handed to a worker; 0 means the backend's default.
+    pub chunk_size: usize,
+    /// Called on the worker thread after each chunk is read (reads only).
+    pub hook: Option<ChunkHook<'h>>,
+    /// Progress: bytes completed so far are added here.
+    pub progress: Option<&'h AtomicU64>,
+    /// Set by the caller to abort; the operation then fails with [`StorageError::Cancelled`].
+    pub cancel: Option<&'h AtomicBool>,
+}
+
+impl Debug for IoOptions<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IoOptions")
+            .field("threads", &self.threads)
+            .field("direct", &self.direct)
+            .field("chunk_size", &self.chunk_size)
+            .field("hook", &self.hook.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl IoOptions<'_> {
+    /// Fails with [`StorageError::Cancelled`] once the caller has asked to stop.
+    pub fn check_cancel(&self) -> Result<()> {
+        match self.cancel {
+            Some(c) if c.load(Ordering::Relaxed) => Err(StorageError::Cancelled),
+            _ => Ok(()),
+        }
+    }
+
+    /// Adds `n` bytes to the progress counter.
+    pub fn add_progress(&self, n: u64) {
+        if let Some(p) = self.progress {
+            p.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// The worker count to use for `total` bytes in chunks of `chunk` bytes.
+    pub fn worker_count(&self, total: u64, chunk: usize) -> usize {
+        let want = if self.threads == 0 {
+            default_threads()
+        } else {
+            self.threads
+        };
+        let chunks = total.div_ceil(chunk.max(1) as u64).max(1);
+        want.clamp(1, usize::try_from(chunks).unwrap_or(usize::MAX))
+    }
+}
+
+/// A device-memory destination for backends that read straight into it (GDS).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceDst {
+    /// Device kind, e.g. `"cuda"`.
+    pub kind: &'static str,
+    /// Device ordinal.
+    pub ordinal: u32,
+    /// Base address of the allocation.
+    pub base: u64,
+    /// Offset of the destination from `base`.
+    pub offset: u64,
+}
+
+/// A range of the file to read into device memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceReadRequest {
+    /// Absolute offset in the file.
+    pub offset: u64,
+    /// Bytes to read.
+    pub len: u64,
+    /// Where they go.
+    pub dst: DeviceDst,
+}
+
+/// One thread's handle on an open file.
+pub trait RangeReader: Send {
+    /// Reads exactly `dst.len()` bytes at `offset`; a file too short is [`StorageError::ShortFile`].
+    fn read_exact_at(&mut self, offset: u64, dst: &mut [u8]) -> Result<()>;
+}
+
+/// An open file.
+pub trait StorageFile: Send + Sync + Debug {
+    /// The path it was opened with.
+    fn path(&self) -> &Path;
+
+    /// Its length in bytes, as of opening.
+    fn len(&self) -> u64;
+
+    /// True if the file is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A reader for the calling thread.
+    fn reader(&self) -> Result<Box<dyn RangeReader + '_>>;
+
+    /// Reads one range (convenience for small reads such as the header).
+    fn read_exact_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.reader()?.read_exact_at(offset, dst)
+    }
+
+    /// Reads many ranges in parallel into host memory; each destination is filled completely or
+    /// the call fails. The hook, if any, runs on every chunk right after it is read.
+    ///
+    /// The default spreads chunks of `opts.chunk_size` (default 8 MiB) over `opts.threads`
+    /// workers, each with its own [`reader`](Self::reader).
+    fn read_ranges(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<()> {
+        let chunk = if opts.chunk_size == 0 {
+            8 << 20
+        } else {
+            opts.chunk_size
+        };
+        let chunks = split_requests(requests, chunk);
+        for_each_chunk(
+            chunks,
+            opts,
+            || self.reader(),
+            |reader, c| reader.read_exact_at(c.offset, c.dst),
+        )
+    }
+
+    /// True if [`read_to_device`](Self::read_to_device) can write into memory of this device kind.
+    fn reads_to_device(&self, _kind: &str) -> bool {
+        false
+    }
+
+    /// Reads ranges straight into device memory. Backends without that ability answer
+    /// [`StorageError::Unsupported`].
+    fn read_to_device(&self, _requests: &[DeviceReadRequest], _opts: &IoOptions<'_>) -> Result<()> {
+        Err(StorageError::Unsupported {
+            backend: "storage",
+            what: "reading into device memory".into(),
+        })
+    }
+
+    /// The local file descriptor, for backends whose files can be memory-mapped.
+    fn local_file(&self) -> Option<&std::fs::File> {
+        None
+    }
+
+    /// The fraction (0 to 1) of the file's pages already in the page cache, estimated cheaply,
+    /// or `None` if the backend cannot tell.
+    fn cached_fraction(&self) -> Option<f64> {
+        None
+    }
+}
+
+/// Produces the bytes of a file being written, a chunk at a time.
+pub trait WriteSource: Sync {
+    /// Total bytes.
+    fn len(&self) -> u64;
+
+    /// True if there is nothing to write.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Fills `dst` with the bytes at `offset..offset + dst.len()`. Errors abort the write and
+    /// leave any previous file in place.
+    fn fill(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), String>;
+}
+
+/// A [`WriteSource`] backed by one slice in memory.
+#[derive(Debug, Clone, Copy)]
+pub struct BytesSource<'a>(pub &'a [u8]);
+
+impl WriteSource for BytesSource<'_> {
+    fn len(&self) -> u64 {
+        self.0.len() as u64
+    }
+
+    fn fill(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), String> {
+        let start = usize::try_from(offset).map_err(|e| e.to_string())?;
+        let src = start
+            .checked_add(dst.len())
+            .and_then(|end| self.0.get(start..end))
+            .ok_or_else(|| {
+                format!(
+                    "range {start}+{} is outside the {} source bytes",
+                    dst.len(),
+                    self.0.len()
+                )
+            })?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+/// A storage backend.
+pub trait Storage: Send + Sync + Debug {
+    /// A short name for messages, e.g. `"posix"`.
+    fn name(&self) -> &'static str;
+
+    /// Opens a file for reading.
+    fn open(&self, path: &Path) -> Result<Box<dyn StorageFile>>;
+
+    /// Writes `source` to `path` atomically: readers see the old file or the complete new one,
+    /// never a mix; on any error the old file is untouched and nothing is left behind.
+    fn write_file(&self, path: &Path, source: &dyn WriteSource, opts: &IoOptions<'_>)
+        -> Result<()>;
+}
