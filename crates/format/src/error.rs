@@ -92,7 +92,7 @@ pub enum FormatError {
     /// `8 + N + data length` differs from the file length: trailing bytes, or a truncated file.
     #[error("incomplete metadata, file not fully covered: the header describes {expected} bytes ({header_end} of header and {data_len} of tensor data) but the file has {actual}")]
     MetadataIncompleteBuffer {
-        /// 8 + N + last END.
+        /// 8 + N + last END (saturated at `u64::MAX` if the sum overflows).
         expected: u64,
         /// 8 + N.
         header_end: u64,

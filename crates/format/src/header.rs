@@ -141,10 +141,12 @@ impl Header {
         });
         let data_len = validate(&tensors)?;
         let header_end = N_LEN as u64 + json.len() as u64;
-        let expected = header_end + data_len as u64;
-        if expected != file_len {
+        // The data length alone can be close to 2^64 (eight tensors of 2^61 - 1 bytes each
+        // validate), so the sum is checked; a sum that overflows cannot be the file's length.
+        let expected = header_end.checked_add(data_len as u64);
+        if expected != Some(file_len) {
             return Err(FormatError::MetadataIncompleteBuffer {
-                expected,
+                expected: expected.unwrap_or(u64::MAX),
                 header_end,
                 data_len: data_len as u64,
                 actual: file_len,

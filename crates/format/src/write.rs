@@ -69,7 +69,9 @@ impl Layout {
 ///
 /// The output is byte-identical to the reference's `serialize` for the same tensors, except
 /// that `__metadata__` keys are written sorted (the reference writes them in hash order, so its
-/// own output varies from run to run when there is more than one key).
+/// own output varies from run to run when there is more than one key), and that no tensor with
+/// `Some` empty metadata gives `{"__metadata__":{}}` where the reference writes the invalid
+/// `{},"__metadata__":{}}`.
 pub fn plan(
     tensors: &[TensorSpec<'_>],
     metadata: Option<&BTreeMap<String, String>>,
@@ -114,6 +116,17 @@ pub fn plan(
     let infos: Vec<TensorInfo> = entries.iter().map(|e| e.info.clone()).collect();
     let data_len = validate(&infos)?;
     let header = render_header(&infos, metadata)?;
+    // The file length must fit in 64 bits, or `Layout::file_len` would overflow: eight
+    // specs of 2^61 - 1 bytes each are individually valid but not together with a header.
+    if let Some(last) = infos.last() {
+        if (header.len() as u64).checked_add(data_len as u64).is_none() {
+            return Err(FormatError::ValidationOverflow {
+                name: last.name.clone(),
+                dtype: last.dtype,
+                shape: last.shape.clone(),
+            });
+        }
+    }
     Ok(Layout {
         header,
         entries,

@@ -29,7 +29,7 @@
 //!
 //! # Conformance
 //!
-//! With the `conformance` feature, [`conformance`] exports the checks every backend's tests run
+//! With the `conformance` feature, the `conformance` module exports the checks every backend's tests run
 //! (round trips, odd offsets, short and missing files, concurrent readers, failed writes).
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]

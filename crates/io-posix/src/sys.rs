@@ -1,0 +1,253 @@
+//! Raw system calls and aligned memory. Everything `unsafe` outside the ring lives here, each
+//! call checked and turned into an `io::Result`.
+
+use crate::plan::ALIGN;
+use std::alloc::Layout;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::Path;
+use std::ptr::NonNull;
+
+/// Heap memory aligned to [`ALIGN`], zeroed at allocation, for `O_DIRECT` bounce and write
+/// buffers.
+pub(crate) struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: `AlignedBuf` owns its allocation exclusively (like a `Box<[u8]>`); moving it to
+// another thread moves that ownership.
+unsafe impl Send for AlignedBuf {}
+
+impl AlignedBuf {
+    /// Allocates `len` zeroed bytes (at least one block).
+    pub(crate) fn new(len: usize) -> AlignedBuf {
+        let len = len.max(ALIGN as usize);
+        let layout = Self::layout(len);
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let Some(ptr) = NonNull::new(raw) else {
+            std::alloc::handle_alloc_error(layout)
+        };
+        AlignedBuf { ptr, len }
+    }
+
+    fn layout(len: usize) -> Layout {
+        match Layout::from_size_align(len, ALIGN as usize) {
+            Ok(l) => l,
+            // Only for lengths near `isize::MAX`, which no caller asks for.
+            Err(_) => Layout::new::<[u8; ALIGN as usize]>(),
+        }
+    }
+
+    /// Address of the first byte, for the kernel to write into.
+    pub(crate) fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The bytes.
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` initialised (zeroed at allocation) bytes that we own.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The bytes, writable.
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this very layout and not freed before.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+    }
+}
+
+/// The last OS error if `ret` is -1.
+fn check(ret: libc::c_int) -> io::Result<libc::c_int> {
+    if ret == -1 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+/// Opens a second description of the same file with `O_DIRECT` (and `extra` access flags),
+/// through `/proc/self/fd` so that a rename of `path` in between cannot swap the file; by path
+/// where `/proc` is missing, checking that it is the same inode.
+///
+/// `Ok(None)` when the file system refuses `O_DIRECT` (`EINVAL`) or the path now names another
+/// file.
+pub(crate) fn reopen_direct(file: &File, path: &Path, write: bool) -> io::Result<Option<File>> {
+    let open = |p: &Path| {
+        OpenOptions::new()
+            .read(!write)
+            .write(write)
+            .custom_flags(libc::O_DIRECT)
+            .open(p)
+    };
+    let via_proc = format!("/proc/self/fd/{}", file.as_raw_fd());
+    let opened = match open(Path::new(&via_proc)) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => open(path),
+        other => other,
+    };
+    let direct = match opened {
+        Ok(f) => f,
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let (a, b) = (file.metadata()?, direct.metadata()?);
+    if a.dev() != b.dev() || a.ino() != b.ino() {
+        return Ok(None);
+    }
+    Ok(Some(direct))
+}
+
+/// Reserves `len` bytes for `file` (`fallocate`), which also sets its length; where the file
+/// system cannot, just sets the length. A full disk fails here, before any byte is written.
+pub(crate) fn allocate(file: &File, len: u64) -> io::Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    let Ok(off_len) = libc::off_t::try_from(len) else {
+        return Err(io::Error::from_raw_os_error(libc::EFBIG));
+    };
+    // SAFETY: plain syscall on a descriptor we own; no memory is passed.
+    let ret = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, off_len) };
+    match check(ret) {
+        Ok(_) => Ok(()),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) => {
+            file.set_len(len)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Tells the kernel to drop the clean cached pages of `file` (`POSIX_FADV_DONTNEED`).
+pub(crate) fn drop_cache(file: &File) -> io::Result<()> {
+    // SAFETY: plain syscall on a descriptor we own; no memory is passed.
+    let ret = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    if ret != 0 {
+        return Err(io::Error::from_raw_os_error(ret));
+    }
+    Ok(())
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf has no memory arguments.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
+}
+
+/// Sample spans of the residency probe.
+const SPANS: u64 = 64;
+/// Pages per span.
+const SPAN_PAGES: u64 = 16;
+
+/// The spans `(first_page, pages)` the probe looks at: the whole file when small, else
+/// [`SPANS`] spans of [`SPAN_PAGES`] spread evenly from the first page to the last.
+fn sample_spans(pages: u64) -> Vec<(u64, u64)> {
+    if pages <= SPANS * SPAN_PAGES {
+        return vec![(0, pages)];
+    }
+    (0..SPANS)
+        .map(|i| ((pages - SPAN_PAGES) * i / (SPANS - 1), SPAN_PAGES))
+        .collect()
+}
+
+/// Estimates the fraction of the file's pages in the page cache from a sample (see
+/// [`sample_spans`]): `mmap` without populating, `mincore`, `munmap`; no page is read, faulted or
+/// brought into the cache.
+///
+/// Since Linux 5.2, `mincore` reports page-cache residency only for files the caller owns or
+/// may write; for others it sees only pages mapped into this process, i.e. none, and the file
+/// looks cold. (`preadv2(RWF_NOWAIT)` probes would see through that, but measured here they
+/// start reading the probed pages in the background, so the probe would change what it
+/// measures; `cachestat` has the same permission rule as `mincore`.)
+pub(crate) fn cached_fraction(file: &File, len: u64) -> Option<f64> {
+    if len == 0 {
+        return Some(1.0);
+    }
+    let page = page_size();
+    let pages = len.div_ceil(page);
+    let spans = sample_spans(pages);
+    let sampled: u64 = spans.iter().map(|s| s.1).sum();
+    let resident = mincore_sample(file, len, page, &spans)?;
+    Some(resident as f64 / sampled as f64)
+}
+
+fn mincore_sample(file: &File, len: u64, page: u64, spans: &[(u64, u64)]) -> Option<u64> {
+    let map_len = usize::try_from(len).ok()?;
+    // SAFETY: a fresh shared read-only mapping of our descriptor, at an address the kernel
+    // picks; nothing is read through it, and it is unmapped below on every path.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            map_len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if addr == libc::MAP_FAILED {
+        return None;
+    }
+    let mut vec = vec![0u8; spans.iter().map(|s| s.1).max().unwrap_or(0) as usize];
+    let mut resident = Some(0u64);
+    for &(first, n) in spans {
+        let (Ok(off), Ok(bytes), Ok(n)) = (
+            usize::try_from(first * page),
+            usize::try_from(n * page),
+            usize::try_from(n),
+        ) else {
+            resident = None;
+            break;
+        };
+        // SAFETY: `[addr + off, addr + off + bytes)` lies inside the mapping (spans cover only
+        // pages of the file, and the mapping covers them all); `vec` has room for `n` bytes,
+        // one per page.
+        let ret =
+            unsafe { libc::mincore(addr.cast::<u8>().add(off).cast(), bytes, vec.as_mut_ptr()) };
+        if ret != 0 {
+            resident = None;
+            break;
+        }
+        resident = resident.map(|r| r + vec[..n].iter().filter(|&&b| b & 1 == 1).count() as u64);
+    }
+    // SAFETY: unmaps exactly the mapping made above, which nothing references any more.
+    unsafe { libc::munmap(addr, map_len) };
+    resident
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spans_cover_small_files_whole_and_sample_big_ones() {
+        assert_eq!(sample_spans(10), vec![(0, 10)]);
+        let s = sample_spans(1 << 20);
+        assert_eq!(s.len(), SPANS as usize);
+        assert_eq!(s[0], (0, SPAN_PAGES));
+        assert_eq!(
+            s.last().copied(),
+            Some(((1 << 20) - SPAN_PAGES, SPAN_PAGES))
+        );
+        assert!(s.windows(2).all(|w| w[0].0 + SPAN_PAGES <= w[1].0));
+    }
+
+    #[test]
+    fn aligned_buffers_are_aligned() {
+        let mut b = AlignedBuf::new(10);
+        assert_eq!(b.as_slice().len(), ALIGN as usize);
+        assert_eq!(b.as_mut_ptr() as usize % ALIGN as usize, 0);
+        assert!(b.as_slice().iter().all(|&x| x == 0));
+        b.as_mut_slice()[0] = 1;
+        assert_eq!(b.as_slice()[0], 1);
+    }
+}

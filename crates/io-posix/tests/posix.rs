@@ -1,0 +1,752 @@
+//! Every read path of the posix backend against the shared conformance suite and against one
+//! expected result, on the local disk, on tmpfs and (when we may mount it) on ramfs, which
+//! refuses `O_DIRECT`.
+
+use std::ffi::CString;
+use std::fs::OpenOptions;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use turboio_io_posix::{io_uring_available, PosixConfig, PosixStorage, ReadMethod, ReadReport};
+use turboio_storage::conformance::{self, pattern, Capabilities};
+use turboio_storage::{BytesSource, DirectIo, IoOptions, ReadRequest, Storage, StorageError};
+
+/// A file system mounted for one test, unmounted when dropped.
+struct Mount {
+    dir: tempfile::TempDir,
+}
+
+impl Mount {
+    /// Mounts `fstype` with `data` options on a fresh directory, or says why it could not.
+    fn new(fstype: &str, data: &str) -> Result<Mount, String> {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("mnt-{fstype}-"))
+            .tempdir_in(local_dir())
+            .map_err(|e| e.to_string())?;
+        let target = CString::new(dir.path().as_os_str().as_bytes()).map_err(|e| e.to_string())?;
+        let fs = CString::new(fstype).map_err(|e| e.to_string())?;
+        let data = CString::new(data).map_err(|e| e.to_string())?;
+        // SAFETY: all arguments are NUL-terminated strings that outlive the call.
+        let ret = unsafe {
+            libc::mount(
+                fs.as_ptr(),
+                target.as_ptr(),
+                fs.as_ptr(),
+                0,
+                data.as_ptr().cast(),
+            )
+        };
+        if ret != 0 {
+            return Err(format!(
+                "mount -t {fstype} failed: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        Ok(Mount { dir })
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if let Ok(target) = CString::new(self.dir.path().as_os_str().as_bytes()) {
+            // SAFETY: a NUL-terminated path that outlives the call.
+            unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+}
+
+/// A directory on the local disk (the target directory: ext4 here, never tmpfs).
+fn local_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+}
+
+fn scratch_in(dir: &Path) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("io-posix-")
+        .tempdir_in(dir)
+        .expect("scratch directory")
+}
+
+/// Whether the file system of `dir` accepts `O_DIRECT` opens.
+fn accepts_o_direct(dir: &Path) -> bool {
+    let p = dir.join(".odirect-probe");
+    std::fs::write(&p, [0u8; 4096]).expect("probe file");
+    let ok = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&p)
+        .is_ok();
+    let _ = std::fs::remove_file(&p);
+    ok
+}
+
+fn fs_type(dir: &Path) -> i64 {
+    let c = CString::new(dir.as_os_str().as_bytes()).expect("path");
+    // SAFETY: statfs is plain old data; zeroed is a valid value to be overwritten.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid path and output pointer for the duration of the call.
+    let ret = unsafe { libc::statfs(c.as_ptr(), &mut st) };
+    assert_eq!(ret, 0, "statfs {}", dir.display());
+    st.f_type as i64
+}
+
+const EXT4_MAGIC: i64 = 0xEF53;
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+
+/// The file systems to run on: `(label, dir, accepts O_DIRECT)`, plus the mount to keep alive.
+fn file_systems() -> (Vec<(&'static str, tempfile::TempDir, bool)>, Option<Mount>) {
+    let mut out = Vec::new();
+    let local = scratch_in(&local_dir());
+    let local_direct = accepts_o_direct(local.path());
+    if fs_type(local.path()) == EXT4_MAGIC {
+        assert!(local_direct, "ext4 accepts O_DIRECT");
+    }
+    out.push(("local disk", local, local_direct));
+    if Path::new("/dev/shm").is_dir() {
+        let shm = scratch_in(Path::new("/dev/shm"));
+        assert_eq!(fs_type(shm.path()), TMPFS_MAGIC, "/dev/shm is tmpfs");
+        let direct = accepts_o_direct(shm.path());
+        out.push(("tmpfs /dev/shm", shm, direct));
+    } else {
+        println!("skipped: /dev/shm is missing");
+    }
+    let ramfs = match Mount::new("ramfs", "") {
+        Ok(m) => {
+            let dir = scratch_in(m.path());
+            assert!(!accepts_o_direct(dir.path()), "ramfs refuses O_DIRECT");
+            out.push(("ramfs", dir, false));
+            Some(m)
+        }
+        Err(e) => {
+            println!("skipped: ramfs (a file system refusing O_DIRECT): {e}");
+            None
+        }
+    };
+    (out, ramfs)
+}
+
+fn storage(method: ReadMethod, direct_writes: bool, small: bool) -> PosixStorage {
+    PosixStorage::with_config(PosixConfig {
+        method,
+        queue_depth: if small { 3 } else { 16 },
+        block_size: if small { 64 << 10 } else { 1 << 20 },
+        direct_writes,
+        ..PosixConfig::default()
+    })
+}
+
+fn expected_report(method: ReadMethod, direct: DirectIo, fs_direct: bool) -> ReadReport {
+    let method = if method == ReadMethod::IoUring && !io_uring_available() {
+        ReadMethod::Threads
+    } else {
+        method
+    };
+    let want = direct == DirectIo::On;
+    ReadReport {
+        method,
+        direct: want && fs_direct,
+        direct_refused: want && !fs_direct,
+    }
+}
+
+const METHODS: [ReadMethod; 2] = [ReadMethod::Threads, ReadMethod::IoUring];
+const DIRECTS: [DirectIo; 2] = [DirectIo::Off, DirectIo::On];
+
+#[test]
+fn conformance_on_every_path() {
+    let (fss, _ramfs) = file_systems();
+    // Each file system on its own thread: they do not share anything.
+    std::thread::scope(|s| {
+        for (label, dir, fs_direct) in &fss {
+            s.spawn(move || {
+                for method in METHODS {
+                    for direct in DIRECTS {
+                        for threads in [1usize, 2] {
+                            let small = threads == 2;
+                            let st = storage(method, direct == DirectIo::On, small);
+                            let sub = dir.path().join(format!("{method:?}-{direct:?}-{threads}"));
+                            std::fs::create_dir(&sub).unwrap();
+                            let opts = IoOptions {
+                                threads,
+                                direct,
+                                chunk_size: if small { (1 << 20) + 4096 } else { 0 },
+                                ..Default::default()
+                            };
+                            conformance::run_all(&st, &sub, Capabilities::default(), &opts);
+                            // And the path taken is the one forced.
+                            let f = st.open_posix(&sub.join("odd_offsets.bin")).unwrap();
+                            let mut buf = vec![0u8; 100_000];
+                            let report = f
+                                .read_ranges_report(
+                                    vec![ReadRequest {
+                                        offset: 77,
+                                        dst: &mut buf,
+                                    }],
+                                    &opts,
+                                )
+                                .unwrap();
+                            assert_eq!(
+                                report,
+                                expected_report(method, direct, *fs_direct),
+                                "{label}: {method:?} {direct:?} threads {threads}"
+                            );
+                            std::fs::remove_dir_all(&sub).unwrap();
+                        }
+                    }
+                }
+            });
+        }
+    });
+}
+
+/// A buffer in which a slice of `len` bytes can be placed at any address modulo 4096, with
+/// guard bytes around it.
+struct Placed {
+    buf: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+const GUARD: u8 = 0xC3;
+
+impl Placed {
+    fn new(len: usize, addr_mod: usize) -> Placed {
+        let buf = vec![GUARD; len + 3 * 4096];
+        let base = buf.as_ptr() as usize + 4096;
+        let start = 4096 + (addr_mod % 4096 + 4096 - base % 4096) % 4096;
+        Placed { buf, start, len }
+    }
+
+    fn slice(&mut self) -> &mut [u8] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+
+    fn guards_intact(&self) -> bool {
+        self.buf[..self.start].iter().all(|&b| b == GUARD)
+            && self.buf[self.start + self.len..]
+                .iter()
+                .all(|&b| b == GUARD)
+    }
+}
+
+/// Every path reads the same bytes for the same set of odd requests, with destinations both
+/// congruent and not with their file offsets, and never writes outside them.
+#[test]
+fn every_path_matches_one_expected_result() {
+    let (fss, _ramfs) = file_systems();
+    let len = (6 << 20) + 1234;
+    let data = pattern(len, 3);
+    // (offset, length, destination address modulo 4096; None = congruent with the offset)
+    let spans: Vec<(usize, usize, Option<usize>)> = vec![
+        (0, len, None),
+        (1, 4095, None),
+        (5000, 3 << 20, None),
+        (5000, 3 << 20, Some(0)),
+        (4096, 8192, Some(17)),
+        (len - 4096 - 5, 4096 + 5, None),
+        (len - 1, 1, Some(4095)),
+        (123_457, (1 << 20) + 3, Some(2048)),
+        (len - 1234, 1234, None),
+        ((2 << 20) - 1, 2, Some(0)),
+    ];
+    let expected: Vec<&[u8]> = spans.iter().map(|&(o, n, _)| &data[o..o + n]).collect();
+    for (label, dir, fs_direct) in &fss {
+        let path = dir.path().join("expected.bin");
+        PosixStorage::new()
+            .write_file(&path, &BytesSource(&data), &IoOptions::default())
+            .unwrap();
+        for method in METHODS {
+            for direct in DIRECTS {
+                for (threads, chunk) in [(1usize, 0usize), (2, 300_000)] {
+                    let st = storage(method, false, threads == 2);
+                    let f = st.open_posix(&path).unwrap();
+                    let mut bufs: Vec<Placed> = spans
+                        .iter()
+                        .map(|&(o, n, m)| Placed::new(n, m.unwrap_or(o % 4096)))
+                        .collect();
+                    let reqs = spans
+                        .iter()
+                        .zip(bufs.iter_mut())
+                        .map(|(&(o, _, _), b)| ReadRequest {
+                            offset: o as u64,
+                            dst: b.slice(),
+                        })
+                        .collect();
+                    let opts = IoOptions {
+                        threads,
+                        direct,
+                        chunk_size: chunk,
+                        ..Default::default()
+                    };
+                    let report = f.read_ranges_report(reqs, &opts).unwrap();
+                    let what = format!("{label}: {method:?} {direct:?} threads {threads}");
+                    assert_eq!(
+                        report,
+                        expected_report(method, direct, *fs_direct),
+                        "{what}"
+                    );
+                    for (i, b) in bufs.iter_mut().enumerate() {
+                        assert!(
+                            b.guards_intact(),
+                            "{what}: span {i} wrote outside its slice"
+                        );
+                        assert!(b.slice() == expected[i], "{what}: span {i} differs");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Files whose length is not a multiple of 4096, read to the very end with `O_DIRECT` (and
+/// every other path), with destinations congruent or not.
+#[test]
+fn reads_ending_at_eof() {
+    let dir = scratch_in(&local_dir());
+    let fs_direct = accepts_o_direct(dir.path());
+    for len in [
+        1usize,
+        4095,
+        4096,
+        4097,
+        8191,
+        8192,
+        12_288 + 100,
+        (1 << 20) + 1,
+    ] {
+        let data = pattern(len, len as u64);
+        let path = dir.path().join(format!("eof-{len}.bin"));
+        PosixStorage::new()
+            .write_file(&path, &BytesSource(&data), &IoOptions::default())
+            .unwrap();
+        for method in METHODS {
+            for direct in DIRECTS {
+                let st = storage(method, false, true);
+                let f = st.open_posix(&path).unwrap();
+                for start in [0usize, 1, len / 2, len - 1, len.saturating_sub(4096)] {
+                    for addr_mod in [start % 4096, (start + 1) % 4096] {
+                        let mut p = Placed::new(len - start, addr_mod);
+                        let opts = IoOptions {
+                            direct,
+                            threads: 2,
+                            ..Default::default()
+                        };
+                        let report = f
+                            .read_ranges_report(
+                                vec![ReadRequest {
+                                    offset: start as u64,
+                                    dst: p.slice(),
+                                }],
+                                &opts,
+                            )
+                            .unwrap();
+                        let what = format!("len {len} from {start} {method:?} {direct:?}");
+                        assert_eq!(report, expected_report(method, direct, fs_direct), "{what}");
+                        assert!(p.guards_intact(), "{what}: wrote past the destination");
+                        assert!(p.slice() == &data[start..], "{what}: bytes differ");
+                    }
+                }
+                // One byte past the end: refused before anything is read.
+                let mut buf = vec![0u8; 2];
+                let err = f
+                    .read_ranges_report(
+                        vec![ReadRequest {
+                            offset: len as u64 - 1,
+                            dst: &mut buf,
+                        }],
+                        &IoOptions {
+                            direct,
+                            ..Default::default()
+                        },
+                    )
+                    .unwrap_err();
+                assert!(matches!(err, StorageError::ShortFile { .. }), "{err:?}");
+                assert_eq!(buf, [0, 0], "nothing is read");
+            }
+        }
+    }
+}
+
+/// A file truncated after it was opened: every path reports `ShortFile`, never zeros or a hang.
+#[test]
+fn file_truncated_under_the_reader() {
+    let dir = scratch_in(&local_dir());
+    let len = (3 << 20) + 77;
+    let data = pattern(len, 8);
+    for method in METHODS {
+        for direct in DIRECTS {
+            let path = dir.path().join(format!("trunc-{method:?}-{direct:?}.bin"));
+            std::fs::write(&path, &data).unwrap();
+            let st = storage(method, false, true);
+            let f = st.open_posix(&path).unwrap();
+            OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .unwrap()
+                .set_len(1 << 20)
+                .unwrap();
+            let mut buf = vec![0u8; len];
+            let err = f
+                .read_ranges_report(
+                    vec![ReadRequest {
+                        offset: 0,
+                        dst: &mut buf,
+                    }],
+                    &IoOptions {
+                        direct,
+                        threads: 2,
+                        chunk_size: 1 << 20,
+                        ..Default::default()
+                    },
+                )
+                .unwrap_err();
+            match err {
+                StorageError::ShortFile { file_len, .. } => assert_eq!(file_len, 1 << 20),
+                e => panic!("{method:?} {direct:?}: {e:?}"),
+            }
+        }
+    }
+}
+
+/// A save onto a full disk fails cleanly: the old file is intact and no temporary file is left.
+#[test]
+fn disk_full_save_fails_cleanly() {
+    let mount = match Mount::new("tmpfs", "size=1m") {
+        Ok(m) => m,
+        Err(e) => {
+            println!("skipped: disk-full test needs a small tmpfs: {e}");
+            return;
+        }
+    };
+    let st = PosixStorage::new();
+    let path = mount.path().join("model.safetensors");
+    let old = pattern(100_000, 1);
+    st.write_file(&path, &BytesSource(&old), &IoOptions::default())
+        .unwrap();
+    let before: Vec<_> = std::fs::read_dir(mount.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    for direct_writes in [false, true] {
+        let st = PosixStorage::with_config(PosixConfig {
+            direct_writes,
+            ..PosixConfig::default()
+        });
+        let big = pattern(4 << 20, 2);
+        let err = st
+            .write_file(&path, &BytesSource(&big), &IoOptions::default())
+            .unwrap_err();
+        match &err {
+            StorageError::Io { source, .. } => {
+                assert_eq!(source.raw_os_error(), Some(libc::ENOSPC), "{err}")
+            }
+            e => panic!("a full disk gave {e:?}"),
+        }
+        assert!(err.to_string().contains("model.safetensors"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), old, "old file changed");
+        let after: Vec<_> = std::fs::read_dir(mount.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(after, before, "a temporary file was left behind");
+    }
+}
+
+/// After a save the file is cached and `Auto` copies from the cache with threads; once its pages
+/// are dropped, `Auto` reads it with io_uring and `O_DIRECT`.
+#[test]
+fn auto_follows_the_page_cache() {
+    let dir = scratch_in(&local_dir());
+    let path = dir.path().join("auto.bin");
+    let data = pattern(16 << 20, 4);
+    // Buffered writes leave the file in the page cache.
+    let st = PosixStorage::with_config(PosixConfig {
+        direct_writes: false,
+        ..PosixConfig::default()
+    });
+    st.write_file(&path, &BytesSource(&data), &IoOptions::default())
+        .unwrap();
+    let f = st.open_posix(&path).unwrap();
+    let threshold = st.config().cached_threshold;
+    let read = |f: &turboio_io_posix::PosixFile| {
+        let mut buf = vec![0u8; data.len()];
+        let r = f
+            .read_ranges_report(
+                vec![ReadRequest {
+                    offset: 0,
+                    dst: &mut buf,
+                }],
+                &IoOptions::default(),
+            )
+            .unwrap();
+        assert!(buf == data);
+        r
+    };
+    let hot = turboio_storage::StorageFile::cached_fraction(&f).expect("mincore works here");
+    if hot >= threshold {
+        let r = read(&f);
+        assert_eq!(r.method, ReadMethod::Threads, "hot file: {hot}");
+        assert!(!r.direct);
+    } else {
+        println!("skipped: the freshly written file is only {hot} cached");
+    }
+    // The save fsynced the file, so its pages are clean and can be dropped.
+    f.evict_cache().unwrap();
+    let cold = turboio_storage::StorageFile::cached_fraction(&f).unwrap();
+    if cold < threshold {
+        let r = read(&f);
+        let method = if io_uring_available() {
+            ReadMethod::IoUring
+        } else {
+            ReadMethod::Threads
+        };
+        assert_eq!(
+            r,
+            ReadReport {
+                method,
+                direct: true,
+                direct_refused: false
+            },
+            "cold file: {cold}, now {:?}",
+            turboio_storage::StorageFile::cached_fraction(&f)
+        );
+        // The O_DIRECT read did not bring it back into the cache.
+        let still = turboio_storage::StorageFile::cached_fraction(&f).unwrap();
+        assert!(still < threshold, "{still}");
+    } else {
+        println!("skipped: fadvise(DONTNEED) left the file {cold} cached");
+    }
+}
+
+/// Cancelling mid-read returns `Cancelled` on every path, after in-flight I/O is done.
+#[test]
+fn cancel_mid_read() {
+    let dir = scratch_in(&local_dir());
+    let path = dir.path().join("cancel.bin");
+    let data = pattern(8 << 20, 6);
+    std::fs::write(&path, &data).unwrap();
+    for method in METHODS {
+        for direct in DIRECTS {
+            for threads in [1usize, 2] {
+                let st = storage(method, false, true);
+                let f = st.open_posix(&path).unwrap();
+                let cancel = AtomicBool::new(false);
+                let progress = AtomicU64::new(0);
+                let hook = |_: u64, _: &mut [u8]| {
+                    cancel.store(true, Ordering::Relaxed);
+                    Ok(())
+                };
+                let mut buf = vec![0u8; data.len()];
+                let err = f
+                    .read_ranges_report(
+                        vec![ReadRequest {
+                            offset: 3,
+                            dst: &mut buf[3..],
+                        }],
+                        &IoOptions {
+                            threads,
+                            direct,
+                            chunk_size: 256 << 10,
+                            hook: Some(&hook),
+                            cancel: Some(&cancel),
+                            progress: Some(&progress),
+                        },
+                    )
+                    .unwrap_err();
+                assert!(
+                    matches!(err, StorageError::Cancelled),
+                    "{method:?} {direct:?} {threads}: {err:?}"
+                );
+                let done = progress.load(Ordering::Relaxed);
+                assert!(done > 0 && done < data.len() as u64 - 3, "progress {done}");
+            }
+        }
+    }
+}
+
+/// A failing hook stops the read with its error on every path.
+#[test]
+fn hook_error_wins() {
+    let dir = scratch_in(&local_dir());
+    let path = dir.path().join("hook-error.bin");
+    std::fs::write(&path, pattern(4 << 20, 9)).unwrap();
+    for method in METHODS {
+        for direct in DIRECTS {
+            let st = storage(method, false, true);
+            let f = st.open_posix(&path).unwrap();
+            let hook = |off: u64, _: &mut [u8]| {
+                if off >= 1 << 20 {
+                    Err(StorageError::Unsupported {
+                        backend: "test",
+                        what: "hook refused".into(),
+                    })
+                } else {
+                    Ok(())
+                }
+            };
+            let mut buf = vec![0u8; 4 << 20];
+            let err = f
+                .read_ranges_report(
+                    vec![ReadRequest {
+                        offset: 0,
+                        dst: &mut buf,
+                    }],
+                    &IoOptions {
+                        threads: 2,
+                        direct,
+                        chunk_size: 512 << 10,
+                        hook: Some(&hook),
+                        ..Default::default()
+                    },
+                )
+                .unwrap_err();
+            assert!(
+                err.to_string().contains("hook refused"),
+                "{method:?} {direct:?}: {err}"
+            );
+        }
+    }
+}
+
+/// Saves: progress is counted, cancellation leaves nothing behind, a directory target and a
+/// missing directory fail, `O_DIRECT` writes produce the same file.
+#[test]
+fn save_details() {
+    let dir = scratch_in(&local_dir());
+    let path = dir.path().join("save.bin");
+    for len in [0usize, 1, 4096, 5000, (9 << 20) + 3] {
+        let data = pattern(len, 12);
+        for direct_writes in [false, true] {
+            for fsync in [false, true] {
+                let st = PosixStorage::with_config(PosixConfig {
+                    direct_writes,
+                    fsync,
+                    ..PosixConfig::default()
+                });
+                let progress = AtomicU64::new(0);
+                st.write_file(
+                    &path,
+                    &BytesSource(&data),
+                    &IoOptions {
+                        threads: 2,
+                        chunk_size: 1 << 20,
+                        progress: Some(&progress),
+                        ..Default::default()
+                    },
+                )
+                .unwrap();
+                assert_eq!(progress.load(Ordering::Relaxed), len as u64);
+                assert!(std::fs::read(&path).unwrap() == data, "len {len}");
+            }
+        }
+    }
+    let listing = || {
+        let mut v: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        v.sort();
+        v
+    };
+    let before = listing();
+    let cancel = AtomicBool::new(true);
+    let err = PosixStorage::new()
+        .write_file(
+            &path,
+            &BytesSource(&[1, 2, 3]),
+            &IoOptions {
+                cancel: Some(&cancel),
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, StorageError::Cancelled), "{err:?}");
+    assert_eq!(listing(), before);
+
+    // Cancelled while writing: the source raises the flag on its first chunk.
+    struct CancellingSource<'a>(&'a AtomicBool);
+    impl turboio_storage::WriteSource for CancellingSource<'_> {
+        fn len(&self) -> u64 {
+            8 << 20
+        }
+        fn fill(&self, _: u64, dst: &mut [u8]) -> Result<(), String> {
+            self.0.store(true, Ordering::Relaxed);
+            dst.fill(1);
+            Ok(())
+        }
+    }
+    let cancel = AtomicBool::new(false);
+    let err = PosixStorage::new()
+        .write_file(
+            &path,
+            &CancellingSource(&cancel),
+            &IoOptions {
+                cancel: Some(&cancel),
+                threads: 1,
+                chunk_size: 1 << 20,
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, StorageError::Cancelled), "{err:?}");
+    assert_eq!(listing(), before);
+
+    let sub = dir.path().join("a-directory");
+    std::fs::create_dir(&sub).unwrap();
+    let err = PosixStorage::new()
+        .write_file(&sub, &BytesSource(b"x"), &IoOptions::default())
+        .unwrap_err();
+    assert!(err.to_string().contains("a-directory"), "{err}");
+    assert!(sub.is_dir());
+
+    let err = PosixStorage::new()
+        .write_file(
+            &dir.path().join("nope/x.bin"),
+            &BytesSource(b"x"),
+            &IoOptions::default(),
+        )
+        .unwrap_err();
+    assert!(err.is_not_found(), "{err:?}");
+    assert!(err.to_string().contains("nope/x.bin"), "{err}");
+
+    // Opening a directory as a file names it.
+    let err = PosixStorage::new().open_posix(&sub).unwrap_err();
+    assert!(err.to_string().contains("a-directory"), "{err}");
+}
+
+/// The temporary file is created with mode 0644 less the umask.
+#[test]
+fn saved_file_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = scratch_in(&local_dir());
+    let path = dir.path().join("mode.bin");
+    PosixStorage::new()
+        .write_file(&path, &BytesSource(b"abc"), &IoOptions::default())
+        .unwrap();
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let mask = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Umask:"))
+        .map(|m| u32::from_str_radix(m.trim(), 8).unwrap())
+        .unwrap();
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o644 & !mask);
+}
+
+/// The residency probe is cheap and within bounds.
+#[test]
+fn cached_fraction_bounds() {
+    let dir = scratch_in(&local_dir());
+    for len in [0usize, 1, 4096 * 3 + 1, 9 << 20] {
+        let path = dir.path().join(format!("frac-{len}.bin"));
+        std::fs::write(&path, pattern(len, 1)).unwrap();
+        let f = PosixStorage::new().open_posix(&path).unwrap();
+        let frac = turboio_storage::StorageFile::cached_fraction(&f).unwrap();
+        assert!((0.0..=1.0).contains(&frac), "{frac}");
+    }
+}

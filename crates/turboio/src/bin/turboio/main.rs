@@ -1,0 +1,364 @@
+//! The `turboio` command-line tool.
+
+mod progress;
+mod size;
+
+use clap::{Parser, Subcommand};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+use turboio::{parse_direct, DirectIo, LoadMode, LoadOptions, LoadedFile, SaveOptions};
+
+/// Load and save safetensors checkpoints as fast as the storage and memory allow.
+#[derive(Parser, Debug)]
+#[command(name = "turboio", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Show a file's tensors (name, dtype, shape, size) and metadata; only the header is read.
+    Inspect {
+        /// A safetensors file.
+        file: PathBuf,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Load every tensor into memory exactly as the library does and report the speed.
+    Load {
+        /// A safetensors file.
+        file: PathBuf,
+        /// Reader threads (0 = one per core).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        /// Page-cache bypass: auto (O_DIRECT when the file is not cached), on, off.
+        #[arg(long, default_value = "auto", value_parser = parse_direct)]
+        direct: DirectIo,
+        /// How to hold the bytes: auto, mapped (zero copy from the page cache), copied (huge-page arena).
+        #[arg(long, default_value = "auto")]
+        mode: LoadMode,
+        /// Load this many times (each load is dropped before the next).
+        #[arg(long, default_value_t = 1)]
+        repeat: usize,
+        /// Reuse one arena across repeats (veTurboIO's init_io_helper).
+        #[arg(long)]
+        reuse_arena: bool,
+        /// Compare every tensor's bytes with a plain read of the file.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Write a realistic sample checkpoint (mixed dtypes, random data).
+    Gen {
+        /// Output file.
+        out: PathBuf,
+        /// Approximate size, e.g. 4GiB, 512MiB, 100MB, 123456.
+        #[arg(long, default_value = "1GiB", value_parser = size::parse_size)]
+        size: u64,
+        /// Seed of the random data.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Generate a sample checkpoint and print a load table (mapped, copied, auto vs std::fs::read).
+    Demo {
+        /// Size of the sample.
+        #[arg(long, default_value = "1GiB", value_parser = size::parse_size)]
+        size: u64,
+        /// Where to put the sample (default: target/turboio-demo under the current directory).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Runs per loader (the median is shown).
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Inspect { file, json } => inspect(&file, json),
+        Command::Load {
+            file,
+            threads,
+            direct,
+            mode,
+            repeat,
+            reuse_arena,
+            check,
+        } => load(&file, threads, direct, mode, repeat, reuse_arena, check),
+        Command::Gen { out, size, seed } => gen(&out, size, seed),
+        Command::Demo { size, dir, runs } => demo(size, dir, runs),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("turboio: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+type CliResult = Result<(), Box<dyn std::error::Error>>;
+
+fn gb(bytes: u64) -> String {
+    format!("{:.2} GB", bytes as f64 / 1e9)
+}
+
+fn inspect(file: &Path, json: bool) -> CliResult {
+    let header = turboio::read_header_of(file, &LoadOptions::default())?;
+    if json {
+        let tensors: Vec<serde_json::Value> = header
+            .tensors()
+            .iter()
+            .map(|t| {
+                serde_json::json!({
+                    "name": t.name,
+                    "dtype": t.dtype.name(),
+                    "shape": t.shape,
+                    "data_offsets": [t.data_offsets.0, t.data_offsets.1],
+                    "bytes": t.len(),
+                })
+            })
+            .collect();
+        let aliases: serde_json::Map<String, serde_json::Value> = header
+            .aliases()
+            .into_iter()
+            .map(|(a, t)| (a.to_owned(), t.into()))
+            .collect();
+        let doc = serde_json::json!({
+            "path": file.display().to_string(),
+            "file_len": header.file_len(),
+            "header_len": header.header_len(),
+            "data_len": header.data_len(),
+            "metadata": header.metadata(),
+            "aliases": aliases,
+            "tensors": tensors,
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(());
+    }
+    println!("{}", file.display());
+    println!(
+        "  {} tensors, {} of data, header {} bytes, file {} bytes",
+        header.len(),
+        gb(header.data_len()),
+        header.header_len(),
+        header.file_len()
+    );
+    let mut by_dtype: std::collections::BTreeMap<&str, (usize, u64)> = Default::default();
+    for t in header.tensors() {
+        let e = by_dtype.entry(t.dtype.name()).or_default();
+        e.0 += 1;
+        e.1 += t.len() as u64;
+    }
+    for (d, (n, b)) in &by_dtype {
+        println!("  {d:>12}: {n:>6} tensors, {b:>14} bytes");
+    }
+    if let Some(meta) = header.metadata() {
+        println!("  metadata:");
+        for (k, v) in meta {
+            println!("    {k}: {v}");
+        }
+    }
+    let width = header
+        .tensors()
+        .iter()
+        .map(|t| t.name.len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    println!(
+        "  {:<width$}  {:>11}  {:<24}  {:>14}",
+        "name", "dtype", "shape", "bytes"
+    );
+    for t in header.tensors() {
+        let shape = format!("{:?}", t.shape);
+        println!(
+            "  {:<width$}  {:>11}  {:<24}  {:>14}",
+            t.name,
+            t.dtype.name(),
+            shape,
+            t.len()
+        );
+    }
+    Ok(())
+}
+
+fn load(
+    file: &Path,
+    threads: usize,
+    direct: DirectIo,
+    mode: LoadMode,
+    repeat: usize,
+    reuse_arena: bool,
+    check: bool,
+) -> CliResult {
+    let mut opts = LoadOptions {
+        threads,
+        direct,
+        mode,
+        ..Default::default()
+    };
+    if reuse_arena {
+        opts.arenas = Some(turboio::device::ArenaPool::new(1));
+    }
+    let file_len = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
+    let mut times = Vec::new();
+    for run in 1..=repeat.max(1) {
+        let bar = progress::Bar::start(file_len, &format!("loading {}", file.display()));
+        opts.progress = bar.counter();
+        let loaded = turboio::load(file, &opts);
+        bar.finish();
+        let loaded = loaded?;
+        let r = loaded.report();
+        times.push(r.elapsed.as_secs_f64());
+        let cached = r
+            .cached_fraction
+            .map(|f| format!(", {:.0}% cached before", f * 100.0))
+            .unwrap_or_default();
+        let direct = if r.read.direct {
+            " O_DIRECT"
+        } else if r.read.direct_refused {
+            " (O_DIRECT refused)"
+        } else {
+            ""
+        };
+        println!(
+            "run {run}: {} tensors, {} in {:.3} s = {:.2} GB/s ({}, {}{}{}{})",
+            loaded.len(),
+            gb(file_len),
+            r.elapsed.as_secs_f64(),
+            r.gb_per_s(file_len),
+            r.held,
+            r.read.method,
+            direct,
+            if r.arena_reused { ", arena reused" } else { "" },
+            cached,
+        );
+        if check {
+            check_against_plain_read(&loaded)?;
+        }
+    }
+    if times.len() > 1 {
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        println!(
+            "median: {median:.3} s = {:.2} GB/s",
+            file_len as f64 / median / 1e9
+        );
+    }
+    Ok(())
+}
+
+fn check_against_plain_read(loaded: &LoadedFile) -> CliResult {
+    let plain = std::fs::read(loaded.path())
+        .map_err(|e| format!("{}: plain read failed: {e}", loaded.path().display()))?;
+    let start = loaded.header().data_start() as usize;
+    for t in loaded.tensors() {
+        let (b, e) = t.info().data_offsets;
+        let expect = &plain[start + b..start + e];
+        let got = loaded.to_host(t.name())?;
+        if got != expect {
+            return Err(format!(
+                "{}: tensor `{}` differs from a plain read",
+                loaded.path().display(),
+                t.name()
+            )
+            .into());
+        }
+    }
+    println!(
+        "check: all {} tensors match a plain read of the file",
+        loaded.len()
+    );
+    Ok(())
+}
+
+fn gen(out: &Path, size: u64, seed: u64) -> CliResult {
+    let bar = progress::Bar::start(size, &format!("writing {}", out.display()));
+    let opts = SaveOptions {
+        progress: bar.counter(),
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let result = turboio::sample::write_sample(out, size, seed, &opts);
+    bar.finish();
+    let tensors = result?;
+    let len = std::fs::metadata(out)?.len();
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "wrote {}: {} tensors, {} in {:.2} s ({:.2} GB/s)",
+        out.display(),
+        tensors.len(),
+        gb(len),
+        secs,
+        len as f64 / secs / 1e9
+    );
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn demo(size: u64, dir: Option<PathBuf>, runs: usize) -> CliResult {
+    let dir = dir.unwrap_or_else(|| PathBuf::from("target/turboio-demo"));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let path = dir.join(format!("sample-{}.safetensors", size::format_size(size)));
+    if std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0) < size {
+        gen(&path, size, 0)?;
+    }
+    let len = std::fs::metadata(&path)?.len();
+    let header = turboio::read_header_of(&path, &LoadOptions::default())?;
+    println!(
+        "\nsample: {} ({} tensors, {}), page cache warm, median of {runs} runs\n",
+        path.display(),
+        header.len(),
+        gb(len)
+    );
+    let runs = runs.max(1);
+    let loaders: Vec<(&str, LoadMode)> = vec![
+        ("turboio auto", LoadMode::Auto),
+        ("turboio mapped", LoadMode::Mapped),
+        ("turboio copied", LoadMode::Copied),
+    ];
+    let mut results: Vec<(String, Vec<f64>, String)> = loaders
+        .iter()
+        .map(|(n, _)| (n.to_string(), vec![], String::new()))
+        .collect();
+    results.push(("std::fs::read".into(), vec![], "one read into a Vec".into()));
+    // Warm the cache once, then alternate loaders run by run.
+    drop(std::fs::read(&path)?);
+    for _ in 0..runs {
+        for (i, (_, mode)) in loaders.iter().enumerate() {
+            let opts = LoadOptions {
+                mode: *mode,
+                ..Default::default()
+            };
+            let loaded = turboio::load(&path, &opts)?;
+            let r = loaded.report();
+            results[i].1.push(r.elapsed.as_secs_f64());
+            results[i].2 = format!("{} via {}", r.held, r.read.method);
+        }
+        let t = Instant::now();
+        let v = std::fs::read(&path)?;
+        results[loaders.len()].1.push(t.elapsed().as_secs_f64());
+        drop(v);
+    }
+    let base = median(results[loaders.len()].1.clone());
+    println!("| loader | seconds | GB/s | vs std::fs::read | how |");
+    println!("|---|---:|---:|---:|---|");
+    for (name, times, how) in &results {
+        let m = median(times.clone());
+        println!(
+            "| {name} | {m:.3} | {:.2} | {:.1}x | {how} |",
+            len as f64 / m / 1e9,
+            base / m
+        );
+    }
+    println!("\nMore: `turboio load FILE --check`, `turboio inspect FILE`, `cargo xtask bench` (hot and cold, all baselines).");
+    Ok(())
+}

@@ -1,0 +1,78 @@
+use std::path::PathBuf;
+use turboio_device::DeviceError;
+use turboio_format::FormatError;
+use turboio_storage::StorageError;
+
+/// Everything a load or save can fail with. Every message names the file.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The file is not a valid safetensors file (or the tensors given to a save are inconsistent).
+    #[error("{}: invalid safetensors file: {source}", path.display())]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        #[source]
+        source: FormatError,
+    },
+    /// Reading or writing failed (not found, permission, short file, I/O error, ...).
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+    /// The device failed (allocation, copy, mapping).
+    #[error("{}: {source}", path.display())]
+    Device {
+        /// The file being loaded or saved.
+        path: PathBuf,
+        /// What failed.
+        #[source]
+        source: DeviceError,
+    },
+    /// An option that cannot be honoured for this file or build.
+    #[error("{}: {message}", path.display())]
+    Unsupported {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        message: String,
+    },
+    /// The operation was cancelled.
+    #[error("{}: cancelled", path.display())]
+    Cancelled {
+        /// The file.
+        path: PathBuf,
+    },
+}
+
+impl Error {
+    pub(crate) fn format(path: &std::path::Path, source: FormatError) -> Self {
+        Error::Format {
+            path: path.to_owned(),
+            source,
+        }
+    }
+
+    pub(crate) fn device(path: &std::path::Path, source: DeviceError) -> Self {
+        Error::Device {
+            path: path.to_owned(),
+            source,
+        }
+    }
+
+    pub(crate) fn storage(path: &std::path::Path, source: StorageError) -> Self {
+        match source {
+            StorageError::Cancelled => Error::Cancelled {
+                path: path.to_owned(),
+            },
+            other => Error::Storage(other),
+        }
+    }
+
+    /// True if the file does not exist.
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Error::Storage(e) if e.is_not_found())
+    }
+}
+
+/// Result of turboio operations.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,319 @@
+//! The load pipeline.
+
+use crate::backend::{Opened, ReadInfo};
+use crate::loaded::{Held, LoadReport, LoadedFile};
+use crate::options::{DirectIo, LoadMode, LoadOptions};
+use crate::{Error, Result};
+use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+use turboio_device::{Allocation, CpuDevice, Device, DeviceKind, FileMapping, Transfer};
+use turboio_format::{read_header_len, Header, N_LEN};
+use turboio_storage::{IoOptions, ReadRequest, StorageFile};
+
+/// Files at least this much in the page cache are mapped rather than copied (auto mode).
+pub const MAPPED_THRESHOLD: f64 = 0.5;
+
+/// O_DIRECT alignment; copied loads start at the data section rounded down to it.
+const ALIGN: u64 = 4096;
+
+/// The first read of a file: enough for the headers of nearly all checkpoints.
+const FIRST_READ: u64 = 1 << 20;
+
+/// Reads and validates the header of an open file (only the first `8 + N` bytes are read).
+pub(crate) fn read_header(file: &dyn StorageFile) -> Result<Header> {
+    let path = file.path();
+    let len = file.len();
+    let mut prefix = vec![0u8; len.min(FIRST_READ) as usize];
+    file.read_exact_at(0, &mut prefix)
+        .map_err(|e| Error::storage(path, e))?;
+    let n = read_header_len(&prefix, len).map_err(|e| Error::format(path, e))?;
+    let end = N_LEN + n as usize;
+    if prefix.len() < end {
+        let have = prefix.len();
+        prefix.resize(end, 0);
+        file.read_exact_at(have as u64, &mut prefix[have..])
+            .map_err(|e| Error::storage(path, e))?;
+    }
+    Header::parse(&prefix, len).map_err(|e| Error::format(path, e))
+}
+
+/// Reads only the header of a safetensors file.
+pub fn read_header_of(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Header> {
+    let opened = Opened::open(opts.storage.as_ref(), path.as_ref())?;
+    read_header(opened.file())
+}
+
+/// Loads every tensor of a safetensors file.
+///
+/// The header is read and validated first (a few KiB); then the data section is brought into
+/// memory in one pass: mapped from the page cache, copied into a huge-page arena (with
+/// `O_DIRECT` for cold files), or staged into device memory, as [`LoadOptions`] and the file's
+/// page-cache residency decide. Nothing partial is ever returned: on any error the memory is
+/// released and the error names the file.
+pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
+    let path = path.as_ref();
+    let start = Instant::now();
+    let opened = Opened::open(opts.storage.as_ref(), path)?;
+    let file = opened.file();
+    let header = read_header(file)?;
+    let file_len = file.len();
+    let data_start = header.data_start();
+    let threads = if opts.threads == 0 {
+        turboio_storage::default_threads()
+    } else {
+        opts.threads
+    };
+
+    let cpu_device;
+    let device: &dyn Device = match &opts.device {
+        Some(d) => d.as_ref(),
+        None => {
+            cpu_device = match &opts.arenas {
+                Some(pool) => CpuDevice::new().with_pool(pool.clone()),
+                None => CpuDevice::new(),
+            };
+            &cpu_device
+        }
+    };
+    let on_cpu = device.id().kind == DeviceKind::Cpu;
+    let local = file.local_file();
+    let cached_fraction = if on_cpu { file.cached_fraction() } else { None };
+
+    let mapped = on_cpu
+        && match opts.mode {
+            LoadMode::Mapped => {
+                if local.is_none() {
+                    return Err(Error::Unsupported {
+                        path: path.to_owned(),
+                        message: "mapped mode needs a local file; use copied mode with this storage backend".into(),
+                    });
+                }
+                true
+            }
+            LoadMode::Copied => false,
+            LoadMode::Auto => {
+                opts.direct != DirectIo::On
+                    && local.is_some()
+                    && cached_fraction.is_some_and(|f| f >= MAPPED_THRESHOLD)
+            }
+        };
+
+    let cancel = opts.cancel.as_deref();
+    let check_cancel = || {
+        if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+            Err(Error::Cancelled {
+                path: path.to_owned(),
+            })
+        } else {
+            Ok(())
+        }
+    };
+
+    if mapped {
+        let f = local.ok_or_else(|| Error::Unsupported {
+            path: path.to_owned(),
+            message: "no local file to map".into(),
+        })?;
+        check_cancel()?;
+        let mapping = FileMapping::new(f, file_len as usize).map_err(|e| Error::device(path, e))?;
+        mapping
+            .populate(threads)
+            .map_err(|e| Error::device(path, e))?;
+        if let Some(p) = &opts.progress {
+            p.fetch_add(file_len, Ordering::Relaxed);
+        }
+        check_cancel()?;
+        return Ok(LoadedFile {
+            path: path.to_owned(),
+            header,
+            memory: Box::new(mapping),
+            data_base: data_start as usize,
+            device: None,
+            report: LoadReport {
+                held: Held::Mapped,
+                read: ReadInfo {
+                    method: "mmap",
+                    direct: false,
+                    direct_refused: false,
+                },
+                cached_fraction,
+                bytes: file_len,
+                arena_reused: false,
+                elapsed: start.elapsed(),
+            },
+        });
+    }
+
+    // Copied and staged loads bring in [aligned_start, file_len): the data section, widened at
+    // the front to the O_DIRECT alignment so that memory and file offsets are congruent.
+    let aligned_start = data_start - data_start % ALIGN;
+    let span = usize::try_from(file_len - aligned_start).map_err(|_| Error::Unsupported {
+        path: path.to_owned(),
+        message: "file too large for this address space".into(),
+    })?;
+    let data_base = (data_start - aligned_start) as usize;
+    let io = IoOptions {
+        threads,
+        direct: opts.direct,
+        chunk_size: 0,
+        hook: None,
+        progress: opts.progress.as_deref(),
+        cancel,
+    };
+
+    let pool_before = opts.arenas.as_ref().map(|p| p.free_arenas()).unwrap_or(0);
+    let mut memory = device.alloc(span).map_err(|e| Error::device(path, e))?;
+    let arena_reused = on_cpu
+        && opts.device.is_none()
+        && opts
+            .arenas
+            .as_ref()
+            .is_some_and(|p| p.free_arenas() < pool_before);
+
+    let (held, read) = match memory.host_mut() {
+        Some(dst) => {
+            let info = opened.read(
+                vec![ReadRequest {
+                    offset: aligned_start,
+                    dst,
+                }],
+                &io,
+            )?;
+            (Held::Copied, info)
+        }
+        None => {
+            let info = load_staged(
+                &opened,
+                device,
+                memory.as_ref(),
+                aligned_start,
+                span,
+                opts.staging_chunk,
+                &io,
+            )?;
+            (Held::Staged, info)
+        }
+    };
+    check_cancel()?;
+    Ok(LoadedFile {
+        path: path.to_owned(),
+        header,
+        memory,
+        data_base,
+        device: opts.device.clone(),
+        report: LoadReport {
+            held,
+            read,
+            cached_fraction,
+            bytes: span as u64,
+            arena_reused,
+            elapsed: start.elapsed(),
+        },
+    })
+}
+
+/// Fills device memory the CPU cannot address: each worker reads chunks into its own host
+/// staging buffers and hands them to the device; with two buffers per worker, reading the next
+/// chunk overlaps the device's copy of the previous one.
+fn load_staged(
+    opened: &Opened,
+    device: &dyn Device,
+    memory: &dyn Allocation,
+    file_start: u64,
+    span: usize,
+    chunk: usize,
+    io: &IoOptions<'_>,
+) -> Result<ReadInfo> {
+    let path = opened.file().path();
+    let chunk = if chunk == 0 {
+        16 << 20
+    } else {
+        chunk.next_multiple_of(ALIGN as usize)
+    };
+    let chunks: Vec<(usize, usize)> = (0..span)
+        .step_by(chunk)
+        .map(|off| (off, chunk.min(span - off)))
+        .collect();
+    let workers = io.worker_count(span as u64, chunk).min(chunks.len().max(1));
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let first_error: Mutex<Option<Error>> = Mutex::new(None);
+    let info: Mutex<ReadInfo> = Mutex::new(ReadInfo::default());
+    let per_read = IoOptions { threads: 1, ..*io };
+
+    let worker = || {
+        let mut inflight: VecDeque<Transfer> = VecDeque::new();
+        let result = (|| -> Result<()> {
+            let mut free = Vec::with_capacity(2);
+            for _ in 0..2 {
+                free.push(
+                    device
+                        .alloc_staging(chunk)
+                        .map_err(|e| Error::device(path, e))?,
+                );
+            }
+            loop {
+                if failed.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&(off, len)) = chunks.get(i) else {
+                    return Ok(());
+                };
+                let mut buf = match free.pop() {
+                    Some(b) => b,
+                    None => match inflight.pop_front() {
+                        Some(t) => t.wait().map_err(|e| Error::device(path, e))?,
+                        None => device
+                            .alloc_staging(chunk)
+                            .map_err(|e| Error::device(path, e))?,
+                    },
+                };
+                let dst = &mut buf.as_mut_slice()[..len];
+                let r = opened.read(
+                    vec![ReadRequest {
+                        offset: file_start + off as u64,
+                        dst,
+                    }],
+                    &per_read,
+                )?;
+                *info.lock().unwrap_or_else(|p| p.into_inner()) = r;
+                inflight.push_back(
+                    device
+                        .upload(buf, len, memory, off)
+                        .map_err(|e| Error::device(path, e))?,
+                );
+            }
+        })();
+        // Every transfer still running is waited for, success or not: the device may be
+        // writing from those buffers.
+        let mut drained = Ok(());
+        for t in inflight {
+            if let Err(e) = t.wait() {
+                drained = drained.and(Err(Error::device(path, e)));
+            }
+        }
+        if let Err(e) = result.and(drained) {
+            failed.store(true, Ordering::Relaxed);
+            let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
+            if slot.is_none() {
+                *slot = Some(e);
+            }
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 1..workers {
+            s.spawn(worker);
+        }
+        worker();
+    });
+    if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    device.synchronize().map_err(|e| Error::device(path, e))?;
+    let info = *info.lock().unwrap_or_else(|p| p.into_inner());
+    Ok(info)
+}

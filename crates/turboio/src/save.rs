@@ -1,0 +1,155 @@
+//! The save pipeline.
+
+use crate::backend::write_storage;
+use crate::options::SaveOptions;
+use crate::{Error, Result};
+use std::collections::BTreeMap;
+use std::path::Path;
+use turboio_format::{plan, Dtype, Layout, TensorSpec};
+use turboio_storage::{IoOptions, WriteSource};
+
+/// A tensor to save from host memory.
+#[derive(Debug, Clone, Copy)]
+pub struct SaveTensor<'a> {
+    /// Name.
+    pub name: &'a str,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: &'a [usize],
+    /// The bytes (row-major, little-endian); must be exactly dtype x shape long.
+    pub data: &'a [u8],
+}
+
+/// Where a save gets tensor bytes from: host memory, device memory, a generator...
+pub trait TensorData: Sync {
+    /// Fills `dst` with bytes `offset..offset + dst.len()` of tensor `index` (its position in
+    /// the spec slice given to [`save_with`]). An error aborts the save; the previous file is
+    /// left as it was.
+    fn fill(&self, index: usize, offset: usize, dst: &mut [u8]) -> std::result::Result<(), String>;
+}
+
+/// Host slices, one per tensor.
+struct HostData<'a>(Vec<&'a [u8]>);
+
+impl TensorData for HostData<'_> {
+    fn fill(&self, index: usize, offset: usize, dst: &mut [u8]) -> std::result::Result<(), String> {
+        let src = self
+            .0
+            .get(index)
+            .and_then(|d| d.get(offset..offset + dst.len()))
+            .ok_or_else(|| format!("tensor #{index}: bytes {offset}+{} are missing", dst.len()))?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+/// Saves tensors from host memory as a safetensors file, atomically.
+///
+/// The file is byte-identical to what the reference writer produces for the same tensors
+/// (metadata keys sorted). It is written to a temporary file in the same directory, synced,
+/// and renamed over `path`: a crash or an error leaves the previous file intact.
+pub fn save(
+    path: impl AsRef<Path>,
+    tensors: &[SaveTensor<'_>],
+    metadata: Option<&BTreeMap<String, String>>,
+    opts: &SaveOptions,
+) -> Result<()> {
+    let path = path.as_ref();
+    let specs: Vec<TensorSpec<'_>> = tensors
+        .iter()
+        .map(|t| TensorSpec {
+            name: t.name,
+            dtype: t.dtype,
+            shape: t.shape,
+            data_len: t.data.len(),
+        })
+        .collect();
+    let data = HostData(tensors.iter().map(|t| t.data).collect());
+    save_with(path, &specs, metadata, &data, opts)
+}
+
+/// Saves tensors whose bytes come from any [`TensorData`] (device memory, generated data).
+/// `specs[i].data_len` must match dtype x shape; the bytes are pulled chunk by chunk as the
+/// writers need them, so nothing is buffered whole.
+pub fn save_with(
+    path: impl AsRef<Path>,
+    specs: &[TensorSpec<'_>],
+    metadata: Option<&BTreeMap<String, String>>,
+    data: &dyn TensorData,
+    opts: &SaveOptions,
+) -> Result<()> {
+    let path = path.as_ref();
+    let layout = plan(specs, metadata).map_err(|e| Error::format(path, e))?;
+    let source = FileSource::new(&layout, data);
+    let storage = write_storage(opts.storage.as_ref())?;
+    let io = IoOptions {
+        threads: opts.threads,
+        progress: opts.progress.as_deref(),
+        cancel: opts.cancel.as_deref(),
+        ..Default::default()
+    };
+    storage
+        .write_file(path, &source, &io)
+        .map_err(|e| Error::storage(path, e))
+}
+
+/// The bytes of a whole file, produced on demand from a layout and tensor data.
+struct FileSource<'a> {
+    header: &'a [u8],
+    /// (absolute start, length, input index), sorted by start, empty tensors left out.
+    spans: Vec<(u64, u64, usize)>,
+    len: u64,
+    data: &'a dyn TensorData,
+}
+
+impl<'a> FileSource<'a> {
+    fn new(layout: &'a Layout, data: &'a dyn TensorData) -> Self {
+        let spans = layout
+            .entries
+            .iter()
+            .filter(|e| !e.info.is_empty())
+            .map(|e| (layout.file_offset(e), e.info.len() as u64, e.input_index))
+            .collect();
+        FileSource {
+            header: &layout.header,
+            spans,
+            len: layout.file_len(),
+            data,
+        }
+    }
+}
+
+impl WriteSource for FileSource<'_> {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn fill(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), String> {
+        let mut pos = offset;
+        let mut out = dst;
+        while !out.is_empty() {
+            let n;
+            if pos < self.header.len() as u64 {
+                let h = &self.header[pos as usize..];
+                n = h.len().min(out.len());
+                out[..n].copy_from_slice(&h[..n]);
+            } else {
+                let i = self.spans.partition_point(|&(start, _, _)| start <= pos);
+                let &(start, len, index) = i
+                    .checked_sub(1)
+                    .and_then(|i| self.spans.get(i))
+                    .filter(|&&(start, len, _)| pos < start + len)
+                    .ok_or_else(|| {
+                        format!("offset {pos} is past the end of the file being written")
+                    })?;
+                let within = pos - start;
+                n = ((len - within) as usize).min(out.len());
+                self.data.fill(index, within as usize, &mut out[..n])?;
+            }
+            pos += n as u64;
+            out = &mut out[n..];
+        }
+        Ok(())
+    }
+}

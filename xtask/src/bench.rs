@@ -1,0 +1,580 @@
+//! `cargo xtask bench`: turboio's loads against baselines and ceilings, hot and cold, in one
+//! run with the order alternating run by run (the machines are noisy; only same-run ratios
+//! mean anything).
+
+use crate::ceiling;
+use anyhow::{Context, Result};
+use std::any::Any;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use turboio::device::{ArenaPool, FileMapping};
+use turboio::{Header, LoadMode, LoadOptions, SaveOptions};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Small files and few runs: a smoke test for CI.
+    #[arg(long)]
+    pub quick: bool,
+    /// File sizes (default 1GiB,2GiB,4GiB; 64MiB with --quick).
+    #[arg(long, value_delimiter = ',')]
+    pub sizes: Vec<String>,
+    /// Runs per loader and cache state (default 3; 2 with --quick). The median is reported.
+    #[arg(long)]
+    pub runs: Option<usize>,
+    /// Where sample files are generated and kept between runs.
+    #[arg(long, default_value = "target/bench-data")]
+    pub dir: PathBuf,
+    /// Where the table goes (CSV, JSON, Markdown).
+    #[arg(long, default_value = "target/bench")]
+    pub out: PathBuf,
+    /// Skip the cold-cache rows.
+    #[arg(long)]
+    pub no_cold: bool,
+    /// Delete the sample files afterwards.
+    #[arg(long)]
+    pub clean: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Loader {
+    TurboAuto,
+    TurboMapped,
+    TurboCopied,
+    TurboCopiedReuse,
+    FsRead,
+    MmapCopy,
+    PopulateCeiling,
+    ODirectCeiling,
+}
+
+impl Loader {
+    fn name(self) -> &'static str {
+        match self {
+            Loader::TurboAuto => "turboio auto",
+            Loader::TurboMapped => "turboio mapped",
+            Loader::TurboCopied => "turboio copied",
+            Loader::TurboCopiedReuse => "turboio copied, arena reused",
+            Loader::FsRead => "std::fs::read",
+            Loader::MmapCopy => "mmap + copy each tensor",
+            Loader::PopulateCeiling => "ceiling: mmap + MADV_POPULATE_READ",
+            Loader::ODirectCeiling => "ceiling: O_DIRECT QD32 into reused buffer",
+        }
+    }
+
+    const HOT: [Loader; 7] = [
+        Loader::TurboAuto,
+        Loader::TurboMapped,
+        Loader::TurboCopied,
+        Loader::TurboCopiedReuse,
+        Loader::FsRead,
+        Loader::MmapCopy,
+        Loader::PopulateCeiling,
+    ];
+    const COLD: [Loader; 6] = [
+        Loader::TurboAuto,
+        Loader::TurboMapped,
+        Loader::TurboCopied,
+        Loader::FsRead,
+        Loader::MmapCopy,
+        Loader::ODirectCeiling,
+    ];
+}
+
+#[derive(Debug, Default, Clone)]
+struct Row {
+    size: u64,
+    cache: &'static str,
+    loader: &'static str,
+    times: Vec<f64>,
+    peak_rss: u64,
+    anon_delta: i64,
+    how: String,
+    skipped: Option<String>,
+}
+
+impl Row {
+    fn median(&self) -> f64 {
+        let mut t = self.times.clone();
+        t.sort_by(f64::total_cmp);
+        t.get(t.len() / 2).copied().unwrap_or(f64::NAN)
+    }
+    fn gbps(&self) -> f64 {
+        self.size as f64 / self.median() / 1e9
+    }
+}
+
+fn status_kb(field: &str) -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    s.lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// Reads the file through the page cache into a small reused buffer, so that every page is cached.
+fn warm(path: &Path) -> Result<()> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut buf = vec![0u8; 8 << 20];
+    while f.read(&mut buf)? > 0 {}
+    Ok(())
+}
+
+fn drop_caches() -> std::result::Result<(), String> {
+    // SAFETY: sync() has no preconditions.
+    unsafe { libc::sync() };
+    std::fs::write("/proc/sys/vm/drop_caches", "3")
+        .map_err(|e| format!("cannot drop caches ({e}); run as root for cold rows"))
+}
+
+fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, u) = t.split_at(split);
+    let n: u64 = n.parse().with_context(|| format!("bad size {s}"))?;
+    let m = match u.to_ascii_lowercase().as_str() {
+        "" => 1,
+        "kib" | "k" => 1 << 10,
+        "mib" | "m" => 1 << 20,
+        "gib" | "g" => 1 << 30,
+        other => anyhow::bail!("bad size unit {other} in {s}"),
+    };
+    Ok(n * m)
+}
+
+fn size_name(n: u64) -> String {
+    if n % (1 << 30) == 0 {
+        format!("{}GiB", n >> 30)
+    } else {
+        format!("{}MiB", n >> 20)
+    }
+}
+
+/// Generates (or reuses) the sample for `size`.
+fn sample(dir: &Path, size: u64) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(format!("bench-{}.safetensors", size_name(size)));
+    let ok = turboio::read_header_of(&path, &LoadOptions::default())
+        .map(|h: Header| h.file_len() >= size && h.data_len() + 8 >= size && h.len() > 1)
+        .unwrap_or(false);
+    if !ok {
+        eprintln!("generating {} ...", path.display());
+        let t = Instant::now();
+        turboio::sample::write_sample(&path, size, 1, &SaveOptions::default())?;
+        eprintln!("  {:.1} s", t.elapsed().as_secs_f64());
+    }
+    Ok(path)
+}
+
+/// Runs one loader once; returns (seconds, what it did, the result to keep alive while memory is measured).
+fn run_one(loader: Loader, path: &Path, pool: &ArenaPool) -> Result<(f64, String, Box<dyn Any>)> {
+    let turbo =
+        |mode: LoadMode, arenas: Option<ArenaPool>| -> Result<(f64, String, Box<dyn Any>)> {
+            let t = Instant::now();
+            let f = turboio::load(
+                path,
+                &LoadOptions {
+                    mode,
+                    arenas,
+                    ..Default::default()
+                },
+            )?;
+            let secs = t.elapsed().as_secs_f64();
+            let r = f.report();
+            let how = format!(
+                "{} via {}{}{}",
+                r.held,
+                r.read.method,
+                if r.read.direct { " O_DIRECT" } else { "" },
+                if r.arena_reused { ", reused" } else { "" }
+            );
+            Ok((secs, how, Box::new(f)))
+        };
+    match loader {
+        Loader::TurboAuto => turbo(LoadMode::Auto, None),
+        Loader::TurboMapped => turbo(LoadMode::Mapped, None),
+        Loader::TurboCopied => turbo(LoadMode::Copied, None),
+        Loader::TurboCopiedReuse => turbo(LoadMode::Copied, Some(pool.clone())),
+        Loader::FsRead => {
+            let t = Instant::now();
+            let v = std::fs::read(path)?;
+            Ok((
+                t.elapsed().as_secs_f64(),
+                "read into a new Vec".into(),
+                Box::new(v),
+            ))
+        }
+        Loader::MmapCopy => {
+            let t = Instant::now();
+            let file = std::fs::File::open(path)?;
+            let len = file.metadata()?.len() as usize;
+            let m = FileMapping::new(&file, len)?;
+            let h = Header::from_file_bytes(m.as_slice())?;
+            let start = h.data_start() as usize;
+            let copies: Vec<Vec<u8>> = h
+                .tensors()
+                .iter()
+                .map(|t| m.as_slice()[start + t.data_offsets.0..start + t.data_offsets.1].to_vec())
+                .collect();
+            Ok((
+                t.elapsed().as_secs_f64(),
+                format!("{} tensor copies", copies.len()),
+                Box::new(copies),
+            ))
+        }
+        Loader::PopulateCeiling => {
+            let t = Instant::now();
+            let n = ceiling::map_populate(path)?;
+            Ok((
+                t.elapsed().as_secs_f64(),
+                format!("{n} bytes, 1 thread"),
+                Box::new(()),
+            ))
+        }
+        Loader::ODirectCeiling => {
+            let t = Instant::now();
+            let n = ceiling::odirect_sequential(path, 32, 1 << 20)?;
+            Ok((
+                t.elapsed().as_secs_f64(),
+                format!("{n} bytes, io_uring, 1 MiB blocks"),
+                Box::new(()),
+            ))
+        }
+    }
+}
+
+fn measure(
+    rows: &mut [Row],
+    loaders: &[Loader],
+    path: &Path,
+    runs: usize,
+    cold: bool,
+    pool: &ArenaPool,
+) -> Result<()> {
+    for r in 0..runs {
+        for k in 0..loaders.len() {
+            let i = (k + r) % loaders.len();
+            if rows[i].skipped.is_some() {
+                continue;
+            }
+            if cold {
+                if let Err(why) = drop_caches() {
+                    for row in rows.iter_mut() {
+                        row.skipped = Some(why.clone());
+                    }
+                    return Ok(());
+                }
+            } else {
+                // Hot means the whole file is in the page cache when the run starts (the
+                // machines reclaim idle page cache in the background, so check every time).
+                warm(path)?;
+                if loaders[i] == Loader::TurboCopiedReuse && pool.free_arenas() == 0 {
+                    // Give the reuse row its warm arena first (not timed).
+                    drop(run_one(loaders[i], path, pool)?);
+                }
+            }
+            let anon_before = status_kb("RssAnon:") as i64 * 1024;
+            reset_peak_rss();
+            let (secs, how, keep) = run_one(loaders[i], path, pool)?;
+            let peak = status_kb("VmHWM:") * 1024;
+            let anon = status_kb("RssAnon:") as i64 * 1024 - anon_before;
+            drop(keep);
+            let row = &mut rows[i];
+            row.times.push(secs);
+            row.peak_rss = row.peak_rss.max(peak);
+            row.anon_delta = row.anon_delta.max(anon);
+            row.how = how;
+        }
+    }
+    Ok(())
+}
+
+struct Check {
+    what: String,
+    ratio: f64,
+    need: f64,
+}
+
+fn ratio(rows: &[Row], size: u64, cache: &str, a: Loader, b: Loader) -> Option<f64> {
+    let find = |l: Loader| {
+        rows.iter().find(|r| {
+            r.size == size && r.cache == cache && r.loader == l.name() && r.skipped.is_none()
+        })
+    };
+    Some(find(b)?.median() / find(a)?.median())
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let sizes: Vec<u64> = if args.sizes.is_empty() {
+        if args.quick {
+            vec![64 << 20]
+        } else {
+            vec![1 << 30, 2 << 30, 4 << 30]
+        }
+    } else {
+        args.sizes
+            .iter()
+            .map(|s| parse_size(s))
+            .collect::<Result<_>>()?
+    };
+    let runs = args.runs.unwrap_or(if args.quick { 2 } else { 3 }).max(1);
+    let pool = ArenaPool::new(1);
+    let mut all: Vec<Row> = Vec::new();
+    for &size in &sizes {
+        let path = sample(&args.dir, size)?;
+        let len = std::fs::metadata(&path)?.len();
+        let mut hot: Vec<Row> = Loader::HOT
+            .iter()
+            .map(|l| Row {
+                size: len,
+                cache: "hot",
+                loader: l.name(),
+                ..Default::default()
+            })
+            .collect();
+        eprintln!("{}: hot, {runs} runs ...", size_name(size));
+        measure(&mut hot, &Loader::HOT, &path, runs, false, &pool)?;
+        pool.clear();
+        all.extend(hot);
+        let mut cold: Vec<Row> = Loader::COLD
+            .iter()
+            .map(|l| Row {
+                size: len,
+                cache: "cold",
+                loader: l.name(),
+                ..Default::default()
+            })
+            .collect();
+        if args.no_cold {
+            for r in &mut cold {
+                r.skipped = Some("--no-cold".into());
+            }
+        } else {
+            eprintln!("{}: cold, {runs} runs ...", size_name(size));
+            measure(&mut cold, &Loader::COLD, &path, runs, true, &pool)?;
+        }
+        all.extend(cold);
+        if args.clean {
+            std::fs::remove_file(&path)?;
+        }
+    }
+
+    let mut checks = Vec::new();
+    for &size in &sizes {
+        let Some(len) = all
+            .iter()
+            .find(|r| r.size >= size && r.size < size + (64 << 20))
+            .map(|r| r.size)
+        else {
+            continue;
+        };
+        let mut add = |what: &str, cache: &str, a: Loader, b: Loader, need: f64| {
+            if let Some(r) = ratio(&all, len, cache, a, b) {
+                checks.push(Check {
+                    what: format!("{} {cache}: {what}", size_name(size)),
+                    ratio: r,
+                    need,
+                });
+            }
+        };
+        add(
+            "auto vs map+populate ceiling",
+            "hot",
+            Loader::TurboAuto,
+            Loader::PopulateCeiling,
+            0.6,
+        );
+        add(
+            "auto vs std::fs::read",
+            "hot",
+            Loader::TurboAuto,
+            Loader::FsRead,
+            3.0,
+        );
+        add(
+            "copied vs std::fs::read",
+            "hot",
+            Loader::TurboCopied,
+            Loader::FsRead,
+            1.5,
+        );
+        add(
+            "copied vs mmap+copy",
+            "hot",
+            Loader::TurboCopied,
+            Loader::MmapCopy,
+            1.5,
+        );
+        add(
+            "auto vs O_DIRECT QD32 ceiling",
+            "cold",
+            Loader::TurboAuto,
+            Loader::ODirectCeiling,
+            0.8,
+        );
+        add(
+            "auto vs std::fs::read",
+            "cold",
+            Loader::TurboAuto,
+            Loader::FsRead,
+            1.0,
+        );
+    }
+
+    let report = render(&all, &checks, runs);
+    println!("{report}");
+    std::fs::create_dir_all(&args.out)?;
+    std::fs::write(args.out.join("load.md"), &report)?;
+    let mut csv = String::from("size_bytes,cache,loader,runs,median_s,gb_per_s,min_s,max_s,peak_rss_bytes,anon_delta_bytes,how,skipped\n");
+    for r in &all {
+        let (mn, mx) = r
+            .times
+            .iter()
+            .fold((f64::INFINITY, 0f64), |(a, b), &t| (a.min(t), b.max(t)));
+        let _ = writeln!(
+            csv,
+            "{},{},{},{},{:.4},{:.3},{:.4},{:.4},{},{},\"{}\",\"{}\"",
+            r.size,
+            r.cache,
+            r.loader,
+            r.times.len(),
+            r.median(),
+            r.gbps(),
+            mn,
+            mx,
+            r.peak_rss,
+            r.anon_delta,
+            r.how,
+            r.skipped.clone().unwrap_or_default()
+        );
+    }
+    std::fs::write(args.out.join("load.csv"), csv)?;
+    let json = serde_json::json!({
+        "date": date(),
+        "machine": machine(),
+        "runs": runs,
+        "rows": all.iter().map(|r| serde_json::json!({
+            "size_bytes": r.size, "cache": r.cache, "loader": r.loader, "times_s": r.times,
+            "median_s": r.median(), "gb_per_s": r.gbps(), "peak_rss_bytes": r.peak_rss,
+            "anon_delta_bytes": r.anon_delta, "how": r.how, "skipped": r.skipped,
+        })).collect::<Vec<_>>(),
+        "checks": checks.iter().map(|c| serde_json::json!({"what": c.what, "ratio": c.ratio, "need": c.need, "pass": c.ratio >= c.need})).collect::<Vec<_>>(),
+    });
+    std::fs::write(
+        args.out.join("load.json"),
+        serde_json::to_string_pretty(&json)?,
+    )?;
+    eprintln!("wrote {}/load.{{md,csv,json}}", args.out.display());
+    Ok(())
+}
+
+fn date() -> String {
+    std::process::Command::new("date")
+        .arg("-u")
+        .arg("+%Y-%m-%d %H:%M UTC")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default()
+}
+
+fn machine() -> String {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default();
+    let mem = status_line("/proc/meminfo", "MemTotal:");
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    format!("{cpus} vCPU {model}, {mem}, kernel {}", kernel.trim())
+}
+
+fn status_line(file: &str, key: &str) -> String {
+    std::fs::read_to_string(file)
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with(key))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map(|kb| format!("{} GiB RAM", kb >> 20))
+        .unwrap_or_default()
+}
+
+fn render(rows: &[Row], checks: &[Check], runs: usize) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "turboio load benchmark, {} ({}), median of {runs} runs, loaders alternating\n",
+        date(),
+        machine()
+    );
+    let mut keys: Vec<(u64, &str)> = rows.iter().map(|r| (r.size, r.cache)).collect();
+    keys.dedup();
+    for (size, cache) in keys {
+        let group: Vec<&Row> = rows
+            .iter()
+            .filter(|r| r.size == size && r.cache == cache)
+            .collect();
+        let _ = writeln!(
+            s,
+            "### {:.2} GB file, {cache} page cache\n",
+            size as f64 / 1e9
+        );
+        let base = |name: &str| {
+            group
+                .iter()
+                .find(|r| r.loader == name && r.skipped.is_none())
+                .map(|r| r.median())
+        };
+        let auto = base(Loader::TurboAuto.name());
+        let _ = writeln!(
+            s,
+            "| loader | median s | GB/s | turboio auto is | peak RSS | +anon RSS | how |"
+        );
+        let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---|");
+        for r in group {
+            if let Some(why) = &r.skipped {
+                let _ = writeln!(s, "| {} | skipped | | | | | {why} |", r.loader);
+                continue;
+            }
+            let vs = auto
+                .map(|a| format!("{:.2}x", r.median() / a))
+                .unwrap_or_default();
+            let _ = writeln!(
+                s,
+                "| {} | {:.3} | {:.2} | {vs} | {:.2} GiB | {:.1} MiB | {} |",
+                r.loader,
+                r.median(),
+                r.gbps(),
+                r.peak_rss as f64 / (1u64 << 30) as f64,
+                r.anon_delta as f64 / (1u64 << 20) as f64,
+                r.how
+            );
+        }
+        let _ = writeln!(s);
+    }
+    if !checks.is_empty() {
+        let _ = writeln!(s, "| check | ratio | needed | |");
+        let _ = writeln!(s, "|---|---:|---:|---|");
+        for c in checks {
+            let _ = writeln!(
+                s,
+                "| {} | {:.2}x | {:.1}x | {} |",
+                c.what,
+                c.ratio,
+                c.need,
+                if c.ratio >= c.need { "ok" } else { "BELOW" }
+            );
+        }
+    }
+    s
+}

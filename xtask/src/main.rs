@@ -1,0 +1,41 @@
+//! Project tasks.
+//!
+//! - `cargo xtask bench [--quick]`: load benchmarks against baselines and ceilings, hot and
+//!   cold, written to `target/bench/`.
+//! - `cargo xtask test`: everything CI runs (fmt, clippy, tests in every feature set, docs,
+//!   Python interop in a venv it creates, a bench smoke run).
+
+mod bench;
+mod ceiling;
+mod test;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Benchmark loads: turboio's modes against std::fs::read, mmap+copy and the machine's ceilings.
+    Bench(bench::Args),
+    /// Run every check CI runs.
+    Test(test::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    let result = match Cli::parse().command {
+        Command::Bench(a) => bench::run(a),
+        Command::Test(a) => test::run(a),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

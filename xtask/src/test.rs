@@ -1,0 +1,148 @@
+//! `cargo xtask test`: every check CI runs, in order, stopping at the first failure.
+//!
+//! It needs only what a fresh machine has (rustup and python3): the Python packages the
+//! interop tests compare against are installed into `.venv`, created here.
+
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Skip fmt, clippy, docs and the bench smoke run (tests only).
+    #[arg(long)]
+    pub fast: bool,
+}
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+pub fn step(name: &str, cmd: &mut Command) -> Result<()> {
+    eprintln!("\n==> {name}\n    {cmd:?}");
+    let status = cmd
+        .current_dir(root())
+        .status()
+        .with_context(|| format!("cannot run {cmd:?}"))?;
+    if !status.success() {
+        bail!("step failed: {name} ({status})");
+    }
+    Ok(())
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+/// Creates `.venv` (if needed) and installs the pinned requirements; returns its python.
+pub fn venv(requirements: &[&str]) -> Result<PathBuf> {
+    let dir = root().join(".venv");
+    let python = dir.join("bin/python");
+    if !python.exists() {
+        let made = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !made {
+            // Debian's python3 without python3-venv: fall back to virtualenv from PyPI.
+            let _ = std::fs::remove_dir_all(&dir);
+            step(
+                "install virtualenv (python3 -m venv is unavailable)",
+                Command::new("python3").args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "--user",
+                    "--quiet",
+                    "virtualenv",
+                ]),
+            )?;
+            step(
+                "create .venv",
+                Command::new("python3").args(["-m", "virtualenv"]).arg(&dir),
+            )?;
+        }
+    }
+    let mut pip = Command::new(&python);
+    pip.args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+    ]);
+    for r in requirements {
+        pip.arg("-r").arg(root().join(r));
+    }
+    step("python packages", &mut pip)?;
+    Ok(python)
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let start = std::time::Instant::now();
+    if !args.fast {
+        step("rustfmt", cargo().args(["fmt", "--all", "--", "--check"]))?;
+        step(
+            "clippy",
+            cargo().args([
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--all-features",
+                "--locked",
+                "--",
+                "-D",
+                "warnings",
+            ]),
+        )?;
+    }
+    let python = venv(&["tests/requirements.txt"])?;
+    step(
+        "tests",
+        cargo()
+            .args(["test", "--workspace", "--locked"])
+            .env("TURBOIO_PYTHON", &python)
+            .env("TURBOIO_REQUIRE_PYTHON", "1"),
+    )?;
+    step(
+        "tests without default features",
+        cargo().args([
+            "test",
+            "-p",
+            "turboio",
+            "--no-default-features",
+            "--lib",
+            "--locked",
+        ]),
+    )?;
+    if !args.fast {
+        step(
+            "docs",
+            cargo()
+                .args(["doc", "--workspace", "--no-deps", "--locked"])
+                .env("RUSTDOCFLAGS", "-D warnings"),
+        )?;
+        step(
+            "bench smoke run",
+            cargo().args([
+                "run",
+                "--release",
+                "--locked",
+                "-p",
+                "xtask",
+                "--",
+                "bench",
+                "--quick",
+            ]),
+        )?;
+    }
+    eprintln!(
+        "\nall checks passed in {:.0} s",
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
