@@ -42,17 +42,7 @@ pub fn python() -> Option<PathBuf> {
 
 /// Runs a Python snippet with arguments; panics with its stderr on failure. Returns stdout.
 pub fn run_python(python: &Path, code: &str, args: &[&str]) -> String {
-    let out = Command::new(python)
-        .arg("-c")
-        .arg(code)
-        .args(args)
-        .output()
-        .expect("run python");
-    assert!(
-        out.status.success(),
-        "python failed: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        code
-    );
+    let out = Command::new(python).arg("-c").arg(code).args(args).output().expect("run python");
+    assert!(out.status.success(), "python failed: {}\n{}", String::from_utf8_lossy(&out.stderr), code);
     String::from_utf8_lossy(&out.stdout).into_owned()
 }

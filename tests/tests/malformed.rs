@@ -17,14 +17,7 @@ fn load_err(dir: &Path, name: &str, content: &[u8]) -> (Error, String) {
     let path = dir.join(name);
     std::fs::write(&path, content).unwrap();
     for mode in [LoadMode::Auto, LoadMode::Mapped, LoadMode::Copied] {
-        let err = turboio::load(
-            &path,
-            &LoadOptions {
-                mode,
-                ..Default::default()
-            },
-        )
-        .expect_err(name);
+        let err = turboio::load(&path, &LoadOptions { mode, ..Default::default() }).expect_err(name);
         let msg = err.to_string();
         assert!(msg.contains(name), "the message names the file: {msg}");
         assert!(!msg.contains('\n'), "one line: {msg}");
@@ -37,11 +30,7 @@ fn load_err(dir: &Path, name: &str, content: &[u8]) -> (Error, String) {
 macro_rules! rejects {
     ($dir:expr, $name:expr, $content:expr, $pat:pat) => {{
         let (err, msg) = load_err($dir, $name, &$content);
-        assert!(
-            matches!(err, Error::Format { source: $pat, .. }),
-            "{}: got {err:?}",
-            $name
-        );
+        assert!(matches!(err, Error::Format { source: $pat, .. }), "{}: got {err:?}", $name);
         msg
     }};
 }
@@ -50,38 +39,13 @@ macro_rules! rejects {
 fn every_rejection_rule_through_the_loader() {
     let d = disk_dir();
     let dir = d.path();
-    rejects!(
-        dir,
-        "empty.safetensors",
-        [],
-        FormatError::HeaderTooSmall { .. }
-    );
-    rejects!(
-        dir,
-        "seven.safetensors",
-        [1u8; 7],
-        FormatError::HeaderTooSmall { .. }
-    );
-    rejects!(
-        dir,
-        "huge_n.safetensors",
-        u64::MAX.to_le_bytes(),
-        FormatError::HeaderTooLarge { .. }
-    );
-    rejects!(
-        dir,
-        "big_n.safetensors",
-        100_000_001u64.to_le_bytes(),
-        FormatError::HeaderTooLarge { .. }
-    );
+    rejects!(dir, "empty.safetensors", [], FormatError::HeaderTooSmall { .. });
+    rejects!(dir, "seven.safetensors", [1u8; 7], FormatError::HeaderTooSmall { .. });
+    rejects!(dir, "huge_n.safetensors", u64::MAX.to_le_bytes(), FormatError::HeaderTooLarge { .. });
+    rejects!(dir, "big_n.safetensors", 100_000_001u64.to_le_bytes(), FormatError::HeaderTooLarge { .. });
     let mut short = 100u64.to_le_bytes().to_vec();
     short.extend_from_slice(b"{}");
-    rejects!(
-        dir,
-        "short_header.safetensors",
-        short,
-        FormatError::InvalidHeaderLength { .. }
-    );
+    rejects!(dir, "short_header.safetensors", short, FormatError::InvalidHeaderLength { .. });
     let mut utf = 8u64.to_le_bytes().to_vec();
     utf.extend_from_slice(&[b'{', 0xFF, 0xFE, b'}', b' ', b' ', b' ', b' ']);
     rejects!(dir, "utf8.safetensors", utf, FormatError::InvalidHeader(_));
@@ -131,10 +95,7 @@ fn every_rejection_rule_through_the_loader() {
     rejects!(
         dir,
         "not_zero.safetensors",
-        file_with(
-            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[4,8]}}"#,
-            8
-        ),
+        file_with(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[4,8]}}"#, 8),
         FormatError::InvalidOffset { .. }
     );
     rejects!(
@@ -149,59 +110,38 @@ fn every_rejection_rule_through_the_loader() {
     rejects!(
         dir,
         "overflow.safetensors",
-        file_with(
-            r#"{"a":{"dtype":"U8","shape":[18446744073709551615,2],"data_offsets":[0,4]}}"#,
-            4
-        ),
+        file_with(r#"{"a":{"dtype":"U8","shape":[18446744073709551615,2],"data_offsets":[0,4]}}"#, 4),
         FormatError::ValidationOverflow { .. }
     );
     rejects!(
         dir,
         "bits_overflow.safetensors",
-        file_with(
-            r#"{"a":{"dtype":"F32","shape":[18446744073709551615],"data_offsets":[0,4]}}"#,
-            4
-        ),
+        file_with(r#"{"a":{"dtype":"F32","shape":[18446744073709551615],"data_offsets":[0,4]}}"#, 4),
         FormatError::ValidationOverflow { .. }
     );
     rejects!(
         dir,
         "f4_odd.safetensors",
-        file_with(
-            r#"{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#,
-            2
-        ),
+        file_with(r#"{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#, 2),
         FormatError::MisalignedSlice { .. }
     );
     let msg = rejects!(
         dir,
         "size.safetensors",
-        file_with(
-            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#,
-            4
-        ),
+        file_with(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#, 4),
         FormatError::TensorInvalidInfo { .. }
     );
-    assert!(
-        msg.contains("need 8 bytes") && msg.contains("give 4"),
-        "{msg}"
-    );
+    assert!(msg.contains("need 8 bytes") && msg.contains("give 4"), "{msg}");
     rejects!(
         dir,
         "trailing.safetensors",
-        file_with(
-            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
-            5
-        ),
+        file_with(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 5),
         FormatError::MetadataIncompleteBuffer { .. }
     );
     let msg = rejects!(
         dir,
         "truncated.safetensors",
-        file_with(
-            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
-            3
-        ),
+        file_with(r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#, 3),
         FormatError::MetadataIncompleteBuffer { .. }
     );
     assert!(msg.contains("incomplete"), "{msg}");
@@ -210,15 +150,11 @@ fn every_rejection_rule_through_the_loader() {
 #[test]
 fn a_missing_file_and_a_directory_are_clear_errors() {
     let d = disk_dir();
-    let err =
-        turboio::load(d.path().join("nope.safetensors"), &LoadOptions::default()).unwrap_err();
+    let err = turboio::load(d.path().join("nope.safetensors"), &LoadOptions::default()).unwrap_err();
     assert!(err.is_not_found(), "{err:?}");
     assert!(err.to_string().contains("nope.safetensors"));
     let err = turboio::load(d.path(), &LoadOptions::default()).unwrap_err();
-    assert!(
-        err.to_string().contains(&d.path().display().to_string()),
-        "{err}"
-    );
+    assert!(err.to_string().contains(&d.path().display().to_string()), "{err}");
 }
 
 #[test]
@@ -227,18 +163,8 @@ fn mutated_files_never_panic() {
     let path = d.path().join("m.safetensors");
     let w = bytes(4096, 5);
     let base_tensors = [
-        turboio::SaveTensor {
-            name: "w",
-            dtype: turboio::Dtype::BF16,
-            shape: &[32, 32],
-            data: &w[..2048],
-        },
-        turboio::SaveTensor {
-            name: "b",
-            dtype: turboio::Dtype::F32,
-            shape: &[512],
-            data: &w[2048..],
-        },
+        turboio::SaveTensor { name: "w", dtype: turboio::Dtype::BF16, shape: &[32, 32], data: &w[..2048] },
+        turboio::SaveTensor { name: "b", dtype: turboio::Dtype::F32, shape: &[512], data: &w[2048..] },
     ];
     turboio::save(&path, &base_tensors, None, &turboio::SaveOptions::default()).unwrap();
     let base = std::fs::read(&path).unwrap();
@@ -258,13 +184,7 @@ fn mutated_files_never_panic() {
         }
         std::fs::write(&path, &f).unwrap();
         for mode in [LoadMode::Mapped, LoadMode::Copied] {
-            if let Ok(loaded) = turboio::load(
-                &path,
-                &LoadOptions {
-                    mode,
-                    ..Default::default()
-                },
-            ) {
+            if let Ok(loaded) = turboio::load(&path, &LoadOptions { mode, ..Default::default() }) {
                 let start = loaded.header().data_start() as usize;
                 for t in loaded.tensors() {
                     let (b, e) = t.info().data_offsets;

@@ -25,40 +25,17 @@ fn loads_hold_the_data_once() {
     drop(std::fs::read(&path).unwrap());
 
     let anon_before = status_kb("RssAnon:");
-    let mapped = turboio::load(
-        &path,
-        &LoadOptions {
-            mode: LoadMode::Mapped,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let mapped = turboio::load(&path, &LoadOptions { mode: LoadMode::Mapped, ..Default::default() }).unwrap();
     let anon_added = status_kb("RssAnon:").saturating_sub(anon_before);
-    assert!(
-        anon_added < 8 << 10,
-        "a mapped load added {anon_added} KiB of anonymous memory"
-    );
-    assert!(
-        status_kb("RssFile:") * 1024 >= file_len * 9 / 10,
-        "the mapping is populated"
-    );
+    assert!(anon_added < 8 << 10, "a mapped load added {anon_added} KiB of anonymous memory");
+    assert!(status_kb("RssFile:") * 1024 >= file_len * 9 / 10, "the mapping is populated");
     drop(mapped);
 
     let rss_before = status_kb("VmRSS:");
     std::fs::write("/proc/self/clear_refs", "5").unwrap();
-    let copied = turboio::load(
-        &path,
-        &LoadOptions {
-            mode: LoadMode::Copied,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let copied = turboio::load(&path, &LoadOptions { mode: LoadMode::Copied, ..Default::default() }).unwrap();
     let peak_added = (status_kb("VmHWM:").saturating_sub(rss_before)) * 1024;
-    assert!(
-        peak_added >= file_len * 9 / 10,
-        "the copy is resident: {peak_added}"
-    );
+    assert!(peak_added >= file_len * 9 / 10, "the copy is resident: {peak_added}");
     assert!(
         peak_added <= file_len + (16 << 20),
         "peak {peak_added} bytes for a {file_len}-byte file: double buffering?"

@@ -6,10 +6,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use turboio::device::testing::OpaqueDevice;
 use turboio::device::{ArenaPool, Device};
-use turboio::{
-    DirectIo, Dtype, Error, Held, LoadMode, LoadOptions, SaveOptions, SaveTensor, TensorData,
-    TensorSpec,
-};
+use turboio::{DirectIo, Dtype, Error, Held, LoadMode, LoadOptions, SaveOptions, SaveTensor, TensorData, TensorSpec};
 use turboio_tests::{bytes, disk_dir};
 
 fn sample(dir: &Path, size: u64) -> std::path::PathBuf {
@@ -25,11 +22,7 @@ fn assert_matches_plain_read(loaded: &turboio::LoadedFile, label: &str) {
     for t in loaded.tensors() {
         let (b, e) = t.info().data_offsets;
         let got = loaded.to_host(t.name()).unwrap();
-        assert!(
-            got == plain[start + b..start + e],
-            "{label}: tensor {} differs",
-            t.name()
-        );
+        assert!(got == plain[start + b..start + e], "{label}: tensor {} differs", t.name());
     }
 }
 
@@ -44,19 +37,9 @@ fn cpu_paths_load_identical_bytes() {
         for direct in [DirectIo::Auto, DirectIo::On, DirectIo::Off] {
             for threads in [1, 2, 3] {
                 for arenas in [None, Some(pool.clone())] {
-                    let label = format!(
-                        "{mode} direct={direct:?} threads={threads} pooled={}",
-                        arenas.is_some()
-                    );
-                    let opts = LoadOptions {
-                        mode,
-                        direct,
-                        threads,
-                        arenas,
-                        ..Default::default()
-                    };
-                    let loaded =
-                        turboio::load(&path, &opts).unwrap_or_else(|e| panic!("{label}: {e}"));
+                    let label = format!("{mode} direct={direct:?} threads={threads} pooled={}", arenas.is_some());
+                    let opts = LoadOptions { mode, direct, threads, arenas, ..Default::default() };
+                    let loaded = turboio::load(&path, &opts).unwrap_or_else(|e| panic!("{label}: {e}"));
                     let expect_held = match (mode, direct) {
                         (LoadMode::Mapped, _) => Held::Mapped,
                         (LoadMode::Copied, _) | (LoadMode::Auto, DirectIo::On) => Held::Copied,
@@ -79,11 +62,7 @@ fn pooled_arenas_are_reused() {
     let dir = disk_dir();
     let path = sample(dir.path(), 8 << 20);
     let pool = ArenaPool::new(1);
-    let opts = LoadOptions {
-        mode: LoadMode::Copied,
-        arenas: Some(pool.clone()),
-        ..Default::default()
-    };
+    let opts = LoadOptions { mode: LoadMode::Copied, arenas: Some(pool.clone()), ..Default::default() };
     let first = turboio::load(&path, &opts).unwrap();
     assert!(!first.report().arena_reused);
     let addr = first.memory().address();
@@ -117,11 +96,7 @@ fn staged_device_loads_identical_bytes() {
         assert!(dev.uploads() >= 1);
         assert_matches_plain_read(&loaded, &format!("staged chunk={chunk} threads={threads}"));
         drop(loaded);
-        assert_eq!(
-            dev.live_allocations(),
-            0,
-            "device memory freed with the load"
-        );
+        assert_eq!(dev.live_allocations(), 0, "device memory freed with the load");
     }
 }
 
@@ -131,17 +106,11 @@ fn a_failing_device_copy_fails_the_load_and_frees_memory() {
     let path = sample(dir.path(), 8 << 20);
     let dev = Arc::new(OpaqueDevice::new(0));
     dev.fail_after_bytes(3 << 20);
-    let opts = LoadOptions {
-        device: Some(dev.clone() as Arc<dyn Device>),
-        staging_chunk: 1 << 20,
-        ..Default::default()
-    };
+    let opts =
+        LoadOptions { device: Some(dev.clone() as Arc<dyn Device>), staging_chunk: 1 << 20, ..Default::default() };
     let err = turboio::load(&path, &opts).unwrap_err();
     assert!(err.to_string().contains("injected copy failure"), "{err}");
-    assert!(
-        err.to_string().contains("sample.safetensors"),
-        "names the file: {err}"
-    );
+    assert!(err.to_string().contains("sample.safetensors"), "names the file: {err}");
     assert_eq!(dev.live_allocations(), 0);
 }
 
@@ -150,11 +119,7 @@ fn cancelled_loads_return_nothing() {
     let dir = disk_dir();
     let path = sample(dir.path(), 8 << 20);
     for mode in [LoadMode::Mapped, LoadMode::Copied] {
-        let opts = LoadOptions {
-            mode,
-            cancel: Some(Arc::new(AtomicBool::new(true))),
-            ..Default::default()
-        };
+        let opts = LoadOptions { mode, cancel: Some(Arc::new(AtomicBool::new(true))), ..Default::default() };
         let err = turboio::load(&path, &opts).unwrap_err();
         assert!(matches!(err, Error::Cancelled { .. }), "{mode}: {err:?}");
     }
@@ -164,10 +129,7 @@ fn cancelled_loads_return_nothing() {
         cancel: Some(Arc::new(AtomicBool::new(true))),
         ..Default::default()
     };
-    assert!(matches!(
-        turboio::load(&path, &opts),
-        Err(Error::Cancelled { .. })
-    ));
+    assert!(matches!(turboio::load(&path, &opts), Err(Error::Cancelled { .. })));
     assert_eq!(dev.live_allocations(), 0);
 }
 
@@ -183,12 +145,7 @@ fn aliases_in_metadata_resolve() {
     ]);
     turboio::save(
         &path,
-        &[SaveTensor {
-            name: "embed.weight",
-            dtype: Dtype::F32,
-            shape: &[2, 3],
-            data: &w,
-        }],
+        &[SaveTensor { name: "embed.weight", dtype: Dtype::F32, shape: &[2, 3], data: &w }],
         Some(&meta),
         &SaveOptions::default(),
     )
@@ -208,29 +165,13 @@ fn loaded_tensors_are_writable_without_touching_the_file() {
     let path = sample(dir.path(), 4 << 20);
     let before = std::fs::read(&path).unwrap();
     for mode in [LoadMode::Mapped, LoadMode::Copied] {
-        let mut loaded = turboio::load(
-            &path,
-            &LoadOptions {
-                mode,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let mut loaded = turboio::load(&path, &LoadOptions { mode, ..Default::default() }).unwrap();
         let name = loaded.tensors().next().unwrap().name().to_owned();
         let t = loaded.tensor_bytes_mut(&name).unwrap();
         t.fill(0x42);
-        assert!(loaded
-            .tensor(&name)
-            .unwrap()
-            .bytes()
-            .unwrap()
-            .iter()
-            .all(|&b| b == 0x42));
+        assert!(loaded.tensor(&name).unwrap().bytes().unwrap().iter().all(|&b| b == 0x42));
     }
-    assert!(
-        std::fs::read(&path).unwrap() == before,
-        "the file on disk is unchanged"
-    );
+    assert!(std::fs::read(&path).unwrap() == before, "the file on disk is unchanged");
 }
 
 /// Saving from memory the CPU cannot address: bytes are pulled through the device's copy calls.
@@ -243,9 +184,7 @@ struct DeviceTensors<'a> {
 impl TensorData for DeviceTensors<'_> {
     fn fill(&self, index: usize, offset: usize, dst: &mut [u8]) -> Result<(), String> {
         let t = self.loaded.tensor(&self.names[index]).ok_or("missing")?;
-        self.device
-            .download(self.loaded.memory(), t.offset_in_memory() + offset, dst)
-            .map_err(|e| e.to_string())
+        self.device.download(self.loaded.memory(), t.offset_in_memory() + offset, dst).map_err(|e| e.to_string())
     }
 }
 
@@ -254,39 +193,16 @@ fn save_from_device_memory_round_trips() {
     let dir = disk_dir();
     let path = sample(dir.path(), 6 << 20);
     let dev = Arc::new(OpaqueDevice::new(0));
-    let loaded = turboio::load(
-        &path,
-        &LoadOptions {
-            device: Some(dev.clone() as Arc<dyn Device>),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let loaded =
+        turboio::load(&path, &LoadOptions { device: Some(dev.clone() as Arc<dyn Device>), ..Default::default() })
+            .unwrap();
     let specs: Vec<TensorSpec<'_>> = loaded
         .tensors()
-        .map(|t| TensorSpec {
-            name: t.name(),
-            dtype: t.dtype(),
-            shape: t.shape(),
-            data_len: t.len(),
-        })
+        .map(|t| TensorSpec { name: t.name(), dtype: t.dtype(), shape: t.shape(), data_len: t.len() })
         .collect();
-    let data = DeviceTensors {
-        device: &dev,
-        loaded: &loaded,
-        names: loaded.tensors().map(|t| t.name().to_owned()).collect(),
-    };
+    let data =
+        DeviceTensors { device: &dev, loaded: &loaded, names: loaded.tensors().map(|t| t.name().to_owned()).collect() };
     let out = dir.path().join("copy.safetensors");
-    turboio::save_with(
-        &out,
-        &specs,
-        loaded.metadata(),
-        &data,
-        &SaveOptions::default(),
-    )
-    .unwrap();
-    assert!(
-        std::fs::read(&out).unwrap() == std::fs::read(&path).unwrap(),
-        "device round trip is byte-identical"
-    );
+    turboio::save_with(&out, &specs, loaded.metadata(), &data, &SaveOptions::default()).unwrap();
+    assert!(std::fs::read(&out).unwrap() == std::fs::read(&path).unwrap(), "device round trip is byte-identical");
 }

@@ -50,39 +50,19 @@ print(json.dumps({"meta": meta, "tensors": {n: {"dtype": v["dtype"], "shape": li
 "#;
 
 fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
 }
 
 fn check_file(path: &std::path::Path, expected: &serde_json::Map<String, serde_json::Value>) {
     for mode in [LoadMode::Mapped, LoadMode::Copied] {
-        let loaded = turboio::load(
-            path,
-            &LoadOptions {
-                mode,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let loaded = turboio::load(path, &LoadOptions { mode, ..Default::default() }).unwrap();
         assert_eq!(loaded.len(), expected.len());
         for (name, v) in expected {
-            let t = loaded
-                .tensor(name)
-                .unwrap_or_else(|| panic!("{name} missing"));
-            let shape: Vec<usize> = v["shape"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as usize)
-                .collect();
+            let t = loaded.tensor(name).unwrap_or_else(|| panic!("{name} missing"));
+            let shape: Vec<usize> =
+                v["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
             assert_eq!(t.shape(), &shape[..], "{name}");
-            assert_eq!(
-                t.bytes().unwrap(),
-                &unhex(v["hex"].as_str().unwrap())[..],
-                "{name} ({mode})"
-            );
+            assert_eq!(t.bytes().unwrap(), &unhex(v["hex"].as_str().unwrap())[..], "{name} ({mode})");
         }
     }
 }
@@ -99,17 +79,10 @@ fn files_written_by_python_load_with_identical_bytes() {
     let loaded = turboio::load(&path, &LoadOptions::default()).unwrap();
     assert_eq!(loaded.metadata().unwrap()["note"], "written by python");
     assert_eq!(loaded.tensor("t.bool").unwrap().dtype(), Dtype::BOOL);
-    assert_eq!(
-        loaded.tensor("scalar.complex64").unwrap().dtype(),
-        Dtype::C64
-    );
+    assert_eq!(loaded.tensor("scalar.complex64").unwrap().dtype(), Dtype::C64);
     match torch {
-        Some(serde_json::Value::Object(t)) => {
-            check_file(&path.with_extension("safetensors.torch"), &t)
-        }
-        _ => eprintln!(
-            "note: torch not installed, bf16/float8 files from safetensors.torch not checked"
-        ),
+        Some(serde_json::Value::Object(t)) => check_file(&path.with_extension("safetensors.torch"), &t),
+        _ => eprintln!("note: torch not installed, bf16/float8 files from safetensors.torch not checked"),
     }
 }
 
@@ -120,29 +93,15 @@ fn files_written_by_turboio_read_back_in_python() {
     let path = d.path().join("ours.safetensors");
     let mut owned = Vec::new();
     for (i, dt) in Dtype::ALL.into_iter().enumerate() {
-        let shape = if dt.bits() % 8 == 0 {
-            vec![2, 3]
-        } else {
-            vec![4, 4]
-        };
+        let shape = if dt.bits() % 8 == 0 { vec![2, 3] } else { vec![4, 4] };
         let n = shape.iter().product::<usize>() * dt.bits() / 8;
         owned.push((format!("t.{dt}"), dt, shape, bytes(n, i as u64)));
         owned.push((format!("empty.{dt}"), dt, vec![0], vec![]));
     }
     owned.push(("scalar".into(), Dtype::F64, vec![], bytes(8, 99)));
-    let tensors: Vec<SaveTensor<'_>> = owned
-        .iter()
-        .map(|(n, d, s, b)| SaveTensor {
-            name: n,
-            dtype: *d,
-            shape: s,
-            data: b,
-        })
-        .collect();
-    let meta = BTreeMap::from([
-        ("framework".to_string(), "pt".to_string()),
-        ("b".to_string(), "2".to_string()),
-    ]);
+    let tensors: Vec<SaveTensor<'_>> =
+        owned.iter().map(|(n, d, s, b)| SaveTensor { name: n, dtype: *d, shape: s, data: b }).collect();
+    let meta = BTreeMap::from([("framework".to_string(), "pt".to_string()), ("b".to_string(), "2".to_string())]);
     turboio::save(&path, &tensors, Some(&meta), &SaveOptions::default()).unwrap();
     let out = run_python(&py, READ, &[path.to_str().unwrap()]);
     let doc: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -152,17 +111,8 @@ fn files_written_by_turboio_read_back_in_python() {
     assert_eq!(read.len(), owned.len());
     for (n, d, s, b) in &owned {
         let v = &read[n];
-        assert_eq!(
-            v["dtype"].as_str().unwrap().to_ascii_uppercase(),
-            d.name().to_ascii_uppercase(),
-            "{n}"
-        );
-        let shape: Vec<usize> = v["shape"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as usize)
-            .collect();
+        assert_eq!(v["dtype"].as_str().unwrap().to_ascii_uppercase(), d.name().to_ascii_uppercase(), "{n}");
+        let shape: Vec<usize> = v["shape"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as usize).collect();
         assert_eq!(&shape, s, "{n}");
         assert_eq!(unhex(v["hex"].as_str().unwrap()), *b, "{n}");
     }

@@ -30,30 +30,15 @@ fn corpus() -> Corpus {
         out.push((format!("t.{}", d.name()), d, shape, bytes(n, i as u64 + 1)));
         out.push((format!("empty.{}", d.name()), d, vec![0, 5], vec![]));
         if let Some(size) = d.byte_size() {
-            out.push((
-                format!("scalar.{}", d.name()),
-                d,
-                vec![],
-                bytes(size, 100 + i as u64),
-            ));
+            out.push((format!("scalar.{}", d.name()), d, vec![], bytes(size, 100 + i as u64)));
         }
     }
     out
 }
 
-fn reference_serialize(
-    t: &[(String, Dtype, Vec<usize>, Vec<u8>)],
-    meta: Option<HashMap<String, String>>,
-) -> Vec<u8> {
-    let views: Vec<(String, RefView<'_>)> = t
-        .iter()
-        .map(|(n, d, s, b)| {
-            (
-                n.clone(),
-                RefView::new(ref_dtype(*d), s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
+fn reference_serialize(t: &[(String, Dtype, Vec<usize>, Vec<u8>)], meta: Option<HashMap<String, String>>) -> Vec<u8> {
+    let views: Vec<(String, RefView<'_>)> =
+        t.iter().map(|(n, d, s, b)| (n.clone(), RefView::new(ref_dtype(*d), s.clone(), b).unwrap())).collect();
     safetensors::serialize(views, meta).unwrap()
 }
 
@@ -61,39 +46,13 @@ fn all_paths() -> Vec<(&'static str, LoadOptions)> {
     let opaque: Arc<dyn turboio::device::Device> = Arc::new(OpaqueDevice::new(0));
     vec![
         ("auto", LoadOptions::default()),
-        (
-            "mapped",
-            LoadOptions {
-                mode: LoadMode::Mapped,
-                ..Default::default()
-            },
-        ),
-        (
-            "copied",
-            LoadOptions {
-                mode: LoadMode::Copied,
-                direct: DirectIo::Off,
-                threads: 2,
-                ..Default::default()
-            },
-        ),
+        ("mapped", LoadOptions { mode: LoadMode::Mapped, ..Default::default() }),
+        ("copied", LoadOptions { mode: LoadMode::Copied, direct: DirectIo::Off, threads: 2, ..Default::default() }),
         (
             "copied O_DIRECT",
-            LoadOptions {
-                mode: LoadMode::Copied,
-                direct: DirectIo::On,
-                threads: 2,
-                ..Default::default()
-            },
+            LoadOptions { mode: LoadMode::Copied, direct: DirectIo::On, threads: 2, ..Default::default() },
         ),
-        (
-            "staged",
-            LoadOptions {
-                device: Some(opaque),
-                staging_chunk: 4096,
-                ..Default::default()
-            },
-        ),
+        ("staged", LoadOptions { device: Some(opaque), staging_chunk: 4096, ..Default::default() }),
     ]
 }
 
@@ -104,24 +63,13 @@ fn assert_loads_like_reference(path: &Path, file: &[u8]) {
         let loaded = turboio::load(path, &opts).unwrap_or_else(|e| panic!("{label}: {e}"));
         assert_eq!(loaded.len(), reference.len(), "{label}");
         for (name, view) in reference.tensors() {
-            let t = loaded
-                .tensor(&name)
-                .unwrap_or_else(|| panic!("{label}: {name} missing"));
-            assert_eq!(
-                t.dtype().name(),
-                format!("{:?}", view.dtype()),
-                "{label}: {name}"
-            );
+            let t = loaded.tensor(&name).unwrap_or_else(|| panic!("{label}: {name} missing"));
+            assert_eq!(t.dtype().name(), format!("{:?}", view.dtype()), "{label}: {name}");
             assert_eq!(t.shape(), view.shape(), "{label}: {name}");
-            assert_eq!(
-                loaded.to_host(&name).unwrap(),
-                view.data(),
-                "{label}: bytes of {name}"
-            );
+            assert_eq!(loaded.to_host(&name).unwrap(), view.data(), "{label}: bytes of {name}");
         }
         let ours: Option<BTreeMap<String, String>> = loaded.metadata().cloned();
-        let theirs: Option<BTreeMap<String, String>> =
-            ref_meta.metadata().clone().map(|m| m.into_iter().collect());
+        let theirs: Option<BTreeMap<String, String>> = ref_meta.metadata().clone().map(|m| m.into_iter().collect());
         assert_eq!(ours, theirs, "{label}: metadata");
     }
 }
@@ -130,12 +78,7 @@ fn assert_loads_like_reference(path: &Path, file: &[u8]) {
 fn every_dtype_written_by_the_reference_loads_with_identical_bytes() {
     let dir = disk_dir();
     let tensors = corpus();
-    for (i, meta) in [
-        None,
-        Some(HashMap::from([("framework".to_string(), "pt".to_string())])),
-    ]
-    .into_iter()
-    .enumerate()
+    for (i, meta) in [None, Some(HashMap::from([("framework".to_string(), "pt".to_string())]))].into_iter().enumerate()
     {
         let file = reference_serialize(&tensors, meta);
         let path = dir.path().join(format!("ref{i}.safetensors"));
@@ -158,16 +101,10 @@ fn every_dtype_one_file_each() {
 #[test]
 fn empty_file_and_only_empty_tensors() {
     let dir = disk_dir();
-    let cases: Vec<Corpus> = vec![
-        vec![],
-        vec![
-            ("a".into(), Dtype::F32, vec![0], vec![]),
-            ("b".into(), Dtype::U8, vec![2, 0, 3], vec![]),
-        ],
-    ];
+    let cases: Vec<Corpus> =
+        vec![vec![], vec![("a".into(), Dtype::F32, vec![0], vec![]), ("b".into(), Dtype::U8, vec![2, 0, 3], vec![])]];
     for (i, t) in cases.iter().enumerate() {
-        let file =
-            reference_serialize(t, Some(HashMap::from([("k".to_string(), "v".to_string())])));
+        let file = reference_serialize(t, Some(HashMap::from([("k".to_string(), "v".to_string())])));
         let path = dir.path().join(format!("e{i}.safetensors"));
         std::fs::write(&path, &file).unwrap();
         assert_loads_like_reference(&path, &file);
@@ -178,30 +115,16 @@ fn empty_file_and_only_empty_tensors() {
 fn turboio_writes_what_the_reference_writes() {
     let dir = disk_dir();
     let tensors = corpus();
-    let save: Vec<SaveTensor<'_>> = tensors
-        .iter()
-        .map(|(n, d, s, b)| SaveTensor {
-            name: n,
-            dtype: *d,
-            shape: s,
-            data: b,
-        })
-        .collect();
-    for meta in [
-        None,
-        Some(("framework", "pt")),
-        Some(("x\"y\\z\n", "ünïcode / \u{1}")),
-    ] {
+    let save: Vec<SaveTensor<'_>> =
+        tensors.iter().map(|(n, d, s, b)| SaveTensor { name: n, dtype: *d, shape: s, data: b }).collect();
+    for meta in [None, Some(("framework", "pt")), Some(("x\"y\\z\n", "ünïcode / \u{1}"))] {
         let ours_meta = meta.map(|(k, v)| BTreeMap::from([(k.to_string(), v.to_string())]));
         let ref_meta = meta.map(|(k, v)| HashMap::from([(k.to_string(), v.to_string())]));
         let path = dir.path().join("ours.safetensors");
         turboio::save(&path, &save, ours_meta.as_ref(), &SaveOptions::default()).unwrap();
         let ours = std::fs::read(&path).unwrap();
         let theirs = reference_serialize(&tensors, ref_meta);
-        assert!(
-            ours == theirs,
-            "turboio's file differs from the reference writer's (metadata {meta:?})"
-        );
+        assert!(ours == theirs, "turboio's file differs from the reference writer's (metadata {meta:?})");
         let back = safetensors::SafeTensors::deserialize(&ours).unwrap();
         for (n, _, _, b) in &tensors {
             assert_eq!(back.tensor(n).unwrap().data(), &b[..]);
@@ -212,16 +135,9 @@ fn turboio_writes_what_the_reference_writes() {
 #[test]
 fn several_metadata_keys_are_sorted_and_read_by_the_reference() {
     let dir = disk_dir();
-    let meta: BTreeMap<String, String> = (0..20)
-        .map(|i| (format!("key{:02}", 19 - i), format!("v{i}")))
-        .collect();
+    let meta: BTreeMap<String, String> = (0..20).map(|i| (format!("key{:02}", 19 - i), format!("v{i}"))).collect();
     let data = bytes(64, 9);
-    let t = [SaveTensor {
-        name: "w",
-        dtype: Dtype::F32,
-        shape: &[4, 4],
-        data: &data,
-    }];
+    let t = [SaveTensor { name: "w", dtype: Dtype::F32, shape: &[4, 4], data: &data }];
     let path = dir.path().join("meta.safetensors");
     turboio::save(&path, &t, Some(&meta), &SaveOptions::default()).unwrap();
     let file = std::fs::read(&path).unwrap();
@@ -229,12 +145,6 @@ fn several_metadata_keys_are_sorted_and_read_by_the_reference() {
     let theirs: BTreeMap<String, String> = m.metadata().clone().unwrap().into_iter().collect();
     assert_eq!(theirs, meta);
     let text = String::from_utf8_lossy(&file[8..]).into_owned();
-    let positions: Vec<usize> = meta
-        .keys()
-        .map(|k| text.find(&format!("\"{k}\"")).unwrap())
-        .collect();
-    assert!(
-        positions.windows(2).all(|w| w[0] < w[1]),
-        "metadata keys are written sorted"
-    );
+    let positions: Vec<usize> = meta.keys().map(|k| text.find(&format!("\"{k}\"")).unwrap()).collect();
+    assert!(positions.windows(2).all(|w| w[0] < w[1]), "metadata keys are written sorted");
 }

@@ -41,6 +41,7 @@ enum Loader {
     TurboAuto,
     TurboMapped,
     TurboCopied,
+    TurboCopiedHuge,
     TurboCopiedReuse,
     FsRead,
     MmapCopy,
@@ -54,6 +55,7 @@ impl Loader {
             Loader::TurboAuto => "turboio auto",
             Loader::TurboMapped => "turboio mapped",
             Loader::TurboCopied => "turboio copied",
+            Loader::TurboCopiedHuge => "turboio copied, huge pages",
             Loader::TurboCopiedReuse => "turboio copied, arena reused",
             Loader::FsRead => "std::fs::read",
             Loader::MmapCopy => "mmap + copy each tensor",
@@ -62,19 +64,21 @@ impl Loader {
         }
     }
 
-    const HOT: [Loader; 7] = [
+    const HOT: [Loader; 8] = [
         Loader::TurboAuto,
         Loader::TurboMapped,
         Loader::TurboCopied,
+        Loader::TurboCopiedHuge,
         Loader::TurboCopiedReuse,
         Loader::FsRead,
         Loader::MmapCopy,
         Loader::PopulateCeiling,
     ];
-    const COLD: [Loader; 6] = [
+    const COLD: [Loader; 7] = [
         Loader::TurboAuto,
         Loader::TurboMapped,
         Loader::TurboCopied,
+        Loader::TurboCopiedHuge,
         Loader::FsRead,
         Loader::MmapCopy,
         Loader::ODirectCeiling,
@@ -175,16 +179,9 @@ fn sample(dir: &Path, size: u64) -> Result<PathBuf> {
 /// Runs one loader once; returns (seconds, what it did, the result to keep alive while memory is measured).
 fn run_one(loader: Loader, path: &Path, pool: &ArenaPool) -> Result<(f64, String, Box<dyn Any>)> {
     let turbo =
-        |mode: LoadMode, arenas: Option<ArenaPool>| -> Result<(f64, String, Box<dyn Any>)> {
+        |mode: LoadMode, arenas: Option<ArenaPool>, huge_pages: Option<bool>| -> Result<(f64, String, Box<dyn Any>)> {
             let t = Instant::now();
-            let f = turboio::load(
-                path,
-                &LoadOptions {
-                    mode,
-                    arenas,
-                    ..Default::default()
-                },
-            )?;
+            let f = turboio::load(path, &LoadOptions { mode, arenas, huge_pages, ..Default::default() })?;
             let secs = t.elapsed().as_secs_f64();
             let r = f.report();
             let how = format!(
@@ -197,18 +194,15 @@ fn run_one(loader: Loader, path: &Path, pool: &ArenaPool) -> Result<(f64, String
             Ok((secs, how, Box::new(f)))
         };
     match loader {
-        Loader::TurboAuto => turbo(LoadMode::Auto, None),
-        Loader::TurboMapped => turbo(LoadMode::Mapped, None),
-        Loader::TurboCopied => turbo(LoadMode::Copied, None),
-        Loader::TurboCopiedReuse => turbo(LoadMode::Copied, Some(pool.clone())),
+        Loader::TurboAuto => turbo(LoadMode::Auto, None, None),
+        Loader::TurboMapped => turbo(LoadMode::Mapped, None, None),
+        Loader::TurboCopied => turbo(LoadMode::Copied, None, None),
+        Loader::TurboCopiedHuge => turbo(LoadMode::Copied, None, Some(true)),
+        Loader::TurboCopiedReuse => turbo(LoadMode::Copied, Some(pool.clone()), None),
         Loader::FsRead => {
             let t = Instant::now();
             let v = std::fs::read(path)?;
-            Ok((
-                t.elapsed().as_secs_f64(),
-                "read into a new Vec".into(),
-                Box::new(v),
-            ))
+            Ok((t.elapsed().as_secs_f64(), "read into a new Vec".into(), Box::new(v)))
         }
         Loader::MmapCopy => {
             let t = Instant::now();
@@ -222,41 +216,22 @@ fn run_one(loader: Loader, path: &Path, pool: &ArenaPool) -> Result<(f64, String
                 .iter()
                 .map(|t| m.as_slice()[start + t.data_offsets.0..start + t.data_offsets.1].to_vec())
                 .collect();
-            Ok((
-                t.elapsed().as_secs_f64(),
-                format!("{} tensor copies", copies.len()),
-                Box::new(copies),
-            ))
+            Ok((t.elapsed().as_secs_f64(), format!("{} tensor copies", copies.len()), Box::new(copies)))
         }
         Loader::PopulateCeiling => {
             let t = Instant::now();
             let n = ceiling::map_populate(path)?;
-            Ok((
-                t.elapsed().as_secs_f64(),
-                format!("{n} bytes, 1 thread"),
-                Box::new(()),
-            ))
+            Ok((t.elapsed().as_secs_f64(), format!("{n} bytes, 1 thread"), Box::new(())))
         }
         Loader::ODirectCeiling => {
             let t = Instant::now();
             let n = ceiling::odirect_sequential(path, 32, 1 << 20)?;
-            Ok((
-                t.elapsed().as_secs_f64(),
-                format!("{n} bytes, io_uring, 1 MiB blocks"),
-                Box::new(()),
-            ))
+            Ok((t.elapsed().as_secs_f64(), format!("{n} bytes, io_uring, 1 MiB blocks"), Box::new(())))
         }
     }
 }
 
-fn measure(
-    rows: &mut [Row],
-    loaders: &[Loader],
-    path: &Path,
-    runs: usize,
-    cold: bool,
-    pool: &ArenaPool,
-) -> Result<()> {
+fn measure(rows: &mut [Row], loaders: &[Loader], path: &Path, runs: usize, cold: bool, pool: &ArenaPool) -> Result<()> {
     for r in 0..runs {
         for k in 0..loaders.len() {
             let i = (k + r) % loaders.len();
@@ -280,9 +255,10 @@ fn measure(
                 }
             }
             let anon_before = status_kb("RssAnon:") as i64 * 1024;
+            let rss_before = status_kb("VmRSS:") * 1024;
             reset_peak_rss();
             let (secs, how, keep) = run_one(loaders[i], path, pool)?;
-            let peak = status_kb("VmHWM:") * 1024;
+            let peak = (status_kb("VmHWM:") * 1024).saturating_sub(rss_before);
             let anon = status_kb("RssAnon:") as i64 * 1024 - anon_before;
             drop(keep);
             let row = &mut rows[i];
@@ -303,9 +279,7 @@ struct Check {
 
 fn ratio(rows: &[Row], size: u64, cache: &str, a: Loader, b: Loader) -> Option<f64> {
     let find = |l: Loader| {
-        rows.iter().find(|r| {
-            r.size == size && r.cache == cache && r.loader == l.name() && r.skipped.is_none()
-        })
+        rows.iter().find(|r| r.size == size && r.cache == cache && r.loader == l.name() && r.skipped.is_none())
     };
     Some(find(b)?.median() / find(a)?.median())
 }
@@ -318,25 +292,17 @@ pub fn run(args: Args) -> Result<()> {
             vec![1 << 30, 2 << 30, 4 << 30]
         }
     } else {
-        args.sizes
-            .iter()
-            .map(|s| parse_size(s))
-            .collect::<Result<_>>()?
+        args.sizes.iter().map(|s| parse_size(s)).collect::<Result<_>>()?
     };
     let runs = args.runs.unwrap_or(if args.quick { 2 } else { 3 }).max(1);
-    let pool = ArenaPool::new(1);
+    let pool = ArenaPool::with_huge_pages(1, false);
     let mut all: Vec<Row> = Vec::new();
     for &size in &sizes {
         let path = sample(&args.dir, size)?;
         let len = std::fs::metadata(&path)?.len();
         let mut hot: Vec<Row> = Loader::HOT
             .iter()
-            .map(|l| Row {
-                size: len,
-                cache: "hot",
-                loader: l.name(),
-                ..Default::default()
-            })
+            .map(|l| Row { size: len, cache: "hot", loader: l.name(), ..Default::default() })
             .collect();
         eprintln!("{}: hot, {runs} runs ...", size_name(size));
         measure(&mut hot, &Loader::HOT, &path, runs, false, &pool)?;
@@ -344,12 +310,7 @@ pub fn run(args: Args) -> Result<()> {
         all.extend(hot);
         let mut cold: Vec<Row> = Loader::COLD
             .iter()
-            .map(|l| Row {
-                size: len,
-                cache: "cold",
-                loader: l.name(),
-                ..Default::default()
-            })
+            .map(|l| Row { size: len, cache: "cold", loader: l.name(), ..Default::default() })
             .collect();
         if args.no_cold {
             for r in &mut cold {
@@ -367,76 +328,31 @@ pub fn run(args: Args) -> Result<()> {
 
     let mut checks = Vec::new();
     for &size in &sizes {
-        let Some(len) = all
-            .iter()
-            .find(|r| r.size >= size && r.size < size + (64 << 20))
-            .map(|r| r.size)
-        else {
+        let Some(len) = all.iter().find(|r| r.size >= size && r.size < size + (64 << 20)).map(|r| r.size) else {
             continue;
         };
         let mut add = |what: &str, cache: &str, a: Loader, b: Loader, need: f64| {
             if let Some(r) = ratio(&all, len, cache, a, b) {
-                checks.push(Check {
-                    what: format!("{} {cache}: {what}", size_name(size)),
-                    ratio: r,
-                    need,
-                });
+                checks.push(Check { what: format!("{} {cache}: {what}", size_name(size)), ratio: r, need });
             }
         };
-        add(
-            "auto vs map+populate ceiling",
-            "hot",
-            Loader::TurboAuto,
-            Loader::PopulateCeiling,
-            0.6,
-        );
-        add(
-            "auto vs std::fs::read",
-            "hot",
-            Loader::TurboAuto,
-            Loader::FsRead,
-            3.0,
-        );
-        add(
-            "copied vs std::fs::read",
-            "hot",
-            Loader::TurboCopied,
-            Loader::FsRead,
-            1.5,
-        );
-        add(
-            "copied vs mmap+copy",
-            "hot",
-            Loader::TurboCopied,
-            Loader::MmapCopy,
-            1.5,
-        );
-        add(
-            "auto vs O_DIRECT QD32 ceiling",
-            "cold",
-            Loader::TurboAuto,
-            Loader::ODirectCeiling,
-            0.8,
-        );
-        add(
-            "auto vs std::fs::read",
-            "cold",
-            Loader::TurboAuto,
-            Loader::FsRead,
-            1.0,
-        );
+        add("auto vs map+populate ceiling", "hot", Loader::TurboAuto, Loader::PopulateCeiling, 0.6);
+        add("auto vs std::fs::read", "hot", Loader::TurboAuto, Loader::FsRead, 3.0);
+        add("copied vs std::fs::read", "hot", Loader::TurboCopied, Loader::FsRead, 1.5);
+        add("copied vs mmap+copy", "hot", Loader::TurboCopied, Loader::MmapCopy, 1.5);
+        add("auto vs O_DIRECT QD32 ceiling", "cold", Loader::TurboAuto, Loader::ODirectCeiling, 0.8);
+        add("auto vs std::fs::read", "cold", Loader::TurboAuto, Loader::FsRead, 1.0);
     }
 
     let report = render(&all, &checks, runs);
     println!("{report}");
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(args.out.join("load.md"), &report)?;
-    let mut csv = String::from("size_bytes,cache,loader,runs,median_s,gb_per_s,min_s,max_s,peak_rss_bytes,anon_delta_bytes,how,skipped\n");
+    let mut csv = String::from(
+        "size_bytes,cache,loader,runs,median_s,gb_per_s,min_s,max_s,peak_rss_bytes,anon_delta_bytes,how,skipped\n",
+    );
     for r in &all {
-        let (mn, mx) = r
-            .times
-            .iter()
-            .fold((f64::INFINITY, 0f64), |(a, b), &t| (a.min(t), b.max(t)));
+        let (mn, mx) = r.times.iter().fold((f64::INFINITY, 0f64), |(a, b), &t| (a.min(t), b.max(t)));
         let _ = writeln!(
             csv,
             "{},{},{},{},{:.4},{:.3},{:.4},{:.4},{},{},\"{}\",\"{}\"",
@@ -466,10 +382,7 @@ pub fn run(args: Args) -> Result<()> {
         })).collect::<Vec<_>>(),
         "checks": checks.iter().map(|c| serde_json::json!({"what": c.what, "ratio": c.ratio, "need": c.need, "pass": c.ratio >= c.need})).collect::<Vec<_>>(),
     });
-    std::fs::write(
-        args.out.join("load.json"),
-        serde_json::to_string_pretty(&json)?,
-    )?;
+    std::fs::write(args.out.join("load.json"), serde_json::to_string_pretty(&json)?)?;
     eprintln!("wrote {}/load.{{md,csv,json}}", args.out.display());
     Ok(())
 }
@@ -511,44 +424,23 @@ fn status_line(file: &str, key: &str) -> String {
 
 fn render(rows: &[Row], checks: &[Check], runs: usize) -> String {
     let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "turboio load benchmark, {} ({}), median of {runs} runs, loaders alternating\n",
-        date(),
-        machine()
-    );
+    let _ =
+        writeln!(s, "turboio load benchmark, {} ({}), median of {runs} runs, loaders alternating\n", date(), machine());
     let mut keys: Vec<(u64, &str)> = rows.iter().map(|r| (r.size, r.cache)).collect();
     keys.dedup();
     for (size, cache) in keys {
-        let group: Vec<&Row> = rows
-            .iter()
-            .filter(|r| r.size == size && r.cache == cache)
-            .collect();
-        let _ = writeln!(
-            s,
-            "### {:.2} GB file, {cache} page cache\n",
-            size as f64 / 1e9
-        );
-        let base = |name: &str| {
-            group
-                .iter()
-                .find(|r| r.loader == name && r.skipped.is_none())
-                .map(|r| r.median())
-        };
+        let group: Vec<&Row> = rows.iter().filter(|r| r.size == size && r.cache == cache).collect();
+        let _ = writeln!(s, "### {:.2} GB file, {cache} page cache\n", size as f64 / 1e9);
+        let base = |name: &str| group.iter().find(|r| r.loader == name && r.skipped.is_none()).map(|r| r.median());
         let auto = base(Loader::TurboAuto.name());
-        let _ = writeln!(
-            s,
-            "| loader | median s | GB/s | turboio auto is | peak RSS | +anon RSS | how |"
-        );
+        let _ = writeln!(s, "| loader | median s | GB/s | turboio auto is | peak RSS | +anon RSS | how |");
         let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---|");
         for r in group {
             if let Some(why) = &r.skipped {
                 let _ = writeln!(s, "| {} | skipped | | | | | {why} |", r.loader);
                 continue;
             }
-            let vs = auto
-                .map(|a| format!("{:.2}x", r.median() / a))
-                .unwrap_or_default();
+            let vs = auto.map(|a| format!("{:.2}x", r.median() / a)).unwrap_or_default();
             let _ = writeln!(
                 s,
                 "| {} | {:.3} | {:.2} | {vs} | {:.2} GiB | {:.1} MiB | {} |",

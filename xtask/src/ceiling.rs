@@ -34,13 +34,9 @@ pub fn odirect_sequential(path: &Path, depth: usize, block: usize) -> Result<u64
         // SAFETY: slot < depth, so the block lies inside `buf`, which outlives every request:
         // this function reaps all in-flight requests before returning.
         let ptr = unsafe { base.add(slot * block) };
-        let e = opcode::Read::new(fd, ptr, block as u32)
-            .offset(*next)
-            .build()
-            .user_data(slot as u64);
+        let e = opcode::Read::new(fd, ptr, block as u32).offset(*next).build().user_data(slot as u64);
         // SAFETY: the entry points at memory valid until its completion is reaped (see above).
-        unsafe { ring.submission().push(&e) }
-            .map_err(|_| anyhow::anyhow!("submission queue full"))?;
+        unsafe { ring.submission().push(&e) }.map_err(|_| anyhow::anyhow!("submission queue full"))?;
         *next += block as u64;
         Ok(true)
     };
@@ -52,10 +48,7 @@ pub fn odirect_sequential(path: &Path, depth: usize, block: usize) -> Result<u64
     let mut error = None;
     while inflight > 0 {
         ring.submit_and_wait(1)?;
-        let completed: Vec<(u64, i32)> = ring
-            .completion()
-            .map(|c| (c.user_data(), c.result()))
-            .collect();
+        let completed: Vec<(u64, i32)> = ring.completion().map(|c| (c.user_data(), c.result())).collect();
         for (slot, res) in completed {
             inflight -= 1;
             if res < 0 {

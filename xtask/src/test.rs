@@ -15,18 +15,12 @@ pub struct Args {
 }
 
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_default()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
 }
 
 pub fn step(name: &str, cmd: &mut Command) -> Result<()> {
     eprintln!("\n==> {name}\n    {cmd:?}");
-    let status = cmd
-        .current_dir(root())
-        .status()
-        .with_context(|| format!("cannot run {cmd:?}"))?;
+    let status = cmd.current_dir(root()).status().with_context(|| format!("cannot run {cmd:?}"))?;
     if !status.success() {
         bail!("step failed: {name} ({status})");
     }
@@ -42,39 +36,19 @@ pub fn venv(requirements: &[&str]) -> Result<PathBuf> {
     let dir = root().join(".venv");
     let python = dir.join("bin/python");
     if !python.exists() {
-        let made = Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&dir)
-            .status()
-            .is_ok_and(|s| s.success());
+        let made = Command::new("python3").args(["-m", "venv"]).arg(&dir).status().is_ok_and(|s| s.success());
         if !made {
             // Debian's python3 without python3-venv: fall back to virtualenv from PyPI.
             let _ = std::fs::remove_dir_all(&dir);
             step(
                 "install virtualenv (python3 -m venv is unavailable)",
-                Command::new("python3").args([
-                    "-m",
-                    "pip",
-                    "install",
-                    "--user",
-                    "--quiet",
-                    "virtualenv",
-                ]),
+                Command::new("python3").args(["-m", "pip", "install", "--user", "--quiet", "virtualenv"]),
             )?;
-            step(
-                "create .venv",
-                Command::new("python3").args(["-m", "virtualenv"]).arg(&dir),
-            )?;
+            step("create .venv", Command::new("python3").args(["-m", "virtualenv"]).arg(&dir))?;
         }
     }
     let mut pip = Command::new(&python);
-    pip.args([
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-    ]);
+    pip.args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"]);
     for r in requirements {
         pip.arg("-r").arg(root().join(r));
     }
@@ -110,39 +84,15 @@ pub fn run(args: Args) -> Result<()> {
     )?;
     step(
         "tests without default features",
-        cargo().args([
-            "test",
-            "-p",
-            "turboio",
-            "--no-default-features",
-            "--lib",
-            "--locked",
-        ]),
+        cargo().args(["test", "-p", "turboio", "--no-default-features", "--lib", "--locked"]),
     )?;
     if !args.fast {
-        step(
-            "docs",
-            cargo()
-                .args(["doc", "--workspace", "--no-deps", "--locked"])
-                .env("RUSTDOCFLAGS", "-D warnings"),
-        )?;
+        step("docs", cargo().args(["doc", "--workspace", "--no-deps", "--locked"]).env("RUSTDOCFLAGS", "-D warnings"))?;
         step(
             "bench smoke run",
-            cargo().args([
-                "run",
-                "--release",
-                "--locked",
-                "-p",
-                "xtask",
-                "--",
-                "bench",
-                "--quick",
-            ]),
+            cargo().args(["run", "--release", "--locked", "-p", "xtask", "--", "bench", "--quick"]),
         )?;
     }
-    eprintln!(
-        "\nall checks passed in {:.0} s",
-        start.elapsed().as_secs_f64()
-    );
+    eprintln!("\nall checks passed in {:.0} s", start.elapsed().as_secs_f64());
     Ok(())
 }

@@ -30,11 +30,13 @@
 //!   raises `SIGBUS`. turboio's own saves never do that: they write a new file and rename it
 //!   over the old one, so a mapping keeps the old inode alive and stays valid. Writers that
 //!   truncate and rewrite in place (`open(path, "wb")`) are the danger.
-//! - an [`Arena`]: anonymous memory with transparent huge pages requested (`MADV_HUGEPAGE`),
-//!   2 MiB aligned, filled by the readers (which fault it in parallel as they write). Page
-//!   faults, not copies, dominate loads into fresh memory; huge pages cut their number by 512.
-//!   Arenas can be kept in an [`ArenaPool`] and reused by later loads (veTurboIO's
-//!   `init_io_helper`), which then take no faults at all.
+//! - an [`Arena`]: anonymous memory filled by the readers, which fault it in parallel as they
+//!   write. Page faults, not copies, dominate loads into fresh memory. Transparent huge pages
+//!   (`MADV_HUGEPAGE`, 2 MiB aligned) cut the number of faults by 512 and win on bare metal, but
+//!   on virtual machines that hand freed memory back to the host they measured 2-4x slower than
+//!   4 KiB pages, so they are opt-in ([`default_huge_pages`]). Arenas can be kept in an
+//!   [`ArenaPool`] and reused by later loads (veTurboIO's `init_io_helper`), which then take no
+//!   faults at all.
 #![deny(missing_docs)]
 
 mod cpu;
@@ -43,7 +45,7 @@ mod sys;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use cpu::{Arena, ArenaPool, CpuDevice, FileMapping, PooledArena};
+pub use cpu::{default_huge_pages, Arena, ArenaPool, CpuDevice, FileMapping, PooledArena};
 pub use error::DeviceError;
 
 use std::any::Any;
@@ -89,10 +91,7 @@ pub struct DeviceId {
 
 impl DeviceId {
     /// The CPU.
-    pub const CPU: DeviceId = DeviceId {
-        kind: DeviceKind::Cpu,
-        ordinal: 0,
-    };
+    pub const CPU: DeviceId = DeviceId { kind: DeviceKind::Cpu, ordinal: 0 };
 }
 
 impl fmt::Display for DeviceId {
@@ -191,13 +190,7 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// Starts copying `src[..len]` into `dst` at `dst_offset`. The copy may still be running
     /// when this returns; [`Transfer::wait`] finishes it and returns `src`. Several uploads into
     /// disjoint ranges of one allocation may run at once, from several threads.
-    fn upload(
-        &self,
-        src: Staging,
-        len: usize,
-        dst: &dyn Allocation,
-        dst_offset: usize,
-    ) -> Result<Transfer>;
+    fn upload(&self, src: Staging, len: usize, dst: &dyn Allocation, dst_offset: usize) -> Result<Transfer>;
 
     /// Copies `dst.len()` bytes of `src` at `src_offset` into host memory, and waits.
     fn download(&self, src: &dyn Allocation, src_offset: usize, dst: &mut [u8]) -> Result<()>;
@@ -210,11 +203,6 @@ pub trait Device: Send + Sync + fmt::Debug {
 pub fn check_range(device: DeviceId, alloc_len: usize, offset: usize, len: usize) -> Result<()> {
     match offset.checked_add(len) {
         Some(end) if end <= alloc_len => Ok(()),
-        _ => Err(DeviceError::OutOfBounds {
-            device,
-            offset,
-            len,
-            alloc_len,
-        }),
+        _ => Err(DeviceError::OutOfBounds { device, offset, len, alloc_len }),
     }
 }

@@ -41,9 +41,7 @@ impl RawMap {
         let page = page_size();
         let align = align.max(page);
         let len = len.max(1).next_multiple_of(page);
-        let over = len
-            .checked_add(align - page)
-            .ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
+        let over = len.checked_add(align - page).ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
         // SAFETY: a fresh anonymous mapping at an address of the kernel's choosing; no existing
         // memory is affected.
         let p = unsafe {
@@ -75,8 +73,7 @@ impl RawMap {
         }
         Ok(RawMap {
             // aligned is inside a successful mapping, hence non-null.
-            ptr: NonNull::new(aligned as *mut u8)
-                .ok_or_else(|| io::Error::from(io::ErrorKind::Other))?,
+            ptr: NonNull::new(aligned as *mut u8).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?,
             len,
         })
     }
@@ -84,10 +81,7 @@ impl RawMap {
     /// A private, writable (copy-on-write) mapping of the first `len` bytes of `file`.
     pub(crate) fn file_private(file: &File, len: usize) -> io::Result<RawMap> {
         if len == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "cannot map an empty file",
-            ));
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "cannot map an empty file"));
         }
         // SAFETY: maps `file` at a kernel-chosen address; MAP_PRIVATE means writes through the
         // mapping never reach the file. The fd only needs to be valid for the call.
@@ -104,10 +98,7 @@ impl RawMap {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(RawMap {
-            ptr: NonNull::new(p as *mut u8).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?,
-            len,
-        })
+        Ok(RawMap { ptr: NonNull::new(p as *mut u8).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?, len })
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -140,13 +131,7 @@ impl RawMap {
         // SAFETY: the range lies inside our mapping. The advice values used by this crate
         // (HUGEPAGE, POPULATE_READ, POPULATE_WRITE) never change the contents visible to Rust:
         // they only change how and when pages are faulted in.
-        let r = unsafe {
-            libc::madvise(
-                (self.addr() + start) as *mut libc::c_void,
-                end - start,
-                advice,
-            )
-        };
+        let r = unsafe { libc::madvise((self.addr() + start) as *mut libc::c_void, end - start, advice) };
         if r == 0 {
             Ok(())
         } else {

@@ -10,8 +10,7 @@
 
 use crate::cpu::Arena;
 use crate::{
-    check_range, Allocation, Device, DeviceError, DeviceId, DeviceKind, PendingTransfer, Result,
-    Staging, Transfer,
+    check_range, Allocation, Device, DeviceError, DeviceId, DeviceKind, PendingTransfer, Result, Staging, Transfer,
 };
 use std::any::Any;
 use std::collections::HashMap;
@@ -23,13 +22,7 @@ use std::sync::{Arc, Mutex};
 type Memory = Arc<Mutex<HashMap<u64, Vec<u8>>>>;
 
 enum Job {
-    Copy {
-        handle: u64,
-        offset: usize,
-        src: Staging,
-        len: usize,
-        done: mpsc::Sender<Result<Staging>>,
-    },
+    Copy { handle: u64, offset: usize, src: Staging, len: usize, done: mpsc::Sender<Result<Staging>> },
     Fence(mpsc::Sender<()>),
 }
 
@@ -46,9 +39,7 @@ pub struct OpaqueDevice {
 
 impl fmt::Debug for OpaqueDevice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OpaqueDevice")
-            .field("ordinal", &self.ordinal)
-            .finish_non_exhaustive()
+        f.debug_struct("OpaqueDevice").field("ordinal", &self.ordinal).finish_non_exhaustive()
     }
 }
 
@@ -65,20 +56,11 @@ impl OpaqueDevice {
             let uploads = uploads.clone();
             let uploaded_bytes = uploaded_bytes.clone();
             let fail_after = fail_after.clone();
-            let id = DeviceId {
-                kind: DeviceKind::Test,
-                ordinal,
-            };
+            let id = DeviceId { kind: DeviceKind::Test, ordinal };
             std::thread::spawn(move || {
                 for job in rx {
                     match job {
-                        Job::Copy {
-                            handle,
-                            offset,
-                            src,
-                            len,
-                            done,
-                        } => {
+                        Job::Copy { handle, offset, src, len, done } => {
                             let result = (|| {
                                 let before = uploaded_bytes.fetch_add(len as u64, Ordering::SeqCst);
                                 if before + len as u64 > fail_after.load(Ordering::SeqCst) {
@@ -93,13 +75,12 @@ impl OpaqueDevice {
                                     message: "allocation freed during a copy".into(),
                                 })?;
                                 check_range(id, buf.len(), offset, len)?;
-                                let bytes =
-                                    src.as_slice().get(..len).ok_or(DeviceError::OutOfBounds {
-                                        device: id,
-                                        offset: 0,
-                                        len,
-                                        alloc_len: src.as_slice().len(),
-                                    })?;
+                                let bytes = src.as_slice().get(..len).ok_or(DeviceError::OutOfBounds {
+                                    device: id,
+                                    offset: 0,
+                                    len,
+                                    alloc_len: src.as_slice().len(),
+                                })?;
                                 buf[offset..offset + len].copy_from_slice(bytes);
                                 uploads.fetch_add(1, Ordering::SeqCst);
                                 Ok(())
@@ -149,10 +130,7 @@ impl OpaqueDevice {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .send(job)
-            .map_err(|_| DeviceError::Driver {
-                device: self.id(),
-                message: "copy engine stopped".into(),
-            })
+            .map_err(|_| DeviceError::Driver { device: self.id(), message: "copy engine stopped".into() })
     }
 }
 
@@ -166,19 +144,13 @@ pub struct OpaqueAllocation {
 
 impl fmt::Debug for OpaqueAllocation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OpaqueAllocation")
-            .field("handle", &self.handle)
-            .field("len", &self.len)
-            .finish()
+        f.debug_struct("OpaqueAllocation").field("handle", &self.handle).field("len", &self.len).finish()
     }
 }
 
 impl Drop for OpaqueAllocation {
     fn drop(&mut self) {
-        self.memory
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&self.handle);
+        self.memory.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.handle);
     }
 }
 
@@ -212,12 +184,9 @@ struct Pending(mpsc::Receiver<Result<Staging>>, DeviceId);
 
 impl PendingTransfer for Pending {
     fn wait(self: Box<Self>) -> Result<Staging> {
-        self.0.recv().unwrap_or_else(|_| {
-            Err(DeviceError::Driver {
-                device: self.1,
-                message: "copy engine stopped".into(),
-            })
-        })
+        self.0
+            .recv()
+            .unwrap_or_else(|_| Err(DeviceError::Driver { device: self.1, message: "copy engine stopped".into() }))
     }
 }
 
@@ -226,56 +195,30 @@ impl OpaqueDevice {
         a.as_any()
             .downcast_ref::<OpaqueAllocation>()
             .filter(|o| o.device == self.id())
-            .ok_or(DeviceError::ForeignAllocation {
-                device: self.id(),
-                other: a.device(),
-            })
+            .ok_or(DeviceError::ForeignAllocation { device: self.id(), other: a.device() })
     }
 }
 
 impl Device for OpaqueDevice {
     fn id(&self) -> DeviceId {
-        DeviceId {
-            kind: DeviceKind::Test,
-            ordinal: self.ordinal,
-        }
+        DeviceId { kind: DeviceKind::Test, ordinal: self.ordinal }
     }
 
     fn alloc(&self, len: usize) -> Result<Box<dyn Allocation>> {
         let handle = self.next_handle.fetch_add(1, Ordering::SeqCst);
-        self.memory
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(handle, vec![0xEE; len]);
-        Ok(Box::new(OpaqueAllocation {
-            device: self.id(),
-            handle,
-            len,
-            memory: self.memory.clone(),
-        }))
+        self.memory.lock().unwrap_or_else(|p| p.into_inner()).insert(handle, vec![0xEE; len]);
+        Ok(Box::new(OpaqueAllocation { device: self.id(), handle, len, memory: self.memory.clone() }))
     }
 
     fn alloc_staging(&self, len: usize) -> Result<Staging> {
         Ok(Box::new(Arena::new(len, false)?))
     }
 
-    fn upload(
-        &self,
-        src: Staging,
-        len: usize,
-        dst: &dyn Allocation,
-        dst_offset: usize,
-    ) -> Result<Transfer> {
+    fn upload(&self, src: Staging, len: usize, dst: &dyn Allocation, dst_offset: usize) -> Result<Transfer> {
         let dst = self.own(dst)?;
         check_range(self.id(), dst.len, dst_offset, len)?;
         let (tx, rx) = mpsc::channel();
-        self.send(Job::Copy {
-            handle: dst.handle,
-            offset: dst_offset,
-            src,
-            len,
-            done: tx,
-        })?;
+        self.send(Job::Copy { handle: dst.handle, offset: dst_offset, src, len, done: tx })?;
         Ok(Transfer::Pending(Box::new(Pending(rx, self.id()))))
     }
 
@@ -284,10 +227,9 @@ impl Device for OpaqueDevice {
         let src = self.own(src)?;
         check_range(self.id(), src.len, src_offset, dst.len())?;
         let mem = self.memory.lock().unwrap_or_else(|p| p.into_inner());
-        let buf = mem.get(&src.handle).ok_or(DeviceError::Driver {
-            device: self.id(),
-            message: "allocation freed".into(),
-        })?;
+        let buf = mem
+            .get(&src.handle)
+            .ok_or(DeviceError::Driver { device: self.id(), message: "allocation freed".into() })?;
         dst.copy_from_slice(&buf[src_offset..src_offset + dst.len()]);
         Ok(())
     }
@@ -295,10 +237,7 @@ impl Device for OpaqueDevice {
     fn synchronize(&self) -> Result<()> {
         let (tx, rx) = mpsc::channel();
         self.send(Job::Fence(tx))?;
-        rx.recv().map_err(|_| DeviceError::Driver {
-            device: self.id(),
-            message: "copy engine stopped".into(),
-        })
+        rx.recv().map_err(|_| DeviceError::Driver { device: self.id(), message: "copy engine stopped".into() })
     }
 }
 
@@ -324,10 +263,7 @@ mod tests {
         assert_eq!(dev.live_allocations(), 0);
         let cpu = crate::CpuDevice::new().alloc(10).unwrap();
         let s = dev.alloc_staging(10).unwrap();
-        assert!(matches!(
-            dev.upload(s, 10, cpu.as_ref(), 0),
-            Err(DeviceError::ForeignAllocation { .. })
-        ));
+        assert!(matches!(dev.upload(s, 10, cpu.as_ref(), 0), Err(DeviceError::ForeignAllocation { .. })));
     }
 
     #[test]
@@ -337,11 +273,7 @@ mod tests {
         dev.fail_after_bytes(40);
         let s = dev.alloc_staging(32).unwrap();
         let s = dev.upload(s, 32, a.as_ref(), 0).unwrap().wait().unwrap();
-        let err = dev
-            .upload(s, 32, a.as_ref(), 32)
-            .unwrap()
-            .wait()
-            .unwrap_err();
+        let err = dev.upload(s, 32, a.as_ref(), 32).unwrap().wait().unwrap_err();
         assert!(err.to_string().contains("injected"), "{err}");
     }
 }

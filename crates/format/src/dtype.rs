@@ -158,10 +158,7 @@ impl FromStr for Dtype {
     type Err = UnknownDtype;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Dtype::ALL
-            .into_iter()
-            .find(|d| d.name() == s)
-            .ok_or_else(|| UnknownDtype(s.to_owned()))
+        Dtype::ALL.into_iter().find(|d| d.name() == s).ok_or_else(|| UnknownDtype(s.to_owned()))
     }
 }
 
@@ -189,9 +186,7 @@ mod tests {
 
     #[test]
     fn bit_sizes() {
-        let expect = [
-            8, 4, 6, 6, 8, 8, 8, 8, 8, 8, 8, 16, 16, 16, 16, 32, 32, 32, 64, 64, 64, 64,
-        ];
+        let expect = [8, 4, 6, 6, 8, 8, 8, 8, 8, 8, 8, 16, 16, 16, 16, 32, 32, 32, 64, 64, 64, 64];
         for (d, bits) in Dtype::ALL.into_iter().zip(expect) {
             assert_eq!(d.bits(), bits, "{d}");
         }

@@ -52,9 +52,7 @@ pub enum FormatError {
         expected_begin: usize,
     },
     /// product(shape) or its size in bits overflows.
-    #[error(
-        "overflow computing the size of tensor `{name}` from shape {shape:?} and dtype {dtype}"
-    )]
+    #[error("overflow computing the size of tensor `{name}` from shape {shape:?} and dtype {dtype}")]
     ValidationOverflow {
         /// The offending tensor.
         name: String,
@@ -64,9 +62,7 @@ pub enum FormatError {
         shape: Vec<usize>,
     },
     /// A sub-byte dtype whose element count does not fill whole bytes.
-    #[error(
-        "tensor `{name}` of dtype {dtype} and shape {shape:?} does not end on a byte boundary"
-    )]
+    #[error("tensor `{name}` of dtype {dtype} and shape {shape:?} does not end on a byte boundary")]
     MisalignedSlice {
         /// The offending tensor.
         name: String,

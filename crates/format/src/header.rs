@@ -70,9 +70,7 @@ pub struct Header {
 /// least the first 8 bytes when the file has them.
 pub fn read_header_len(first: &[u8], file_len: u64) -> Result<u64, FormatError> {
     let Some(len_bytes) = first.get(..N_LEN) else {
-        return Err(FormatError::HeaderTooSmall {
-            len: file_len.min(first.len() as u64),
-        });
+        return Err(FormatError::HeaderTooSmall { len: file_len.min(first.len() as u64) });
     };
     if file_len < N_LEN as u64 {
         return Err(FormatError::HeaderTooSmall { len: file_len });
@@ -85,10 +83,7 @@ pub fn read_header_len(first: &[u8], file_len: u64) -> Result<u64, FormatError> 
     }
     let available = file_len - N_LEN as u64;
     if n > available {
-        return Err(FormatError::InvalidHeaderLength {
-            header_len: n,
-            available,
-        });
+        return Err(FormatError::InvalidHeaderLength { header_len: n, available });
     }
     Ok(n)
 }
@@ -120,25 +115,15 @@ impl Header {
     /// Steps 5 to 8 of the reference validation: the `N` header bytes (after the 8-byte length) of a file of `file_len` bytes.
     pub fn parse_json(json: &[u8], file_len: u64) -> Result<Header, FormatError> {
         let text = std::str::from_utf8(json).map_err(FormatError::InvalidHeader)?;
-        let raw: RawHeader =
-            serde_json::from_str(text).map_err(FormatError::InvalidHeaderDeserialization)?;
+        let raw: RawHeader = serde_json::from_str(text).map_err(FormatError::InvalidHeaderDeserialization)?;
         let mut tensors: Vec<TensorInfo> = raw
             .tensors
             .into_iter()
-            .map(|(name, t)| TensorInfo {
-                name,
-                dtype: t.dtype,
-                shape: t.shape,
-                data_offsets: t.data_offsets,
-            })
+            .map(|(name, t)| TensorInfo { name, dtype: t.dtype, shape: t.shape, data_offsets: t.data_offsets })
             .collect();
         // The reference sorts by (BEGIN, END) only, leaving ties in hash order; the name breaks
         // ties here so that the same file always gives the same error.
-        tensors.sort_by(|a, b| {
-            a.data_offsets
-                .cmp(&b.data_offsets)
-                .then_with(|| a.name.cmp(&b.name))
-        });
+        tensors.sort_by(|a, b| a.data_offsets.cmp(&b.data_offsets).then_with(|| a.name.cmp(&b.name)));
         let data_len = validate(&tensors)?;
         let header_end = N_LEN as u64 + json.len() as u64;
         // The data length alone can be close to 2^64 (eight tensors of 2^61 - 1 bytes each
@@ -152,11 +137,7 @@ impl Header {
                 actual: file_len,
             });
         }
-        let index = tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.name.clone(), i))
-            .collect();
+        let index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         Ok(Header {
             header_len: json.len() as u64,
             metadata: raw.metadata.map(|m| m.into_iter().collect()),
@@ -218,8 +199,7 @@ impl Header {
 
     /// A tensor by name, or [`FormatError::TensorNotFound`].
     pub fn tensor(&self, name: &str) -> Result<&TensorInfo, FormatError> {
-        self.get(name)
-            .ok_or_else(|| FormatError::TensorNotFound(name.to_owned()))
+        self.get(name).ok_or_else(|| FormatError::TensorNotFound(name.to_owned()))
     }
 
     /// Tensor names sorted alphabetically.
@@ -237,36 +217,19 @@ impl Header {
             return Vec::new();
         };
         meta.iter()
-            .filter(|(k, v)| {
-                self.index.contains_key(v.as_str()) && !self.index.contains_key(k.as_str())
-            })
+            .filter(|(k, v)| self.index.contains_key(v.as_str()) && !self.index.contains_key(k.as_str()))
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect()
     }
 }
 
 /// Size in bytes of `shape` elements of `dtype`, with the reference's overflow and sub-byte checks.
-pub(crate) fn tensor_byte_len(
-    name: &str,
-    dtype: Dtype,
-    shape: &[usize],
-) -> Result<usize, FormatError> {
-    let overflow = || FormatError::ValidationOverflow {
-        name: name.to_owned(),
-        dtype,
-        shape: shape.to_vec(),
-    };
-    let elements = shape
-        .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(overflow)?;
+pub(crate) fn tensor_byte_len(name: &str, dtype: Dtype, shape: &[usize]) -> Result<usize, FormatError> {
+    let overflow = || FormatError::ValidationOverflow { name: name.to_owned(), dtype, shape: shape.to_vec() };
+    let elements = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(overflow)?;
     let bits = elements.checked_mul(dtype.bits()).ok_or_else(overflow)?;
     if bits % 8 != 0 {
-        return Err(FormatError::MisalignedSlice {
-            name: name.to_owned(),
-            dtype,
-            shape: shape.to_vec(),
-        });
+        return Err(FormatError::MisalignedSlice { name: name.to_owned(), dtype, shape: shape.to_vec() });
     }
     Ok(bits / 8)
 }
@@ -278,12 +241,7 @@ pub(crate) fn validate(tensors: &[TensorInfo]) -> Result<usize, FormatError> {
     for t in tensors {
         let (s, e) = t.data_offsets;
         if s != start || e < s {
-            return Err(FormatError::InvalidOffset {
-                name: t.name.clone(),
-                begin: s,
-                end: e,
-                expected_begin: start,
-            });
+            return Err(FormatError::InvalidOffset { name: t.name.clone(), begin: s, end: e, expected_begin: start });
         }
         start = e;
         let expected = tensor_byte_len(&t.name, t.dtype, &t.shape)?;

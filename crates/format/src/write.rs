@@ -22,12 +22,7 @@ impl<'a> TensorSpec<'a> {
     /// A spec whose `data_len` is computed from the dtype and shape.
     pub fn new(name: &'a str, dtype: Dtype, shape: &'a [usize]) -> Result<Self, FormatError> {
         let data_len = tensor_byte_len(name, dtype, shape)?;
-        Ok(TensorSpec {
-            name,
-            dtype,
-            shape,
-            data_len,
-        })
+        Ok(TensorSpec { name, dtype, shape, data_len })
     }
 }
 
@@ -72,10 +67,7 @@ impl Layout {
 /// own output varies from run to run when there is more than one key), and that no tensor with
 /// `Some` empty metadata gives `{"__metadata__":{}}` where the reference writes the invalid
 /// `{},"__metadata__":{}}`.
-pub fn plan(
-    tensors: &[TensorSpec<'_>],
-    metadata: Option<&BTreeMap<String, String>>,
-) -> Result<Layout, FormatError> {
+pub fn plan(tensors: &[TensorSpec<'_>], metadata: Option<&BTreeMap<String, String>>) -> Result<Layout, FormatError> {
     let mut seen = HashSet::with_capacity(tensors.len());
     for t in tensors {
         if t.name == "__metadata__" {
@@ -94,14 +86,11 @@ pub fn plan(
     let mut entries = Vec::with_capacity(tensors.len());
     for i in order {
         let t = &tensors[i];
-        let end =
-            offset
-                .checked_add(t.data_len)
-                .ok_or_else(|| FormatError::ValidationOverflow {
-                    name: t.name.to_owned(),
-                    dtype: t.dtype,
-                    shape: t.shape.to_vec(),
-                })?;
+        let end = offset.checked_add(t.data_len).ok_or_else(|| FormatError::ValidationOverflow {
+            name: t.name.to_owned(),
+            dtype: t.dtype,
+            shape: t.shape.to_vec(),
+        })?;
         entries.push(LayoutEntry {
             input_index: i,
             info: TensorInfo {
@@ -127,11 +116,7 @@ pub fn plan(
             });
         }
     }
-    Ok(Layout {
-        header,
-        entries,
-        data_len: data_len as u64,
-    })
+    Ok(Layout { header, entries, data_len: data_len as u64 })
 }
 
 /// Serializes complete tensors, each with its bytes, into one in-memory file.
@@ -165,10 +150,7 @@ fn json_string(out: &mut String, s: &str) {
     out.push_str(&serde_json::to_string(s).unwrap_or_default());
 }
 
-fn render_header(
-    tensors: &[TensorInfo],
-    metadata: Option<&BTreeMap<String, String>>,
-) -> Result<Vec<u8>, FormatError> {
+fn render_header(tensors: &[TensorInfo], metadata: Option<&BTreeMap<String, String>>) -> Result<Vec<u8>, FormatError> {
     let mut json = String::with_capacity(64 + tensors.len() * 96);
     json.push('{');
     let mut first = true;
@@ -198,11 +180,7 @@ fn render_header(
             }
             let _ = write!(json, "{d}");
         }
-        let _ = write!(
-            json,
-            "],\"data_offsets\":[{},{}]}}",
-            t.data_offsets.0, t.data_offsets.1
-        );
+        let _ = write!(json, "],\"data_offsets\":[{},{}]}}", t.data_offsets.0, t.data_offsets.1);
     }
     json.push('}');
     let padded = json.len().next_multiple_of(8);

@@ -6,9 +6,7 @@ mod common;
 use common::{pattern, strategies};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
-use turboio_format::{
-    plan, read_header_len, serialize, Dtype, FormatError, Header, TensorSpec, MAX_HEADER_SIZE,
-};
+use turboio_format::{plan, read_header_len, serialize, Dtype, FormatError, Header, TensorSpec, MAX_HEADER_SIZE};
 
 /// What must hold of any header the parser accepts for a file of `file_len` bytes.
 fn check_accepted(h: &Header, file_len: u64) -> Result<(), TestCaseError> {
@@ -21,11 +19,8 @@ fn check_accepted(h: &Header, file_len: u64) -> Result<(), TestCaseError> {
         prop_assert!(t.data_offsets.1 >= t.data_offsets.0);
         end = t.data_offsets.1;
         // Recompute the size with checked arithmetic.
-        let bits = t
-            .shape
-            .iter()
-            .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .and_then(|n| n.checked_mul(t.dtype.bits()));
+        let bits =
+            t.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).and_then(|n| n.checked_mul(t.dtype.bits()));
         prop_assert_eq!(bits.map(|b| b / 8), Some(t.len()));
         prop_assert_eq!(bits.unwrap() % 8, 0);
         prop_assert_eq!(h.position(&t.name), Some(i));
@@ -70,16 +65,9 @@ fn parse_all_ways(bytes: &[u8]) -> Result<Option<Header>, TestCaseError> {
 /// A valid file written by us, to mutate.
 fn valid_file() -> impl Strategy<Value = Vec<u8>> {
     (strategies::tensor_set(5), strategies::metadata(2)).prop_map(|(tensors, meta)| {
-        let specs: Vec<TensorSpec<'_>> = tensors
-            .iter()
-            .map(|(n, d, s)| TensorSpec::new(n, *d, s).unwrap())
-            .collect();
+        let specs: Vec<TensorSpec<'_>> = tensors.iter().map(|(n, d, s)| TensorSpec::new(n, *d, s).unwrap()).collect();
         let data: Vec<Vec<u8>> = specs.iter().map(|s| pattern(s.data_len, 1)).collect();
-        let pairs: Vec<(TensorSpec<'_>, &[u8])> = specs
-            .iter()
-            .zip(&data)
-            .map(|(s, d)| (*s, d.as_slice()))
-            .collect();
+        let pairs: Vec<(TensorSpec<'_>, &[u8])> = specs.iter().zip(&data).map(|(s, d)| (*s, d.as_slice())).collect();
         serialize(&pairs, meta.as_ref()).unwrap()
     })
 }
@@ -95,10 +83,7 @@ enum Edit {
 }
 
 fn edit() -> impl Strategy<Value = Edit> {
-    let byte = prop_oneof![
-        any::<u8>(),
-        prop::sample::select(b"\"{}[],:0123456789 -.eE\\".to_vec()),
-    ];
+    let byte = prop_oneof![any::<u8>(), prop::sample::select(b"\"{}[],:0123456789 -.eE\\".to_vec()),];
     prop_oneof![
         4 => (any::<prop::sample::Index>(), byte.clone()).prop_map(|(i, b)| Edit::Set(i, b)),
         2 => (any::<prop::sample::Index>(), byte).prop_map(|(i, b)| Edit::Insert(i, b)),

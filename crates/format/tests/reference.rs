@@ -19,11 +19,7 @@ fn to_ref(d: Dtype) -> safetensors::Dtype {
 }
 
 fn from_ref(d: safetensors::Dtype) -> Dtype {
-    serde_json::to_string(&d)
-        .unwrap()
-        .trim_matches('"')
-        .parse()
-        .unwrap()
+    serde_json::to_string(&d).unwrap().trim_matches('"').parse().unwrap()
 }
 
 /// The reference's variant, by the same name as ours.
@@ -49,23 +45,15 @@ fn ref_kind(e: &SafeTensorError) -> &'static str {
 type Tensors = BTreeMap<String, (Dtype, Vec<usize>, (usize, usize))>;
 
 fn ours_view(h: &Header) -> Tensors {
-    h.tensors()
-        .iter()
-        .map(|t| (t.name.clone(), (t.dtype, t.shape.clone(), t.data_offsets)))
-        .collect()
+    h.tensors().iter().map(|t| (t.name.clone(), (t.dtype, t.shape.clone(), t.data_offsets))).collect()
 }
 
 fn ref_view(m: &Metadata) -> Tensors {
-    m.tensors()
-        .into_iter()
-        .map(|(n, t)| (n, (from_ref(t.dtype), t.shape.clone(), t.data_offsets)))
-        .collect()
+    m.tensors().into_iter().map(|(n, t)| (n, (from_ref(t.dtype), t.shape.clone(), t.data_offsets))).collect()
 }
 
 fn ref_meta(m: &Metadata) -> Option<BTreeMap<String, String>> {
-    m.metadata()
-        .as_ref()
-        .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+    m.metadata().as_ref().map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
 }
 
 /// The names of tensors sharing `data_offsets` with another tensor, from the JSON as serde
@@ -77,19 +65,10 @@ fn tied_names(bytes: &[u8]) -> Option<Vec<String>> {
     let mut by_offsets: HashMap<String, Vec<String>> = HashMap::new();
     for (name, t) in value.as_object()? {
         if name != "__metadata__" {
-            by_offsets
-                .entry(t.get("data_offsets")?.to_string())
-                .or_default()
-                .push(name.clone());
+            by_offsets.entry(t.get("data_offsets")?.to_string()).or_default().push(name.clone());
         }
     }
-    Some(
-        by_offsets
-            .into_values()
-            .filter(|v| v.len() > 1)
-            .flatten()
-            .collect(),
-    )
+    Some(by_offsets.into_values().filter(|v| v.len() > 1).flatten().collect())
 }
 
 /// The reference's `Metadata::new` (its validation) on the header's tensors sorted as we sort
@@ -99,10 +78,8 @@ fn ref_validate_in_our_order(bytes: &[u8]) -> Option<Result<Metadata, SafeTensor
     let text = std::str::from_utf8(bytes.get(8..8 + n)?).ok()?;
     let mut entries: HashMap<String, serde_json::Value> = serde_json::from_str(text).ok()?;
     entries.remove("__metadata__");
-    let mut tensors: Vec<(String, safetensors::tensor::TensorInfo)> = entries
-        .into_iter()
-        .map(|(k, v)| Some((k, serde_json::from_value(v).ok()?)))
-        .collect::<Option<_>>()?;
+    let mut tensors: Vec<(String, safetensors::tensor::TensorInfo)> =
+        entries.into_iter().map(|(k, v)| Some((k, serde_json::from_value(v).ok()?))).collect::<Option<_>>()?;
     tensors.sort_by(|(a, l), (b, r)| l.data_offsets.cmp(&r.data_offsets).then(a.cmp(b)));
     Some(Metadata::new(None, tensors))
 }
@@ -136,18 +113,10 @@ fn compare(bytes: &[u8]) -> Result<Agreement, String> {
                 return Err(format!("N: ours {} theirs {n}", h.header_len()));
             }
             if ours_view(&h) != ref_view(&m) {
-                return Err(format!(
-                    "tensors: ours {:?} theirs {:?}",
-                    ours_view(&h),
-                    ref_view(&m)
-                ));
+                return Err(format!("tensors: ours {:?} theirs {:?}", ours_view(&h), ref_view(&m)));
             }
             if h.metadata().cloned() != ref_meta(&m) {
-                return Err(format!(
-                    "metadata: ours {:?} theirs {:?}",
-                    h.metadata(),
-                    ref_meta(&m)
-                ));
+                return Err(format!("metadata: ours {:?} theirs {:?}", h.metadata(), ref_meta(&m)));
             }
             if h.data_len() != m.data_len() as u64 {
                 return Err("data_len".into());
@@ -156,9 +125,7 @@ fn compare(bytes: &[u8]) -> Result<Agreement, String> {
         }
         (Err(o), Err(t)) => {
             let same_name = match (&o, &t) {
-                (FormatError::InvalidOffset { name: a, .. }, SafeTensorError::InvalidOffset(b)) => {
-                    a == b
-                }
+                (FormatError::InvalidOffset { name: a, .. }, SafeTensorError::InvalidOffset(b)) => a == b,
                 _ => true,
             };
             if kind(&o) != ref_kind(&t) || !same_name {
@@ -170,10 +137,9 @@ fn compare(bytes: &[u8]) -> Result<Agreement, String> {
                 let replay = ref_validate_in_our_order(bytes);
                 let explained = !tied.is_empty()
                     && match (&o, &replay) {
-                        (
-                            FormatError::InvalidOffset { name: a, .. },
-                            Some(Err(SafeTensorError::InvalidOffset(b))),
-                        ) => a == b,
+                        (FormatError::InvalidOffset { name: a, .. }, Some(Err(SafeTensorError::InvalidOffset(b)))) => {
+                            a == b
+                        }
                         (_, Some(Err(e))) => kind(&o) == ref_kind(e),
                         _ => false,
                     };
@@ -196,34 +162,15 @@ struct Written {
     data: Vec<Vec<u8>>,
 }
 
-fn write_both(
-    tensors: &[(String, Dtype, Vec<usize>)],
-    metadata: Option<&BTreeMap<String, String>>,
-) -> Written {
-    let specs: Vec<TensorSpec<'_>> = tensors
-        .iter()
-        .map(|(n, d, s)| TensorSpec::new(n, *d, s).unwrap())
-        .collect();
-    let data: Vec<Vec<u8>> = specs
-        .iter()
-        .enumerate()
-        .map(|(i, s)| pattern(s.data_len, i as u8))
-        .collect();
-    let pairs: Vec<(TensorSpec<'_>, &[u8])> = specs
-        .iter()
-        .zip(&data)
-        .map(|(s, d)| (*s, d.as_slice()))
-        .collect();
+fn write_both(tensors: &[(String, Dtype, Vec<usize>)], metadata: Option<&BTreeMap<String, String>>) -> Written {
+    let specs: Vec<TensorSpec<'_>> = tensors.iter().map(|(n, d, s)| TensorSpec::new(n, *d, s).unwrap()).collect();
+    let data: Vec<Vec<u8>> = specs.iter().enumerate().map(|(i, s)| pattern(s.data_len, i as u8)).collect();
+    let pairs: Vec<(TensorSpec<'_>, &[u8])> = specs.iter().zip(&data).map(|(s, d)| (*s, d.as_slice())).collect();
     let ours = serialize(&pairs, metadata).unwrap();
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .zip(&data)
-        .map(|((n, d, s), bytes)| {
-            (
-                n.clone(),
-                TensorView::new(to_ref(*d), s.clone(), bytes).unwrap(),
-            )
-        })
+        .map(|((n, d, s), bytes)| (n.clone(), TensorView::new(to_ref(*d), s.clone(), bytes).unwrap()))
         .collect();
     let meta: Option<HashMap<String, String>> =
         metadata.map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect());
@@ -232,10 +179,7 @@ fn write_both(
 }
 
 /// (b): the reference's file read by both; data slices match the written data.
-fn check_reference_file(
-    w: &Written,
-    tensors: &[(String, Dtype, Vec<usize>)],
-) -> Result<(), TestCaseError> {
+fn check_reference_file(w: &Written, tensors: &[(String, Dtype, Vec<usize>)]) -> Result<(), TestCaseError> {
     let agreement = compare(&w.theirs).map_err(TestCaseError::fail)?;
     prop_assert_eq!(agreement, Agreement::BothAccept);
     let h = Header::from_file_bytes(&w.theirs).unwrap();
@@ -305,18 +249,12 @@ fn empty_metadata_without_tensors() {
     let mut ours = 24u64.to_le_bytes().to_vec();
     ours.extend_from_slice(b"{\"__metadata__\":{}}     ");
     assert_eq!(w.ours, ours);
-    assert_eq!(
-        Header::from_file_bytes(&w.ours).unwrap().metadata(),
-        Some(&empty)
-    );
+    assert_eq!(Header::from_file_bytes(&w.ours).unwrap().metadata(), Some(&empty));
     assert_eq!(compare(&w.ours), Ok(Agreement::BothAccept));
     let mut theirs = 24u64.to_le_bytes().to_vec();
     theirs.extend_from_slice(b"{},\"__metadata__\":{}}   ");
     assert_eq!(w.theirs, theirs);
-    assert_eq!(
-        compare(&w.theirs),
-        Ok(Agreement::BothReject("InvalidHeaderDeserialization"))
-    );
+    assert_eq!(compare(&w.theirs), Ok(Agreement::BothReject("InvalidHeaderDeserialization")));
     // With one tensor, or one metadata entry, the length is not 0 and both agree.
     let w = write_both(&[("a".into(), Dtype::U8, vec![1])], Some(&empty));
     assert_eq!(w.ours, w.theirs);
@@ -394,10 +332,7 @@ fn overflowing_data_length() {
     // Ours: MetadataIncompleteBuffer. The reference computes `buffer_end + 8 + n` unchecked:
     // it panics with overflow checks on (debug) and wraps to a rejection without them.
     let bytes = common::file(common::overflowing_data_len_json(), 0);
-    assert_eq!(
-        kind(&Header::from_file_bytes(&bytes).unwrap_err()),
-        "MetadataIncompleteBuffer"
-    );
+    assert_eq!(kind(&Header::from_file_bytes(&bytes).unwrap_err()), "MetadataIncompleteBuffer");
     let theirs = catch_unwind(|| SafeTensors::read_metadata(&bytes).map(|_| ()));
     match theirs {
         Err(_) => {}
@@ -479,10 +414,7 @@ fn mutated_headers_agree() {
         "TensorInvalidInfo",
         "MetadataIncompleteBuffer",
     ] {
-        assert!(
-            rejected.contains_key(k),
-            "no mutation gave {k}: {rejected:?}"
-        );
+        assert!(rejected.contains_key(k), "no mutation gave {k}: {rejected:?}");
     }
     assert!(accepted > 50, "{accepted} {rejected:?}");
 }
@@ -552,36 +484,20 @@ fn structured_sample_covers_every_rule() {
 /// ties in name order and always reports the same error.
 #[test]
 fn ties_can_change_the_reference_variant() {
-    let json = common::object(&[
-        common::entry("é", "F6_E2M3", &[], 0, 0),
-        common::entry("a", "C64", &[u64::MAX, 3], 0, 0),
-    ]);
+    let json =
+        common::object(&[common::entry("é", "F6_E2M3", &[], 0, 0), common::entry("a", "C64", &[u64::MAX, 3], 0, 0)]);
     let bytes = common::file(json, 0);
     match Header::from_file_bytes(&bytes) {
         Err(FormatError::ValidationOverflow { name, .. }) => assert_eq!(name, "a"),
         other => panic!("{other:?}"),
     }
     let theirs = ref_kind(&SafeTensors::read_metadata(&bytes).unwrap_err());
-    assert!(
-        ["ValidationOverflow", "MisalignedSlice"].contains(&theirs),
-        "{theirs}"
-    );
-    assert_eq!(
-        compare(&bytes),
-        Ok(Agreement::BothReject("ValidationOverflow"))
-    );
+    assert!(["ValidationOverflow", "MisalignedSlice"].contains(&theirs), "{theirs}");
+    assert_eq!(compare(&bytes), Ok(Agreement::BothReject("ValidationOverflow")));
     // Without the tie (é moved after a), the reference must agree exactly, and does.
-    let json = common::object(&[
-        common::entry("é", "F6_E2M3", &[], 0, 1),
-        common::entry("a", "C64", &[u64::MAX, 3], 0, 0),
-    ]);
+    let json =
+        common::object(&[common::entry("é", "F6_E2M3", &[], 0, 1), common::entry("a", "C64", &[u64::MAX, 3], 0, 0)]);
     let bytes = common::file(json, 1);
-    assert_eq!(
-        ref_kind(&SafeTensors::read_metadata(&bytes).unwrap_err()),
-        "ValidationOverflow"
-    );
-    assert_eq!(
-        compare(&bytes),
-        Ok(Agreement::BothReject("ValidationOverflow"))
-    );
+    assert_eq!(ref_kind(&SafeTensors::read_metadata(&bytes).unwrap_err()), "ValidationOverflow");
+    assert_eq!(compare(&bytes), Ok(Agreement::BothReject("ValidationOverflow")));
 }

@@ -27,14 +27,8 @@ fn assert_ihd(label: &str, needle: &str) {
         panic!("{label}: expected InvalidHeaderDeserialization, got {e:?}");
     };
     let msg = e.to_string();
-    assert!(
-        msg.starts_with("invalid JSON in header: "),
-        "{label}: {msg}"
-    );
-    assert!(
-        inner.to_string().contains(needle),
-        "{label}: `{inner}` does not mention `{needle}`"
-    );
+    assert!(msg.starts_with("invalid JSON in header: "), "{label}: {msg}");
+    assert!(inner.to_string().contains(needle), "{label}: `{inner}` does not mention `{needle}`");
 }
 
 // ---- the whole corpus, variant by variant ---------------------------------------------------
@@ -77,10 +71,7 @@ fn rule1_fewer_than_8_bytes_is_header_too_small() {
     let e = reject("seven_bytes");
     assert!(e.to_string().contains("7 bytes"), "{e}");
     // 8 bytes with N = 0 get past rule 1 (and fail on the empty JSON).
-    assert_eq!(
-        kind(&parse(&[0u8; 8]).unwrap_err()),
-        "InvalidHeaderDeserialization"
-    );
+    assert_eq!(kind(&parse(&[0u8; 8]).unwrap_err()), "InvalidHeaderDeserialization");
 }
 
 // ---- 2, 3. N too large ----------------------------------------------------------------------
@@ -92,26 +83,17 @@ fn rule3_n_over_limit_is_header_too_large() {
         e => panic!("{e:?}"),
     }
     let e = reject("n_u64_max");
-    assert!(
-        matches!(e, FormatError::HeaderTooLarge { len: u64::MAX }),
-        "{e:?}"
-    );
+    assert!(matches!(e, FormatError::HeaderTooLarge { len: u64::MAX }), "{e:?}");
     assert!(e.to_string().contains(&u64::MAX.to_string()), "{e}");
     // Checked before anything else: even a buffer with nothing after N.
-    assert!(matches!(
-        parse(&raw(u64::MAX, b"")),
-        Err(FormatError::HeaderTooLarge { .. })
-    ));
+    assert!(matches!(parse(&raw(u64::MAX, b"")), Err(FormatError::HeaderTooLarge { .. })));
 }
 
 #[test]
 fn rule3_n_exactly_at_limit_is_allowed_then_fails_on_length() {
     assert_eq!(MAX_HEADER_SIZE, 100_000_000);
     match reject("n_exactly_max_short_buffer") {
-        FormatError::InvalidHeaderLength {
-            header_len,
-            available,
-        } => {
+        FormatError::InvalidHeaderLength { header_len, available } => {
             assert_eq!(header_len, 100_000_000);
             assert_eq!(available, 2);
         }
@@ -121,10 +103,7 @@ fn rule3_n_exactly_at_limit_is_allowed_then_fails_on_length() {
     // passes the length checks.
     let first = 100_000_000u64.to_le_bytes();
     assert_eq!(read_header_len(&first, 100_000_008).unwrap(), 100_000_000);
-    assert!(matches!(
-        read_header_len(&first, 100_000_007),
-        Err(FormatError::InvalidHeaderLength { .. })
-    ));
+    assert!(matches!(read_header_len(&first, 100_000_007), Err(FormatError::InvalidHeaderLength { .. })));
 }
 
 #[test]
@@ -148,21 +127,12 @@ fn rule3_a_header_of_exactly_100_mb_is_accepted() {
 fn rule4_header_past_end_is_invalid_header_length() {
     let e = reject("n_past_end");
     match &e {
-        FormatError::InvalidHeaderLength {
-            header_len,
-            available,
-        } => assert_eq!((*header_len, *available), (20, 8)),
+        FormatError::InvalidHeaderLength { header_len, available } => assert_eq!((*header_len, *available), (20, 8)),
         _ => panic!("{e:?}"),
     }
     let msg = e.to_string();
     assert!(msg.contains("20") && msg.contains('8'), "{msg}");
-    assert!(matches!(
-        reject("n_one_past_end"),
-        FormatError::InvalidHeaderLength {
-            header_len: 3,
-            available: 2
-        }
-    ));
+    assert!(matches!(reject("n_one_past_end"), FormatError::InvalidHeaderLength { header_len: 3, available: 2 }));
     // Exactly fitting is fine.
     assert!(parse(&raw(2, b"{}")).is_ok());
 }
@@ -233,10 +203,7 @@ fn a_tensor_entry_may_be_an_array_of_the_three_fields() {
     // reference as here.
     let h = ok("tensor_as_array");
     let a = h.get("a").unwrap();
-    assert_eq!(
-        (a.dtype, a.shape.clone(), a.data_offsets),
-        (Dtype::F32, vec![1], (0, 4))
-    );
+    assert_eq!((a.dtype, a.shape.clone(), a.data_offsets), (Dtype::F32, vec![1], (0, 4)));
 }
 
 #[test]
@@ -270,12 +237,7 @@ fn rule6_data_offsets_arity() {
 
 #[test]
 fn rule6_bad_shape_entries() {
-    for label in [
-        "shape_negative",
-        "shape_float",
-        "shape_exponent",
-        "shape_string",
-    ] {
+    for label in ["shape_negative", "shape_float", "shape_exponent", "shape_string"] {
         assert_ihd(label, "");
     }
 }
@@ -309,10 +271,7 @@ fn rule6_recursion_limit_applies_inside_ignored_fields() {
 fn rule6_json_is_checked_before_offsets() {
     // A hole *and* an unknown dtype: the JSON rule (step 6) wins over the offset rule (7).
     let json = object(&[entry("a", "F32", &[1], 4, 8), entry("b", "X", &[1], 8, 12)]);
-    assert!(matches!(
-        parse(&file(json, 12)),
-        Err(FormatError::InvalidHeaderDeserialization(_))
-    ));
+    assert!(matches!(parse(&file(json, 12)), Err(FormatError::InvalidHeaderDeserialization(_))));
 }
 
 // ---- 7a. offsets ----------------------------------------------------------------------------
@@ -320,17 +279,8 @@ fn rule6_json_is_checked_before_offsets() {
 fn assert_offset(label: &str, name: &str, begin: usize, end: usize, expected_begin: usize) {
     let e = reject(label);
     match &e {
-        FormatError::InvalidOffset {
-            name: n,
-            begin: b,
-            end: en,
-            expected_begin: x,
-        } => {
-            assert_eq!(
-                (n.as_str(), *b, *en, *x),
-                (name, begin, end, expected_begin),
-                "{label}"
-            );
+        FormatError::InvalidOffset { name: n, begin: b, end: en, expected_begin: x } => {
+            assert_eq!((n.as_str(), *b, *en, *x), (name, begin, end, expected_begin), "{label}");
         }
         _ => panic!("{label}: {e:?}"),
     }
@@ -380,19 +330,10 @@ fn rule7a_ties_are_broken_by_name() {
 #[test]
 fn rule7a_offsets_are_checked_before_sizes_of_later_tensors() {
     // `a` has a bad size, `b` a hole; sorted by offset `a` comes first, so its size error wins.
-    let json = object(&[
-        entry("a", "F32", &[2], 0, 4),
-        entry("b", "F32", &[1], 8, 12),
-    ]);
-    assert_eq!(
-        kind(&parse(&file(&json, 12)).unwrap_err()),
-        "TensorInvalidInfo"
-    );
+    let json = object(&[entry("a", "F32", &[2], 0, 4), entry("b", "F32", &[1], 8, 12)]);
+    assert_eq!(kind(&parse(&file(&json, 12)).unwrap_err()), "TensorInvalidInfo");
     // And reversed: a hole in the first tensor wins over a bad size in the second.
-    let json = object(&[
-        entry("a", "F32", &[1], 4, 8),
-        entry("b", "F32", &[5], 8, 12),
-    ]);
+    let json = object(&[entry("a", "F32", &[1], 4, 8), entry("b", "F32", &[5], 8, 12)]);
     assert_eq!(kind(&parse(&file(&json, 12)).unwrap_err()), "InvalidOffset");
 }
 
@@ -427,15 +368,9 @@ fn rule7c_bits_overflow() {
     // then disagree with the data, which is the next rule).
     let max = (usize::MAX / 8) as u64;
     let json = object(&[entry("a", "U8", &[max], 0, max)]);
-    assert_eq!(
-        kind(&parse(&file(&json, 0)).unwrap_err()),
-        "MetadataIncompleteBuffer"
-    );
+    assert_eq!(kind(&parse(&file(&json, 0)).unwrap_err()), "MetadataIncompleteBuffer");
     let json = object(&[entry("a", "U8", &[max + 1], 0, max + 1)]);
-    assert_eq!(
-        kind(&parse(&file(&json, 0)).unwrap_err()),
-        "ValidationOverflow"
-    );
+    assert_eq!(kind(&parse(&file(&json, 0)).unwrap_err()), "ValidationOverflow");
 }
 
 #[test]
@@ -443,10 +378,7 @@ fn rule7_zero_dimension_does_not_hide_overflow_order() {
     // A zero *after* the overflowing product still overflows (checked_mul left to right), as in
     // the reference; a zero *before* it makes the product 0.
     let json = object(&[entry("a", "U8", &[1 << 32, 1 << 32, 0], 0, 0)]);
-    assert_eq!(
-        kind(&parse(&file(&json, 0)).unwrap_err()),
-        "ValidationOverflow"
-    );
+    assert_eq!(kind(&parse(&file(&json, 0)).unwrap_err()), "ValidationOverflow");
     let json = object(&[entry("a", "U8", &[0, 1 << 32, 1 << 32], 0, 0)]);
     assert!(parse(&file(&json, 0)).is_ok());
 }
@@ -455,17 +387,10 @@ fn rule7_zero_dimension_does_not_hide_overflow_order() {
 
 #[test]
 fn rule7d_misaligned_sub_byte() {
-    for (label, dtype, shape) in [
-        ("f4_odd_count", Dtype::F4, vec![3usize]),
-        ("f6_e3m2_two", Dtype::F6_E3M2, vec![2]),
-    ] {
+    for (label, dtype, shape) in [("f4_odd_count", Dtype::F4, vec![3usize]), ("f6_e3m2_two", Dtype::F6_E3M2, vec![2])] {
         let e = reject(label);
         match &e {
-            FormatError::MisalignedSlice {
-                name,
-                dtype: d,
-                shape: s,
-            } => {
+            FormatError::MisalignedSlice { name, dtype: d, shape: s } => {
                 assert_eq!((name.as_str(), *d, s), ("a", dtype, &shape), "{label}");
             }
             _ => panic!("{label}: {e:?}"),
@@ -490,13 +415,7 @@ fn rule7d_sub_byte_counts_that_fill_bytes_are_accepted() {
 fn rule7e_size_mismatch_is_tensor_invalid_info() {
     let e = reject("size_mismatch");
     match &e {
-        FormatError::TensorInvalidInfo {
-            name,
-            dtype,
-            shape,
-            expected,
-            actual,
-        } => {
+        FormatError::TensorInvalidInfo { name, dtype, shape, expected, actual } => {
             assert_eq!(name, "a");
             assert_eq!(*dtype, Dtype::F32);
             assert_eq!(shape, &[4]);
@@ -505,10 +424,7 @@ fn rule7e_size_mismatch_is_tensor_invalid_info() {
         _ => panic!("{e:?}"),
     }
     let msg = e.to_string();
-    assert!(
-        msg.contains("`a`") && msg.contains("16") && msg.contains("12"),
-        "{msg}"
-    );
+    assert!(msg.contains("`a`") && msg.contains("16") && msg.contains("12"), "{msg}");
 }
 
 // ---- 8. coverage ----------------------------------------------------------------------------
@@ -519,12 +435,7 @@ fn rule8_trailing_bytes_and_truncated_data() {
         let bytes = case(label);
         let e = parse(&bytes).unwrap_err();
         match &e {
-            FormatError::MetadataIncompleteBuffer {
-                expected,
-                header_end,
-                data_len,
-                actual: a,
-            } => {
+            FormatError::MetadataIncompleteBuffer { expected, header_end, data_len, actual: a } => {
                 assert_eq!(*data_len, 32, "{label}");
                 assert_eq!(*expected, header_end + 32, "{label}");
                 assert_eq!(*a as i64, *expected as i64 + actual, "{label}");
@@ -534,10 +445,7 @@ fn rule8_trailing_bytes_and_truncated_data() {
         }
         assert!(e.to_string().contains(&bytes.len().to_string()), "{e}");
     }
-    assert!(matches!(
-        reject("no_tensor_but_data"),
-        FormatError::MetadataIncompleteBuffer { data_len: 0, .. }
-    ));
+    assert!(matches!(reject("no_tensor_but_data"), FormatError::MetadataIncompleteBuffer { data_len: 0, .. }));
 }
 
 #[test]
@@ -545,9 +453,7 @@ fn rule8_data_length_overflowing_u64_is_incomplete_buffer_not_a_panic() {
     // Each tensor validates alone; 8 + N + data length does not fit in 64 bits.
     let bytes = file(common::overflowing_data_len_json(), 0);
     match parse(&bytes) {
-        Err(FormatError::MetadataIncompleteBuffer {
-            data_len, actual, ..
-        }) => {
+        Err(FormatError::MetadataIncompleteBuffer { data_len, actual, .. }) => {
             assert_eq!(data_len, u64::MAX - 7);
             assert_eq!(actual, bytes.len() as u64);
         }
@@ -565,43 +471,27 @@ fn parse_reads_nothing_past_the_header() {
     assert_eq!(n, whole.header_len());
     let prefix = &bytes[..8 + n as usize];
     assert_eq!(Header::parse(prefix, bytes.len() as u64).unwrap(), whole);
-    assert_eq!(
-        Header::parse_json(&prefix[8..], bytes.len() as u64).unwrap(),
-        whole
-    );
+    assert_eq!(Header::parse_json(&prefix[8..], bytes.len() as u64).unwrap(), whole);
     // The same prefix with a wrong file length fails coverage, both ways.
     for len in [bytes.len() as u64 - 1, bytes.len() as u64 + 1] {
-        assert_eq!(
-            kind(&Header::parse(prefix, len).unwrap_err()),
-            "MetadataIncompleteBuffer"
-        );
+        assert_eq!(kind(&Header::parse(prefix, len).unwrap_err()), "MetadataIncompleteBuffer");
     }
     // A prefix shorter than 8 + N is an error, not a panic.
     assert_eq!(
         kind(&Header::parse(&prefix[..prefix.len() - 1], bytes.len() as u64).unwrap_err()),
         "InvalidHeaderLength"
     );
-    assert_eq!(
-        kind(&Header::parse(&prefix[..5], bytes.len() as u64).unwrap_err()),
-        "HeaderTooSmall"
-    );
+    assert_eq!(kind(&Header::parse(&prefix[..5], bytes.len() as u64).unwrap_err()), "HeaderTooSmall");
 }
 
 // ---- accepted edge cases --------------------------------------------------------------------
 
 #[test]
 fn accepts_leading_and_trailing_whitespace() {
-    for label in [
-        "leading_whitespace",
-        "trailing_whitespace",
-        "inner_whitespace",
-    ] {
+    for label in ["leading_whitespace", "trailing_whitespace", "inner_whitespace"] {
         let h = ok(label);
         let a = h.get("a").unwrap();
-        assert_eq!(
-            (a.dtype, a.shape.as_slice(), a.data_offsets),
-            (Dtype::F32, &[1usize][..], (0, 4))
-        );
+        assert_eq!((a.dtype, a.shape.as_slice(), a.data_offsets), (Dtype::F32, &[1usize][..], (0, 4)));
     }
 }
 
@@ -632,17 +522,11 @@ fn metadata_null_empty_and_position() {
     assert!(h.is_empty());
     let h = ok("metadata_last");
     assert_eq!(h.metadata().unwrap()["format"], "pt");
-    assert_eq!(
-        ok("metadata_duplicate_key_last_wins").metadata().unwrap()["k"],
-        "2"
-    );
+    assert_eq!(ok("metadata_duplicate_key_last_wins").metadata().unwrap()["k"], "2");
     let h = ok("escaped_metadata_key");
     assert_eq!(h.metadata().unwrap()["k"], "v");
     assert!(h.is_empty());
-    assert_ihd(
-        "duplicate_metadata_escaped",
-        "duplicate field `__metadata__`",
-    );
+    assert_ihd("duplicate_metadata_escaped", "duplicate field `__metadata__`");
     // Absent.
     assert_eq!(ok("empty_object").metadata(), None);
 }

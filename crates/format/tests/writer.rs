@@ -8,10 +8,7 @@ use std::collections::BTreeMap;
 use turboio_format::{plan, serialize, Dtype, FormatError, Header, TensorSpec, MAX_HEADER_SIZE};
 
 fn meta(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-    pairs
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
 /// The JSON text of a written header, padding included, and N.
@@ -21,20 +18,9 @@ fn header_text(bytes: &[u8]) -> (u64, &str) {
 }
 
 fn write(specs: &[(&str, Dtype, Vec<usize>)], m: Option<&BTreeMap<String, String>>) -> Vec<u8> {
-    let specs: Vec<TensorSpec<'_>> = specs
-        .iter()
-        .map(|(n, d, s)| TensorSpec::new(n, *d, s).unwrap())
-        .collect();
-    let data: Vec<Vec<u8>> = specs
-        .iter()
-        .enumerate()
-        .map(|(i, s)| pattern(s.data_len, i as u8))
-        .collect();
-    let pairs: Vec<(TensorSpec<'_>, &[u8])> = specs
-        .iter()
-        .zip(&data)
-        .map(|(s, d)| (*s, d.as_slice()))
-        .collect();
+    let specs: Vec<TensorSpec<'_>> = specs.iter().map(|(n, d, s)| TensorSpec::new(n, *d, s).unwrap()).collect();
+    let data: Vec<Vec<u8>> = specs.iter().enumerate().map(|(i, s)| pattern(s.data_len, i as u8)).collect();
+    let pairs: Vec<(TensorSpec<'_>, &[u8])> = specs.iter().zip(&data).map(|(s, d)| (*s, d.as_slice())).collect();
     serialize(&pairs, m).unwrap()
 }
 
@@ -65,10 +51,7 @@ fn compact_json_with_fields_in_order() {
     assert_eq!(text.trim_end_matches(' '), json);
     assert_eq!(n as usize, json.len().next_multiple_of(8));
     // Scalars have an empty shape list; zero-sized tensors [b, b].
-    let bytes = write(
-        &[("s", Dtype::F64, vec![]), ("z", Dtype::F64, vec![0, 5])],
-        None,
-    );
+    let bytes = write(&[("s", Dtype::F64, vec![]), ("z", Dtype::F64, vec![0, 5])], None);
     let (_, text) = header_text(&bytes);
     assert_eq!(
         text.trim_end_matches(' '),
@@ -89,17 +72,10 @@ fn order_is_descending_dtype_then_name() {
         specs.push((format!("{:02}b", 21 - i), *d, shape.clone()));
         specs.push((format!("{:02}a", 21 - i), *d, shape));
     }
-    let borrowed: Vec<(&str, Dtype, Vec<usize>)> = specs
-        .iter()
-        .map(|(n, d, s)| (n.as_str(), *d, s.clone()))
-        .collect();
+    let borrowed: Vec<(&str, Dtype, Vec<usize>)> = specs.iter().map(|(n, d, s)| (n.as_str(), *d, s.clone())).collect();
     let bytes = write(&borrowed, None);
     let h = Header::from_file_bytes(&bytes).unwrap();
-    let got: Vec<(Dtype, &str)> = h
-        .tensors()
-        .iter()
-        .map(|t| (t.dtype, t.name.as_str()))
-        .collect();
+    let got: Vec<(Dtype, &str)> = h.tensors().iter().map(|t| (t.dtype, t.name.as_str())).collect();
     let mut expect: Vec<(Dtype, &str)> = specs.iter().map(|(n, d, _)| (*d, n.as_str())).collect();
     expect.sort_by(|l, r| r.0.cmp(&l.0).then(l.1.cmp(r.1)));
     assert_eq!(got, expect);
@@ -117,12 +93,7 @@ fn order_is_descending_dtype_then_name() {
     // And each tensor's file offset is a multiple of its element size.
     for t in h.tensors() {
         if let Some(size) = t.dtype.byte_size() {
-            assert_eq!(
-                (h.data_start() + t.data_offsets.0 as u64) % size as u64,
-                0,
-                "{}",
-                t.name
-            );
+            assert_eq!((h.data_start() + t.data_offsets.0 as u64) % size as u64, 0, "{}", t.name);
         }
     }
 }
@@ -136,29 +107,16 @@ fn layout_entries_follow_the_written_order_and_index_the_input() {
         TensorSpec::new("c", Dtype::F64, &shapes[2]).unwrap(),
     ];
     let layout = plan(&specs, None).unwrap();
-    let got: Vec<(usize, &str, (usize, usize))> = layout
-        .entries
-        .iter()
-        .map(|e| (e.input_index, e.info.name.as_str(), e.info.data_offsets))
-        .collect();
-    assert_eq!(
-        got,
-        [(1, "a", (0, 24)), (2, "c", (24, 32)), (0, "b", (32, 34))]
-    );
+    let got: Vec<(usize, &str, (usize, usize))> =
+        layout.entries.iter().map(|e| (e.input_index, e.info.name.as_str(), e.info.data_offsets)).collect();
+    assert_eq!(got, [(1, "a", (0, 24)), (2, "c", (24, 32)), (0, "b", (32, 34))]);
     assert_eq!(layout.data_len, 34);
     assert_eq!(layout.file_len(), layout.header.len() as u64 + 34);
-    assert_eq!(
-        layout.file_offset(&layout.entries[2]),
-        layout.header.len() as u64 + 32
-    );
+    assert_eq!(layout.file_offset(&layout.entries[2]), layout.header.len() as u64 + 32);
     // The header of the plan is the prefix of the serialized file, and the data follows in
     // layout order.
     let data = [vec![1u8, 2], pattern(24, 3), pattern(8, 4)];
-    let pairs: Vec<(TensorSpec<'_>, &[u8])> = specs
-        .iter()
-        .zip(&data)
-        .map(|(s, d)| (*s, d.as_slice()))
-        .collect();
+    let pairs: Vec<(TensorSpec<'_>, &[u8])> = specs.iter().zip(&data).map(|(s, d)| (*s, d.as_slice())).collect();
     let bytes = serialize(&pairs, None).unwrap();
     assert_eq!(&bytes[..layout.header.len()], layout.header.as_slice());
     let body = &bytes[layout.header.len()..];
@@ -173,24 +131,13 @@ fn metadata_comes_first_even_when_empty_and_keys_are_sorted() {
     let bytes = write(&[("w", Dtype::U8, vec![1])], Some(&empty));
     let (_, text) = header_text(&bytes);
     assert!(text.starts_with("{\"__metadata__\":{},\"w\":{"), "{text}");
-    assert_eq!(
-        Header::from_file_bytes(&bytes).unwrap().metadata(),
-        Some(&empty)
-    );
+    assert_eq!(Header::from_file_bytes(&bytes).unwrap().metadata(), Some(&empty));
 
     let m = meta(&[("zeta", "1"), ("alpha", "2"), ("mid", "3")]);
     let bytes = write(&[("w", Dtype::U8, vec![1])], Some(&m));
     let (_, text) = header_text(&bytes);
-    assert!(
-        text.starts_with(
-            "{\"__metadata__\":{\"alpha\":\"2\",\"mid\":\"3\",\"zeta\":\"1\"},\"w\":{"
-        ),
-        "{text}"
-    );
-    assert_eq!(
-        Header::from_file_bytes(&bytes).unwrap().metadata(),
-        Some(&m)
-    );
+    assert!(text.starts_with("{\"__metadata__\":{\"alpha\":\"2\",\"mid\":\"3\",\"zeta\":\"1\"},\"w\":{"), "{text}");
+    assert_eq!(Header::from_file_bytes(&bytes).unwrap().metadata(), Some(&m));
 
     // None: no `__metadata__` at all.
     let bytes = write(&[("w", Dtype::U8, vec![1])], None);
@@ -200,18 +147,12 @@ fn metadata_comes_first_even_when_empty_and_keys_are_sorted() {
 #[test]
 fn escaping_is_serde_json_s() {
     let name = "q\"b\\s\n\t\u{1}\u{1f}é/模\u{7f}";
-    let bytes = write(
-        &[(name, Dtype::U8, vec![1])],
-        Some(&meta(&[("k/\"", "v\\\r")])),
-    );
+    let bytes = write(&[(name, Dtype::U8, vec![1])], Some(&meta(&[("k/\"", "v\\\r")])));
     let (_, text) = header_text(&bytes);
     assert!(text.contains(r#""q\"b\\s\n\t\u0001\u001fé/模"#), "{text}");
     // DEL (0x7f) is not a JSON control character: written raw.
     assert!(text.contains("模\u{7f}\":{"), "{text}");
-    assert!(
-        text.contains(r#"{"__metadata__":{"k/\"":"v\\\r"}"#),
-        "{text}"
-    );
+    assert!(text.contains(r#"{"__metadata__":{"k/\"":"v\\\r"}"#), "{text}");
     // `/` is never escaped.
     assert!(!text.contains("\\/"));
     // Non-ASCII is raw UTF-8, not \u escapes.
@@ -262,10 +203,7 @@ fn duplicate_names_are_an_error_not_a_panic() {
         other => panic!("{other:?}"),
     }
     let e = serialize(&[(a, &[1u8][..]), (a, &[2u8][..])], None).unwrap_err();
-    assert!(
-        matches!(&e, FormatError::DuplicateTensorName(n) if n == "a"),
-        "{e:?}"
-    );
+    assert!(matches!(&e, FormatError::DuplicateTensorName(n) if n == "a"), "{e:?}");
     assert!(e.to_string().contains("`a`"));
 }
 
@@ -285,23 +223,17 @@ fn data_length_mismatch_is_tensor_invalid_info() {
     let t = TensorSpec::new("w", Dtype::F32, &shape).unwrap();
     assert_eq!(t.data_len, 8);
     match serialize(&[(t, &[0u8; 7][..])], None) {
-        Err(FormatError::TensorInvalidInfo {
-            name,
-            expected,
-            actual,
-            ..
-        }) => assert_eq!((name.as_str(), expected, actual), ("w", 8, 7)),
+        Err(FormatError::TensorInvalidInfo { name, expected, actual, .. }) => {
+            assert_eq!((name.as_str(), expected, actual), ("w", 8, 7))
+        }
         other => panic!("{other:?}"),
     }
     // A spec whose data_len disagrees with its dtype and shape.
     let bad = TensorSpec { data_len: 12, ..t };
     match plan(&[bad], None) {
-        Err(FormatError::TensorInvalidInfo {
-            name,
-            expected,
-            actual,
-            ..
-        }) => assert_eq!((name.as_str(), expected, actual), ("w", 8, 12)),
+        Err(FormatError::TensorInvalidInfo { name, expected, actual, .. }) => {
+            assert_eq!((name.as_str(), expected, actual), ("w", 8, 12))
+        }
         other => panic!("{other:?}"),
     }
 }
@@ -315,20 +247,9 @@ fn odd_f4_is_misaligned() {
         }
         other => panic!("{other:?}"),
     }
-    let spec = TensorSpec {
-        name: "f",
-        dtype: Dtype::F4,
-        shape: &shape,
-        data_len: 2,
-    };
-    assert!(matches!(
-        plan(&[spec], None),
-        Err(FormatError::MisalignedSlice { .. })
-    ));
-    assert!(matches!(
-        serialize(&[(spec, &[0u8; 2][..])], None),
-        Err(FormatError::MisalignedSlice { .. })
-    ));
+    let spec = TensorSpec { name: "f", dtype: Dtype::F4, shape: &shape, data_len: 2 };
+    assert!(matches!(plan(&[spec], None), Err(FormatError::MisalignedSlice { .. })));
+    assert!(matches!(serialize(&[(spec, &[0u8; 2][..])], None), Err(FormatError::MisalignedSlice { .. })));
     let even = [4usize];
     assert_eq!(TensorSpec::new("f", Dtype::F4, &even).unwrap().data_len, 2);
 }
@@ -353,10 +274,7 @@ fn header_over_100_mb_is_too_large() {
 fn plan_rejects_a_layout_whose_file_length_overflows() {
     let shape = [(1usize << 61) - 1];
     let names: Vec<String> = (0..8).map(|i| format!("t{i}")).collect();
-    let specs: Vec<TensorSpec<'_>> = names
-        .iter()
-        .map(|n| TensorSpec::new(n, Dtype::U8, &shape).unwrap())
-        .collect();
+    let specs: Vec<TensorSpec<'_>> = names.iter().map(|n| TensorSpec::new(n, Dtype::U8, &shape).unwrap()).collect();
     // Seven fit (with the header) in 64 bits.
     let layout = plan(&specs[..7], None).unwrap();
     assert_eq!(layout.data_len, 7 * ((1u64 << 61) - 1));
@@ -367,12 +285,7 @@ fn plan_rejects_a_layout_whose_file_length_overflows() {
         Err(FormatError::ValidationOverflow { name, .. }) if name == "t7"
     ));
     // Offsets that overflow usize while being summed.
-    let huge = TensorSpec {
-        name: "h",
-        dtype: Dtype::U8,
-        shape: &shape,
-        data_len: usize::MAX,
-    };
+    let huge = TensorSpec { name: "h", dtype: Dtype::U8, shape: &shape, data_len: usize::MAX };
     let other = TensorSpec { name: "i", ..huge };
     assert!(matches!(
         plan(&[huge, other], None),

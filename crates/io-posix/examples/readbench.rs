@@ -48,14 +48,8 @@ fn parse() -> Args {
         file: PathBuf::new(),
         size: 4 << 30,
         runs: 3,
-        hot: "std,threads,threads-prefault"
-            .split(',')
-            .map(String::from)
-            .collect(),
-        cold: "raw,uring,threads-direct,threads,auto"
-            .split(',')
-            .map(String::from)
-            .collect(),
+        hot: "std,threads,threads-prefault".split(',').map(String::from).collect(),
+        cold: "raw,uring,threads-direct,threads,auto".split(',').map(String::from).collect(),
         threads: 0,
         qd: 16,
         block: 1 << 20,
@@ -76,18 +70,12 @@ fn parse() -> Args {
             f => a.file = PathBuf::from(f),
         }
     }
-    assert!(
-        !a.file.as_os_str().is_empty(),
-        "usage: readbench FILE [options]"
-    );
+    assert!(!a.file.as_os_str().is_empty(), "usage: readbench FILE [options]");
     a
 }
 
 fn split(s: &str) -> Vec<String> {
-    s.split(',')
-        .filter(|m| !m.is_empty())
-        .map(String::from)
-        .collect()
+    s.split(',').filter(|m| !m.is_empty()).map(String::from).collect()
 }
 
 /// Cheap deterministic bytes.
@@ -130,11 +118,7 @@ fn warm(path: &Path) {
 fn raw_direct(path: &Path, len: u64) {
     const QD: usize = 32;
     const BLOCK: usize = 1 << 20;
-    let f = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .expect("open O_DIRECT");
+    let f = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).expect("open O_DIRECT");
     let mut buf = Arena::new(QD * BLOCK, true).expect("buffer");
     buf.prefault(1);
     let base = buf.as_mut_slice().as_mut_ptr();
@@ -145,14 +129,10 @@ fn raw_direct(path: &Path, len: u64) {
         let n = (len - off).min(BLOCK as u64) as u32;
         // SAFETY: slot `slot` of the buffer is used by this request alone until it completes,
         // and the buffer outlives the loop below, which waits for every request.
-        let e = opcode::Read::new(
-            types::Fd(f.as_raw_fd()),
-            unsafe { base.add(slot * BLOCK) },
-            n,
-        )
-        .offset(off)
-        .build()
-        .user_data(slot as u64);
+        let e = opcode::Read::new(types::Fd(f.as_raw_fd()), unsafe { base.add(slot * BLOCK) }, n)
+            .offset(off)
+            .build()
+            .user_data(slot as u64);
         // SAFETY: as above.
         unsafe { ring.submission().push(&e).expect("sq") };
     };
@@ -166,10 +146,7 @@ fn raw_direct(path: &Path, len: u64) {
     }
     while in_flight > 0 {
         ring.submit_and_wait(1).expect("wait");
-        let done: Vec<(u64, i32)> = ring
-            .completion()
-            .map(|c| (c.user_data(), c.result()))
-            .collect();
+        let done: Vec<(u64, i32)> = ring.completion().map(|c| (c.user_data(), c.result())).collect();
         for (slot, res) in done {
             assert!(res > 0, "read failed: {res}");
             in_flight -= 1;
@@ -184,12 +161,7 @@ fn raw_direct(path: &Path, len: u64) {
 
 fn run_mode(mode: &str, args: &Args, len: u64) -> f64 {
     let path = &args.file;
-    let cfg = |method| PosixConfig {
-        method,
-        queue_depth: args.qd,
-        block_size: args.block,
-        ..PosixConfig::default()
-    };
+    let cfg = |method| PosixConfig { method, queue_depth: args.qd, block_size: args.block, ..PosixConfig::default() };
     let huge = !mode.contains("-4k");
     let untimed_prefault = mode.contains("-warm");
     let read_into = |cfg: PosixConfig, direct: DirectIo, prefault: bool, shift: usize| -> f64 {
@@ -201,18 +173,12 @@ fn run_mode(mode: &str, args: &Args, len: u64) -> f64 {
         if prefault {
             arena.prefault(turboio_storage::default_threads());
         }
-        let f = PosixStorage::with_config(cfg)
-            .open_posix(path)
-            .expect("open");
+        let f = PosixStorage::with_config(cfg).open_posix(path).expect("open");
         let dst = &mut arena.as_mut_slice()[shift..shift + len as usize];
         let r = f
             .read_ranges_report(
                 vec![ReadRequest { offset: 0, dst }],
-                &IoOptions {
-                    threads: args.threads,
-                    direct,
-                    ..Default::default()
-                },
+                &IoOptions { threads: args.threads, direct, ..Default::default() },
             )
             .expect("read");
         let secs = t.elapsed().as_secs_f64();
@@ -251,27 +217,16 @@ fn run_mode(mode: &str, args: &Args, len: u64) -> f64 {
             let t = Instant::now();
             let mut arena = Arena::new(len as usize, huge).expect("arena");
             let (addr, cap) = (arena.addr(), arena.capacity());
-            let f = PosixStorage::with_config(cfg(ReadMethod::IoUring))
-                .open_posix(path)
-                .expect("open");
+            let f = PosixStorage::with_config(cfg(ReadMethod::IoUring)).open_posix(path).expect("open");
             std::thread::scope(|s| {
                 s.spawn(move || {
                     // SAFETY: populating only faults in missing pages of our own mapping; it
                     // never changes the contents of a page that is already there.
-                    unsafe {
-                        libc::madvise(addr as *mut libc::c_void, cap, libc::MADV_POPULATE_WRITE)
-                    };
+                    unsafe { libc::madvise(addr as *mut libc::c_void, cap, libc::MADV_POPULATE_WRITE) };
                 });
                 f.read_ranges_report(
-                    vec![ReadRequest {
-                        offset: 0,
-                        dst: arena.as_mut_slice(),
-                    }],
-                    &IoOptions {
-                        threads: args.threads,
-                        direct: DirectIo::On,
-                        ..Default::default()
-                    },
+                    vec![ReadRequest { offset: 0, dst: arena.as_mut_slice() }],
+                    &IoOptions { threads: args.threads, direct: DirectIo::On, ..Default::default() },
                 )
                 .expect("read");
             });
@@ -293,9 +248,7 @@ fn main() {
             std::fs::create_dir_all(dir).expect("mkdir");
         }
         eprintln!("creating {} ({} bytes)", args.file.display(), args.size);
-        PosixStorage::new()
-            .write_file(&args.file, &Gen(args.size), &IoOptions::default())
-            .expect("write");
+        PosixStorage::new().write_file(&args.file, &Gen(args.size), &IoOptions::default()).expect("write");
     }
     let len = std::fs::metadata(&args.file).expect("stat").len();
     for state in ["hot", "cold"] {
@@ -312,10 +265,7 @@ fn main() {
             frac = turboio_storage::StorageFile::cached_fraction(&f);
             best = best.min(t.elapsed().as_secs_f64());
         }
-        println!(
-            "cached_fraction ({state}): {frac:?} in {:.0} us (best of 20)",
-            best * 1e6
-        );
+        println!("cached_fraction ({state}): {frac:?} in {:.0} us (best of 20)", best * 1e6);
     }
     let gb = len as f64 / 1e9;
     for (label, modes, cold) in [("hot", &args.hot, false), ("cold", &args.cold, true)] {

@@ -20,13 +20,7 @@ fn main() {
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
-            "--size" => {
-                size = it
-                    .next()
-                    .and_then(|v| v.parse::<usize>().ok())
-                    .expect("GiB")
-                    << 30
-            }
+            "--size" => size = it.next().and_then(|v| v.parse::<usize>().ok()).expect("GiB") << 30,
             "--modes" => wanted = it.next().expect("modes"),
             "--runs" => runs = it.next().and_then(|v| v.parse().ok()).expect("runs"),
             f => file = PathBuf::from(f),
@@ -46,20 +40,10 @@ fn main() {
     let mut times = vec![Vec::new(); modes.len()];
     for run in 0..runs {
         for (i, (name, direct, threads)) in modes.iter().enumerate() {
-            let st = PosixStorage::with_config(PosixConfig {
-                direct_writes: *direct,
-                ..PosixConfig::default()
-            });
+            let st = PosixStorage::with_config(PosixConfig { direct_writes: *direct, ..PosixConfig::default() });
             let t = Instant::now();
-            st.write_file(
-                &file,
-                &BytesSource(&data),
-                &IoOptions {
-                    threads: *threads,
-                    ..Default::default()
-                },
-            )
-            .expect("write");
+            st.write_file(&file, &BytesSource(&data), &IoOptions { threads: *threads, ..Default::default() })
+                .expect("write");
             let s = t.elapsed().as_secs_f64();
             eprintln!("  run {run} {name}: {:.2} GB/s", gb / s);
             times[i].push(s);

@@ -204,12 +204,7 @@ impl Storage for PosixStorage {
         Ok(Box::new(self.open_posix(path)?))
     }
 
-    fn write_file(
-        &self,
-        path: &Path,
-        source: &dyn WriteSource,
-        opts: &IoOptions<'_>,
-    ) -> Result<(), StorageError> {
+    fn write_file(&self, path: &Path, source: &dyn WriteSource, opts: &IoOptions<'_>) -> Result<(), StorageError> {
         write::write_file(&self.cfg, path, source, opts)
     }
 }

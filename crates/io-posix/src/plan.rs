@@ -67,18 +67,8 @@ impl Piece {
     /// The part of the chunk this piece fills: `(dst_off, len, file_offset)`.
     pub(crate) fn target(&self) -> (usize, usize, u64) {
         match *self {
-            Piece::Direct {
-                offset,
-                dst_off,
-                len,
-            } => (dst_off, len, offset),
-            Piece::Bounce {
-                offset,
-                skip,
-                dst_off,
-                copy_len,
-                ..
-            } => (dst_off, copy_len, offset + skip as u64),
+            Piece::Direct { offset, dst_off, len } => (dst_off, len, offset),
+            Piece::Bounce { offset, skip, dst_off, copy_len, .. } => (dst_off, copy_len, offset + skip as u64),
         }
     }
 }
@@ -88,11 +78,7 @@ pub(crate) fn plan_buffered(offset: u64, len: usize, block: usize) -> Vec<Piece>
     let block = block.max(1);
     (0..len)
         .step_by(block)
-        .map(|dst_off| Piece::Direct {
-            offset: offset + dst_off as u64,
-            dst_off,
-            len: block.min(len - dst_off),
-        })
+        .map(|dst_off| Piece::Direct { offset: offset + dst_off as u64, dst_off, len: block.min(len - dst_off) })
         .collect()
 }
 
@@ -121,11 +107,7 @@ pub(crate) fn plan_direct(offset: u64, dst_addr: usize, len: usize, block: usize
         let mut s = mid_start;
         while s < mid_end {
             let n = (block as u64).min(mid_end - s);
-            out.push(Piece::Direct {
-                offset: s,
-                dst_off: (s - offset) as usize,
-                len: n as usize,
-            });
+            out.push(Piece::Direct { offset: s, dst_off: (s - offset) as usize, len: n as usize });
             s += n;
         }
         if mid_end < end {
@@ -168,9 +150,7 @@ pub(crate) fn split_aligned(requests: Vec<ReadRequest<'_>>, chunk: usize) -> Vec
         let mut rest = r.dst;
         while !rest.is_empty() {
             let cut = align_down(offset) + chunk;
-            let n = usize::try_from(cut - offset)
-                .unwrap_or(usize::MAX)
-                .min(rest.len());
+            let n = usize::try_from(cut - offset).unwrap_or(usize::MAX).min(rest.len());
             let (head, tail) = rest.split_at_mut(n);
             out.push(Chunk { offset, dst: head });
             offset += n as u64;
@@ -197,23 +177,13 @@ mod tests {
                 *c += 1;
             }
             match *p {
-                Piece::Direct {
-                    offset: o,
-                    dst_off,
-                    len: n,
-                } => {
+                Piece::Direct { offset: o, dst_off, len: n } => {
                     assert_eq!(o % ALIGN, 0);
                     assert_eq!(n as u64 % ALIGN, 0);
                     assert!(n <= block);
                     assert_eq!((addr + dst_off) as u64 % ALIGN, 0);
                 }
-                Piece::Bounce {
-                    offset: o,
-                    len: n,
-                    skip,
-                    copy_len,
-                    ..
-                } => {
+                Piece::Bounce { offset: o, len: n, skip, copy_len, .. } => {
                     assert_eq!(o % ALIGN, 0);
                     assert_eq!(n as u64 % ALIGN, 0);
                     assert!(n <= block);
@@ -222,10 +192,7 @@ mod tests {
                 }
             }
         }
-        assert!(
-            covered.iter().all(|&c| c == 1),
-            "offset {offset} addr {addr} len {len}: {pieces:?}"
-        );
+        assert!(covered.iter().all(|&c| c == 1), "offset {offset} addr {addr} len {len}: {pieces:?}");
     }
 
     #[test]
@@ -248,36 +215,13 @@ mod tests {
         assert_eq!(
             p,
             vec![
-                Piece::Bounce {
-                    offset: 0,
-                    len: 4096,
-                    skip: 100,
-                    dst_off: 0,
-                    copy_len: 3996
-                },
-                Piece::Direct {
-                    offset: 4096,
-                    dst_off: 3996,
-                    len: 8192
-                },
-                Piece::Bounce {
-                    offset: 12288,
-                    len: 4096,
-                    skip: 0,
-                    dst_off: 12188,
-                    copy_len: 100
-                },
+                Piece::Bounce { offset: 0, len: 4096, skip: 100, dst_off: 0, copy_len: 3996 },
+                Piece::Direct { offset: 4096, dst_off: 3996, len: 8192 },
+                Piece::Bounce { offset: 12288, len: 4096, skip: 0, dst_off: 12188, copy_len: 100 },
             ]
         );
         // Aligned on both ends: one direct read.
-        assert_eq!(
-            plan_direct(8192, 4096, 4096, 1 << 20),
-            vec![Piece::Direct {
-                offset: 8192,
-                dst_off: 0,
-                len: 4096
-            }]
-        );
+        assert_eq!(plan_direct(8192, 4096, 4096, 1 << 20), vec![Piece::Direct { offset: 8192, dst_off: 0, len: 4096 }]);
     }
 
     #[test]
@@ -285,21 +229,9 @@ mod tests {
         assert_eq!(
             plan_buffered(5, 10, 4),
             vec![
-                Piece::Direct {
-                    offset: 5,
-                    dst_off: 0,
-                    len: 4
-                },
-                Piece::Direct {
-                    offset: 9,
-                    dst_off: 4,
-                    len: 4
-                },
-                Piece::Direct {
-                    offset: 13,
-                    dst_off: 8,
-                    len: 2
-                },
+                Piece::Direct { offset: 5, dst_off: 0, len: 4 },
+                Piece::Direct { offset: 9, dst_off: 4, len: 4 },
+                Piece::Direct { offset: 13, dst_off: 8, len: 2 },
             ]
         );
     }
@@ -308,16 +240,7 @@ mod tests {
     fn aligned_split_cuts_on_block_boundaries() {
         let mut a = vec![0u8; 20000];
         let mut empty: Vec<u8> = Vec::new();
-        let reqs = vec![
-            ReadRequest {
-                offset: 100,
-                dst: &mut a,
-            },
-            ReadRequest {
-                offset: 3,
-                dst: &mut empty,
-            },
-        ];
+        let reqs = vec![ReadRequest { offset: 100, dst: &mut a }, ReadRequest { offset: 3, dst: &mut empty }];
         let chunks = split_aligned(reqs, 8192);
         let spans: Vec<(u64, usize)> = chunks.iter().map(|c| (c.offset, c.dst.len())).collect();
         assert_eq!(spans, vec![(100, 8092), (8192, 8192), (16384, 3716)]);

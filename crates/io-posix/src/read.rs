@@ -14,8 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use turboio_storage::{
-    for_each_chunk, split_requests, Chunk, DirectIo, IoOptions, RangeReader, ReadRequest,
-    StorageError, StorageFile,
+    for_each_chunk, split_requests, Chunk, DirectIo, IoOptions, RangeReader, ReadRequest, StorageError, StorageFile,
 };
 
 /// Default bytes per chunk handed to a worker.
@@ -40,9 +39,7 @@ pub struct PosixFile {
 impl PosixFile {
     pub(crate) fn open(path: &Path, cfg: PosixConfig) -> Result<PosixFile, StorageError> {
         let file = File::open(path).map_err(|e| StorageError::io(path, "open", e))?;
-        let meta = file
-            .metadata()
-            .map_err(|e| StorageError::io(path, "stat", e))?;
+        let meta = file.metadata().map_err(|e| StorageError::io(path, "stat", e))?;
         if meta.is_dir() {
             return Err(StorageError::Io {
                 path: path.to_owned(),
@@ -85,18 +82,11 @@ impl PosixFile {
             self.check_range(r.offset, r.dst.len())?;
         }
         let (method, want_direct) = self.choose(opts);
-        let direct_fd = if want_direct && !self.refused_at_read.load(Ordering::Relaxed) {
-            self.direct_file()?
-        } else {
-            None
-        };
+        let direct_fd =
+            if want_direct && !self.refused_at_read.load(Ordering::Relaxed) { self.direct_file()? } else { None };
         let refused_before = want_direct && direct_fd.is_none();
-        let run = Run {
-            file: self,
-            opts,
-            direct_fd: direct_fd.map(AsRawFd::as_raw_fd),
-            refused: AtomicBool::new(false),
-        };
+        let run =
+            Run { file: self, opts, direct_fd: direct_fd.map(AsRawFd::as_raw_fd), refused: AtomicBool::new(false) };
         let method = match method {
             ReadMethod::IoUring => run.uring(requests)?,
             _ => {
@@ -108,11 +98,7 @@ impl PosixFile {
         if run.refused.load(Ordering::Relaxed) {
             self.refused_at_read.store(true, Ordering::Relaxed);
         }
-        Ok(ReadReport {
-            method,
-            direct: want_direct && !refused,
-            direct_refused: refused,
-        })
+        Ok(ReadReport { method, direct: want_direct && !refused, direct_refused: refused })
     }
 
     /// Which method, and whether to bypass the cache.
@@ -120,9 +106,7 @@ impl PosixFile {
         let direct = match opts.direct {
             DirectIo::Off => false,
             DirectIo::On => true,
-            DirectIo::Auto => self
-                .cached_fraction()
-                .is_some_and(|f| f < self.cfg.cached_threshold),
+            DirectIo::Auto => self.cached_fraction().is_some_and(|f| f < self.cfg.cached_threshold),
         };
         let method = match self.cfg.method {
             ReadMethod::Auto if direct => ReadMethod::IoUring,
@@ -207,8 +191,7 @@ struct Run<'f, 'o, 'h> {
 
 impl Run<'_, '_, '_> {
     fn bypass(&self) -> Option<RawFd> {
-        self.direct_fd
-            .filter(|_| !self.refused.load(Ordering::Relaxed))
+        self.direct_fd.filter(|_| !self.refused.load(Ordering::Relaxed))
     }
 
     /// Finishes one piece given the result of its read into `target` (for direct pieces) or
@@ -231,10 +214,7 @@ impl Run<'_, '_, '_> {
                 self.refused.store(true, Ordering::Relaxed);
                 return self.file.read_buffered(target, file_off);
             }
-            Err(e)
-                if e.kind() == io::ErrorKind::Interrupted
-                    || e.raw_os_error() == Some(libc::EAGAIN) =>
-            {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted || e.raw_os_error() == Some(libc::EAGAIN) => {
                 return self.file.read_buffered(target, file_off);
             }
             Err(e) => return Err(StorageError::io(&self.file.path, "read", e)),
@@ -245,8 +225,7 @@ impl Run<'_, '_, '_> {
                     Ok(())
                 } else {
                     // Short (the file shrank, or the kernel stopped early): finish buffered.
-                    self.file
-                        .read_buffered(&mut target[n..], file_off + n as u64)
+                    self.file.read_buffered(&mut target[n..], file_off + n as u64)
                 }
             }
             Piece::Bounce { skip, copy_len, .. } => match bounce.get(skip..skip + copy_len) {
@@ -265,12 +244,7 @@ impl Run<'_, '_, '_> {
         let chunk = PosixFile::chunk_size(self.opts);
         let Some(dfd) = self.direct_fd else {
             let chunks = split_requests(requests, chunk);
-            return for_each_chunk(
-                chunks,
-                self.opts,
-                || Ok(()),
-                |_, c| self.file.read_buffered(c.dst, c.offset),
-            );
+            return for_each_chunk(chunks, self.opts, || Ok(()), |_, c| self.file.read_buffered(c.dst, c.offset));
         };
         let block = self.file.block_size();
         let chunks = split_aligned(requests, chunk);
@@ -320,11 +294,8 @@ impl Run<'_, '_, '_> {
     /// threaded path. Returns the method actually used.
     fn uring(&self, requests: Vec<ReadRequest<'_>>) -> Result<ReadMethod, StorageError> {
         let chunk = PosixFile::chunk_size(self.opts);
-        let chunks = if self.direct_fd.is_some() {
-            split_aligned(requests, chunk)
-        } else {
-            split_requests(requests, chunk)
-        };
+        let chunks =
+            if self.direct_fd.is_some() { split_aligned(requests, chunk) } else { split_requests(requests, chunk) };
         if chunks.is_empty() {
             self.opts.check_cancel()?;
             return Ok(ReadMethod::IoUring);
@@ -339,13 +310,7 @@ impl Run<'_, '_, '_> {
                 Err(_) => {
                     // Forbidden here (seccomp, a container policy, memlock): use threads.
                     drop(rings);
-                    let requests = chunks
-                        .into_iter()
-                        .map(|c| ReadRequest {
-                            offset: c.offset,
-                            dst: c.dst,
-                        })
-                        .collect();
+                    let requests = chunks.into_iter().map(|c| ReadRequest { offset: c.offset, dst: c.dst }).collect();
                     self.threads(requests)?;
                     return Ok(ReadMethod::Threads);
                 }
@@ -477,17 +442,7 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
         } else {
             plan_buffered(offset, len, self.block)
         };
-        let a = Active {
-            offset,
-            base,
-            len,
-            _dst: PhantomData,
-            fd,
-            direct,
-            pieces,
-            next: 0,
-            pending: 0,
-        };
+        let a = Active { offset, base, len, _dst: PhantomData, fd, direct, pieces, next: 0, pending: 0 };
         match self.free_slots.pop() {
             Some(i) => {
                 self.active[i] = Some(a);
@@ -509,11 +464,7 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
             return Ok(true);
         };
         let (buf, len, offset, bounce) = match piece {
-            Piece::Direct {
-                offset,
-                dst_off,
-                len,
-            } => {
+            Piece::Direct { offset, dst_off, len } => {
                 // SAFETY: `dst_off + len <= chunk.dst.len()` (the plan stays inside the chunk),
                 // so the pointer stays inside the destination.
                 (unsafe { a.base.add(dst_off) }, len, offset, None)
@@ -539,11 +490,7 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
             }
         };
         let Ok(len32) = u32::try_from(len) else {
-            return Err(StorageError::io(
-                &self.run.file.path,
-                "read",
-                io::Error::from_raw_os_error(libc::EINVAL),
-            ));
+            return Err(StorageError::io(&self.run.file.path, "read", io::Error::from_raw_os_error(libc::EINVAL)));
         };
         // SAFETY: `buf` is either this piece's own part of the destination (disjoint from every
         // other piece, and not touched by Rust until the chunk completes: see `Active::base`),
@@ -559,11 +506,7 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
             }
             return Err(StorageError::io(&self.run.file.path, "read (io_uring)", e));
         }
-        self.inflight[id] = Some(InFlight {
-            slot,
-            piece,
-            bounce,
-        });
+        self.inflight[id] = Some(InFlight { slot, piece, bounce });
         if let Some(a) = self.active.get_mut(slot).and_then(Option::as_mut) {
             a.next += 1;
             a.pending += 1;
@@ -572,17 +515,8 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
     }
 
     /// Handles one completion. Returns the chunk if it is now complete.
-    fn complete(
-        &mut self,
-        id: u64,
-        res: i32,
-        skip_work: bool,
-    ) -> Result<Option<Chunk<'c>>, StorageError> {
-        let Some(f) = usize::try_from(id)
-            .ok()
-            .and_then(|i| self.inflight.get_mut(i))
-            .and_then(Option::take)
-        else {
+    fn complete(&mut self, id: u64, res: i32, skip_work: bool) -> Result<Option<Chunk<'c>>, StorageError> {
+        let Some(f) = usize::try_from(id).ok().and_then(|i| self.inflight.get_mut(i)).and_then(Option::take) else {
             return Ok(None);
         };
         self.free_ids.push(id as usize);
@@ -598,17 +532,9 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
             // range lies inside the destination and is disjoint from every other piece's, so
             // no other reference to these bytes exists while this one lives.
             let target = unsafe { std::slice::from_raw_parts_mut(a.base.add(dst_off), n) };
-            let res = if res < 0 {
-                Err(io::Error::from_raw_os_error(-res))
-            } else {
-                Ok(res as usize)
-            };
-            let bounce = f
-                .bounce
-                .and_then(|b| self.bounce.get(b))
-                .map_or(&[][..], AlignedBuf::as_slice);
-            self.run
-                .finish_piece(&f.piece, res, target, bounce, a.direct)
+            let res = if res < 0 { Err(io::Error::from_raw_os_error(-res)) } else { Ok(res as usize) };
+            let bounce = f.bounce.and_then(|b| self.bounce.get(b)).map_or(&[][..], AlignedBuf::as_slice);
+            self.run.finish_piece(&f.piece, res, target, bounce, a.direct)
         };
         if let Some(b) = f.bounce {
             self.free_bounce.push(b);
@@ -630,11 +556,7 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
 
     /// Keeps the ring full with pieces of chunks pulled from `queue` until they run out, an
     /// error occurs, or the caller cancels; then waits for everything in flight.
-    fn run(
-        mut self,
-        queue: &Mutex<std::vec::IntoIter<Chunk<'c>>>,
-        failed: &AtomicBool,
-    ) -> Result<(), StorageError> {
+    fn run(mut self, queue: &Mutex<std::vec::IntoIter<Chunk<'c>>>, failed: &AtomicBool) -> Result<(), StorageError> {
         let opts = self.run.opts;
         let mut current: Option<usize> = None;
         let mut exhausted = false;
@@ -714,11 +636,7 @@ impl StorageFile for PosixFile {
         Ok(Box::new(PosixReader { file: self }))
     }
 
-    fn read_ranges(
-        &self,
-        requests: Vec<ReadRequest<'_>>,
-        opts: &IoOptions<'_>,
-    ) -> Result<(), StorageError> {
+    fn read_ranges(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<(), StorageError> {
         self.read_ranges_report(requests, opts).map(|_| ())
     }
 
@@ -763,21 +681,11 @@ mod tests {
     fn einval_at_read_falls_back_to_buffered() {
         let (_dir, f, data) = fixture();
         let opts = IoOptions::default();
-        let run = Run {
-            file: &f,
-            opts: &opts,
-            direct_fd: Some(f.file.as_raw_fd()),
-            refused: AtomicBool::new(false),
-        };
-        let piece = Piece::Direct {
-            offset: 4096,
-            dst_off: 0,
-            len: 4096,
-        };
+        let run = Run { file: &f, opts: &opts, direct_fd: Some(f.file.as_raw_fd()), refused: AtomicBool::new(false) };
+        let piece = Piece::Direct { offset: 4096, dst_off: 0, len: 4096 };
         let mut target = vec![0u8; 4096];
         let einval = Err(io::Error::from_raw_os_error(libc::EINVAL));
-        run.finish_piece(&piece, einval, &mut target, &[], true)
-            .unwrap();
+        run.finish_piece(&piece, einval, &mut target, &[], true).unwrap();
         assert_eq!(target, data[4096..8192]);
         assert!(run.refused.load(Ordering::Relaxed));
         assert_eq!(run.bypass(), None);
@@ -788,56 +696,30 @@ mod tests {
     fn short_reads_complete_and_errors_name_the_file() {
         let (_dir, f, data) = fixture();
         let opts = IoOptions::default();
-        let run = Run {
-            file: &f,
-            opts: &opts,
-            direct_fd: None,
-            refused: AtomicBool::new(false),
-        };
+        let run = Run { file: &f, opts: &opts, direct_fd: None, refused: AtomicBool::new(false) };
         // A direct piece that got only its first 100 bytes.
-        let piece = Piece::Direct {
-            offset: 8192,
-            dst_off: 0,
-            len: 8192,
-        };
+        let piece = Piece::Direct { offset: 8192, dst_off: 0, len: 8192 };
         let mut target = vec![0u8; 8192];
         target[..100].copy_from_slice(&data[8192..8292]);
-        run.finish_piece(&piece, Ok(100), &mut target, &[], true)
-            .unwrap();
+        run.finish_piece(&piece, Ok(100), &mut target, &[], true).unwrap();
         assert_eq!(target, data[8192..16384]);
         // A bounce piece whose read stopped before the wanted bytes.
-        let piece = Piece::Bounce {
-            offset: 16384,
-            len: 4096,
-            skip: 5,
-            dst_off: 0,
-            copy_len: 100,
-        };
+        let piece = Piece::Bounce { offset: 16384, len: 4096, skip: 5, dst_off: 0, copy_len: 100 };
         let mut target = vec![0u8; 100];
-        run.finish_piece(&piece, Ok(10), &mut target, &[0u8; 4096], true)
-            .unwrap();
+        run.finish_piece(&piece, Ok(10), &mut target, &[0u8; 4096], true).unwrap();
         assert_eq!(target, data[16389..16489]);
         // The bounce read came back complete: copied from the bounce buffer.
         let mut bounce = vec![0u8; 4096];
         bounce[5..105].fill(7);
-        run.finish_piece(&piece, Ok(4096), &mut target, &bounce, true)
-            .unwrap();
+        run.finish_piece(&piece, Ok(4096), &mut target, &bounce, true).unwrap();
         assert!(target.iter().all(|&b| b == 7));
         // Past the end of the file, even when the kernel said "short".
-        let piece = Piece::Direct {
-            offset: 16384,
-            dst_off: 0,
-            len: 8192,
-        };
+        let piece = Piece::Direct { offset: 16384, dst_off: 0, len: 8192 };
         let mut target = vec![0u8; 8192];
-        let err = run
-            .finish_piece(&piece, Ok(0), &mut target, &[], true)
-            .unwrap_err();
+        let err = run.finish_piece(&piece, Ok(0), &mut target, &[], true).unwrap_err();
         assert!(matches!(err, StorageError::ShortFile { .. }), "{err:?}");
         let eio = Err(io::Error::from_raw_os_error(libc::EIO));
-        let err = run
-            .finish_piece(&piece, eio, &mut target, &[], true)
-            .unwrap_err();
+        let err = run.finish_piece(&piece, eio, &mut target, &[], true).unwrap_err();
         assert!(err.to_string().contains("f.bin"), "{err}");
         assert!(!run.refused.load(Ordering::Relaxed));
     }

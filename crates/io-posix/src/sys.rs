@@ -28,9 +28,7 @@ impl AlignedBuf {
         let layout = Self::layout(len);
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let Some(ptr) = NonNull::new(raw) else {
-            std::alloc::handle_alloc_error(layout)
-        };
+        let Some(ptr) = NonNull::new(raw) else { std::alloc::handle_alloc_error(layout) };
         AlignedBuf { ptr, len }
     }
 
@@ -83,13 +81,7 @@ fn check(ret: libc::c_int) -> io::Result<libc::c_int> {
 /// `Ok(None)` when the file system refuses `O_DIRECT` (`EINVAL`) or the path now names another
 /// file.
 pub(crate) fn reopen_direct(file: &File, path: &Path, write: bool) -> io::Result<Option<File>> {
-    let open = |p: &Path| {
-        OpenOptions::new()
-            .read(!write)
-            .write(write)
-            .custom_flags(libc::O_DIRECT)
-            .open(p)
-    };
+    let open = |p: &Path| OpenOptions::new().read(!write).write(write).custom_flags(libc::O_DIRECT).open(p);
     let via_proc = format!("/proc/self/fd/{}", file.as_raw_fd());
     let opened = match open(Path::new(&via_proc)) {
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => open(path),
@@ -120,9 +112,7 @@ pub(crate) fn allocate(file: &File, len: u64) -> io::Result<()> {
     let ret = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, off_len) };
     match check(ret) {
         Ok(_) => Ok(()),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) => {
-            file.set_len(len)
-        }
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) => file.set_len(len),
         Err(e) => Err(e),
     }
 }
@@ -154,9 +144,7 @@ fn sample_spans(pages: u64) -> Vec<(u64, u64)> {
     if pages <= SPANS * SPAN_PAGES {
         return vec![(0, pages)];
     }
-    (0..SPANS)
-        .map(|i| ((pages - SPAN_PAGES) * i / (SPANS - 1), SPAN_PAGES))
-        .collect()
+    (0..SPANS).map(|i| ((pages - SPAN_PAGES) * i / (SPANS - 1), SPAN_PAGES)).collect()
 }
 
 /// Estimates the fraction of the file's pages in the page cache from a sample (see
@@ -184,35 +172,24 @@ fn mincore_sample(file: &File, len: u64, page: u64, spans: &[(u64, u64)]) -> Opt
     let map_len = usize::try_from(len).ok()?;
     // SAFETY: a fresh shared read-only mapping of our descriptor, at an address the kernel
     // picks; nothing is read through it, and it is unmapped below on every path.
-    let addr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            map_len,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            0,
-        )
-    };
+    let addr =
+        unsafe { libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0) };
     if addr == libc::MAP_FAILED {
         return None;
     }
     let mut vec = vec![0u8; spans.iter().map(|s| s.1).max().unwrap_or(0) as usize];
     let mut resident = Some(0u64);
     for &(first, n) in spans {
-        let (Ok(off), Ok(bytes), Ok(n)) = (
-            usize::try_from(first * page),
-            usize::try_from(n * page),
-            usize::try_from(n),
-        ) else {
+        let (Ok(off), Ok(bytes), Ok(n)) =
+            (usize::try_from(first * page), usize::try_from(n * page), usize::try_from(n))
+        else {
             resident = None;
             break;
         };
         // SAFETY: `[addr + off, addr + off + bytes)` lies inside the mapping (spans cover only
         // pages of the file, and the mapping covers them all); `vec` has room for `n` bytes,
         // one per page.
-        let ret =
-            unsafe { libc::mincore(addr.cast::<u8>().add(off).cast(), bytes, vec.as_mut_ptr()) };
+        let ret = unsafe { libc::mincore(addr.cast::<u8>().add(off).cast(), bytes, vec.as_mut_ptr()) };
         if ret != 0 {
             resident = None;
             break;
@@ -234,10 +211,7 @@ mod tests {
         let s = sample_spans(1 << 20);
         assert_eq!(s.len(), SPANS as usize);
         assert_eq!(s[0], (0, SPAN_PAGES));
-        assert_eq!(
-            s.last().copied(),
-            Some(((1 << 20) - SPAN_PAGES, SPAN_PAGES))
-        );
+        assert_eq!(s.last().copied(), Some(((1 << 20) - SPAN_PAGES, SPAN_PAGES)));
         assert!(s.windows(2).all(|w| w[0].0 + SPAN_PAGES <= w[1].0));
     }
 

@@ -18,11 +18,7 @@ impl Ring {
     pub(crate) fn new(depth: u32) -> io::Result<Ring> {
         let depth = depth.clamp(1, 4096);
         let ring = IoUring::new(depth.next_power_of_two())?;
-        Ok(Ring {
-            ring,
-            depth: depth as usize,
-            in_flight: 0,
-        })
+        Ok(Ring { ring, depth: depth as usize, in_flight: 0 })
     }
 
     /// Requests allowed in flight at once.
@@ -55,10 +51,7 @@ impl Ring {
         if self.in_flight >= self.depth {
             return Err(io::Error::other("io_uring queue is full"));
         }
-        let entry = opcode::Read::new(types::Fd(fd), buf, len)
-            .offset(offset)
-            .build()
-            .user_data(user_data);
+        let entry = opcode::Read::new(types::Fd(fd), buf, len).offset(offset).build().user_data(user_data);
         // SAFETY: the caller guarantees that the buffer outlives the request; the entry is
         // copied into the submission ring.
         let pushed = unsafe { self.ring.submission().push(&entry) };
@@ -84,9 +77,7 @@ impl Ring {
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
                 // Completions must be reaped first (EBUSY) or the kernel is short of memory
                 // for a moment (EAGAIN): the caller reaps and calls again.
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN)) => {
-                    return Ok(())
-                }
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN)) => return Ok(()),
                 Err(e) => return Err(e),
             }
         }

@@ -53,27 +53,16 @@ fn temp_name(dir: &Path, name: &std::ffi::OsStr, attempt: u32) -> PathBuf {
     let mut tmp = Vec::with_capacity(prefix.len() + 48);
     tmp.push(b'.');
     tmp.extend_from_slice(prefix);
-    tmp.extend_from_slice(
-        format!(".turboio-tmp.{}.{:016x}", std::process::id(), h.finish()).as_bytes(),
-    );
+    tmp.extend_from_slice(format!(".turboio-tmp.{}.{:016x}", std::process::id(), h.finish()).as_bytes());
     dir.join(OsString::from_vec(tmp))
 }
 
 /// Creates the temporary file with `O_EXCL`, mode 0644 (less the umask).
-fn create_temp(
-    target: &Path,
-    dir: &Path,
-    name: &std::ffi::OsStr,
-) -> Result<(PathBuf, File), StorageError> {
+fn create_temp(target: &Path, dir: &Path, name: &std::ffi::OsStr) -> Result<(PathBuf, File), StorageError> {
     let mut attempt = 0;
     loop {
         let tmp = temp_name(dir, name, attempt);
-        match OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o644)
-            .open(&tmp)
-        {
+        match OpenOptions::new().write(true).create_new(true).mode(0o644).open(&tmp) {
             Ok(f) => return Ok((tmp, f)),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt < 16 => attempt += 1,
             // ENOENT here means the directory is missing: reported for the target path.
@@ -90,39 +79,25 @@ pub(crate) fn write_file(
     opts: &IoOptions<'_>,
 ) -> Result<(), StorageError> {
     let Some(name) = path.file_name() else {
-        return Err(io_err(
-            path,
-            "write",
-            io::Error::new(io::ErrorKind::InvalidInput, "the path names no file"),
-        ));
+        return Err(io_err(path, "write", io::Error::new(io::ErrorKind::InvalidInput, "the path names no file")));
     };
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
     match fs::metadata(path) {
-        Ok(m) if m.is_dir() => {
-            return Err(io_err(
-                path,
-                "write",
-                io::Error::from_raw_os_error(libc::EISDIR),
-            ))
-        }
+        Ok(m) if m.is_dir() => return Err(io_err(path, "write", io::Error::from_raw_os_error(libc::EISDIR))),
         Ok(_) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(io_err(path, "stat", e)),
     }
     opts.check_cancel()?;
     let (tmp, file) = create_temp(path, dir, name)?;
-    let mut guard = TempGuard {
-        path: tmp,
-        armed: true,
-    };
+    let mut guard = TempGuard { path: tmp, armed: true };
     let len = source.len();
     sys::allocate(&file, len).map_err(|e| io_err(path, "allocate", e))?;
     let direct = if cfg.direct_writes && len >= ALIGN {
-        sys::reopen_direct(&file, &guard.path, true)
-            .map_err(|e| io_err(path, "open (O_DIRECT)", e))?
+        sys::reopen_direct(&file, &guard.path, true).map_err(|e| io_err(path, "open (O_DIRECT)", e))?
     } else {
         None
     };
@@ -137,9 +112,7 @@ pub(crate) fn write_file(
     guard.armed = false;
     if cfg.fsync {
         // The new name must be durable too. (If this fails the new file is already in place.)
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| io_err(path, "fsync directory", e))?;
+        File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io_err(path, "fsync directory", e))?;
     }
     Ok(())
 }
@@ -157,14 +130,7 @@ fn write_chunks(
     if len == 0 {
         return opts.check_cancel();
     }
-    let chunk = aligned_size(
-        if opts.chunk_size == 0 {
-            DEFAULT_CHUNK
-        } else {
-            opts.chunk_size
-        },
-        MAX_CHUNK,
-    );
+    let chunk = aligned_size(if opts.chunk_size == 0 { DEFAULT_CHUNK } else { opts.chunk_size }, MAX_CHUNK);
     let chunks = len.div_ceil(chunk as u64);
     let workers = opts.worker_count(len, chunk);
     let next = AtomicU64::new(0);
@@ -186,12 +152,7 @@ fn write_chunks(
             let offset = i * chunk as u64;
             let n = (len - offset).min(chunk as u64) as usize;
             let data = &mut buf.as_mut_slice()[..n];
-            source
-                .fill(offset, data)
-                .map_err(|message| StorageError::Source {
-                    path: path.to_owned(),
-                    message,
-                })?;
+            source.fill(offset, data).map_err(|message| StorageError::Source { path: path.to_owned(), message })?;
             // Whole blocks with O_DIRECT where allowed; the rest (the file's last partial
             // block) through the page cache.
             let mut done = 0usize;
@@ -205,8 +166,7 @@ fn write_chunks(
                     Err(e) => return Err(io_err(path, "write", e)),
                 }
             }
-            file.write_all_at(&data[done..], offset + done as u64)
-                .map_err(|e| io_err(path, "write", e))?;
+            file.write_all_at(&data[done..], offset + done as u64).map_err(|e| io_err(path, "write", e))?;
             opts.add_progress(n as u64);
         }
     };

@@ -28,20 +28,9 @@ impl Mount {
         let fs = CString::new(fstype).map_err(|e| e.to_string())?;
         let data = CString::new(data).map_err(|e| e.to_string())?;
         // SAFETY: all arguments are NUL-terminated strings that outlive the call.
-        let ret = unsafe {
-            libc::mount(
-                fs.as_ptr(),
-                target.as_ptr(),
-                fs.as_ptr(),
-                0,
-                data.as_ptr().cast(),
-            )
-        };
+        let ret = unsafe { libc::mount(fs.as_ptr(), target.as_ptr(), fs.as_ptr(), 0, data.as_ptr().cast()) };
         if ret != 0 {
-            return Err(format!(
-                "mount -t {fstype} failed: {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(format!("mount -t {fstype} failed: {}", std::io::Error::last_os_error()));
         }
         Ok(Mount { dir })
     }
@@ -66,21 +55,14 @@ fn local_dir() -> PathBuf {
 }
 
 fn scratch_in(dir: &Path) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("io-posix-")
-        .tempdir_in(dir)
-        .expect("scratch directory")
+    tempfile::Builder::new().prefix("io-posix-").tempdir_in(dir).expect("scratch directory")
 }
 
 /// Whether the file system of `dir` accepts `O_DIRECT` opens.
 fn accepts_o_direct(dir: &Path) -> bool {
     let p = dir.join(".odirect-probe");
     std::fs::write(&p, [0u8; 4096]).expect("probe file");
-    let ok = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(&p)
-        .is_ok();
+    let ok = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&p).is_ok();
     let _ = std::fs::remove_file(&p);
     ok
 }
@@ -141,17 +123,9 @@ fn storage(method: ReadMethod, direct_writes: bool, small: bool) -> PosixStorage
 }
 
 fn expected_report(method: ReadMethod, direct: DirectIo, fs_direct: bool) -> ReadReport {
-    let method = if method == ReadMethod::IoUring && !io_uring_available() {
-        ReadMethod::Threads
-    } else {
-        method
-    };
+    let method = if method == ReadMethod::IoUring && !io_uring_available() { ReadMethod::Threads } else { method };
     let want = direct == DirectIo::On;
-    ReadReport {
-        method,
-        direct: want && fs_direct,
-        direct_refused: want && !fs_direct,
-    }
+    ReadReport { method, direct: want && fs_direct, direct_refused: want && !fs_direct }
 }
 
 const METHODS: [ReadMethod; 2] = [ReadMethod::Threads, ReadMethod::IoUring];
@@ -181,15 +155,8 @@ fn conformance_on_every_path() {
                             // And the path taken is the one forced.
                             let f = st.open_posix(&sub.join("odd_offsets.bin")).unwrap();
                             let mut buf = vec![0u8; 100_000];
-                            let report = f
-                                .read_ranges_report(
-                                    vec![ReadRequest {
-                                        offset: 77,
-                                        dst: &mut buf,
-                                    }],
-                                    &opts,
-                                )
-                                .unwrap();
+                            let report =
+                                f.read_ranges_report(vec![ReadRequest { offset: 77, dst: &mut buf }], &opts).unwrap();
                             assert_eq!(
                                 report,
                                 expected_report(method, direct, *fs_direct),
@@ -228,9 +195,7 @@ impl Placed {
 
     fn guards_intact(&self) -> bool {
         self.buf[..self.start].iter().all(|&b| b == GUARD)
-            && self.buf[self.start + self.len..]
-                .iter()
-                .all(|&b| b == GUARD)
+            && self.buf[self.start + self.len..].iter().all(|&b| b == GUARD)
     }
 }
 
@@ -257,44 +222,25 @@ fn every_path_matches_one_expected_result() {
     let expected: Vec<&[u8]> = spans.iter().map(|&(o, n, _)| &data[o..o + n]).collect();
     for (label, dir, fs_direct) in &fss {
         let path = dir.path().join("expected.bin");
-        PosixStorage::new()
-            .write_file(&path, &BytesSource(&data), &IoOptions::default())
-            .unwrap();
+        PosixStorage::new().write_file(&path, &BytesSource(&data), &IoOptions::default()).unwrap();
         for method in METHODS {
             for direct in DIRECTS {
                 for (threads, chunk) in [(1usize, 0usize), (2, 300_000)] {
                     let st = storage(method, false, threads == 2);
                     let f = st.open_posix(&path).unwrap();
-                    let mut bufs: Vec<Placed> = spans
-                        .iter()
-                        .map(|&(o, n, m)| Placed::new(n, m.unwrap_or(o % 4096)))
-                        .collect();
+                    let mut bufs: Vec<Placed> =
+                        spans.iter().map(|&(o, n, m)| Placed::new(n, m.unwrap_or(o % 4096))).collect();
                     let reqs = spans
                         .iter()
                         .zip(bufs.iter_mut())
-                        .map(|(&(o, _, _), b)| ReadRequest {
-                            offset: o as u64,
-                            dst: b.slice(),
-                        })
+                        .map(|(&(o, _, _), b)| ReadRequest { offset: o as u64, dst: b.slice() })
                         .collect();
-                    let opts = IoOptions {
-                        threads,
-                        direct,
-                        chunk_size: chunk,
-                        ..Default::default()
-                    };
+                    let opts = IoOptions { threads, direct, chunk_size: chunk, ..Default::default() };
                     let report = f.read_ranges_report(reqs, &opts).unwrap();
                     let what = format!("{label}: {method:?} {direct:?} threads {threads}");
-                    assert_eq!(
-                        report,
-                        expected_report(method, direct, *fs_direct),
-                        "{what}"
-                    );
+                    assert_eq!(report, expected_report(method, direct, *fs_direct), "{what}");
                     for (i, b) in bufs.iter_mut().enumerate() {
-                        assert!(
-                            b.guards_intact(),
-                            "{what}: span {i} wrote outside its slice"
-                        );
+                        assert!(b.guards_intact(), "{what}: span {i} wrote outside its slice");
                         assert!(b.slice() == expected[i], "{what}: span {i} differs");
                     }
                 }
@@ -309,21 +255,10 @@ fn every_path_matches_one_expected_result() {
 fn reads_ending_at_eof() {
     let dir = scratch_in(&local_dir());
     let fs_direct = accepts_o_direct(dir.path());
-    for len in [
-        1usize,
-        4095,
-        4096,
-        4097,
-        8191,
-        8192,
-        12_288 + 100,
-        (1 << 20) + 1,
-    ] {
+    for len in [1usize, 4095, 4096, 4097, 8191, 8192, 12_288 + 100, (1 << 20) + 1] {
         let data = pattern(len, len as u64);
         let path = dir.path().join(format!("eof-{len}.bin"));
-        PosixStorage::new()
-            .write_file(&path, &BytesSource(&data), &IoOptions::default())
-            .unwrap();
+        PosixStorage::new().write_file(&path, &BytesSource(&data), &IoOptions::default()).unwrap();
         for method in METHODS {
             for direct in DIRECTS {
                 let st = storage(method, false, true);
@@ -331,19 +266,9 @@ fn reads_ending_at_eof() {
                 for start in [0usize, 1, len / 2, len - 1, len.saturating_sub(4096)] {
                     for addr_mod in [start % 4096, (start + 1) % 4096] {
                         let mut p = Placed::new(len - start, addr_mod);
-                        let opts = IoOptions {
-                            direct,
-                            threads: 2,
-                            ..Default::default()
-                        };
+                        let opts = IoOptions { direct, threads: 2, ..Default::default() };
                         let report = f
-                            .read_ranges_report(
-                                vec![ReadRequest {
-                                    offset: start as u64,
-                                    dst: p.slice(),
-                                }],
-                                &opts,
-                            )
+                            .read_ranges_report(vec![ReadRequest { offset: start as u64, dst: p.slice() }], &opts)
                             .unwrap();
                         let what = format!("len {len} from {start} {method:?} {direct:?}");
                         assert_eq!(report, expected_report(method, direct, fs_direct), "{what}");
@@ -355,14 +280,8 @@ fn reads_ending_at_eof() {
                 let mut buf = vec![0u8; 2];
                 let err = f
                     .read_ranges_report(
-                        vec![ReadRequest {
-                            offset: len as u64 - 1,
-                            dst: &mut buf,
-                        }],
-                        &IoOptions {
-                            direct,
-                            ..Default::default()
-                        },
+                        vec![ReadRequest { offset: len as u64 - 1, dst: &mut buf }],
+                        &IoOptions { direct, ..Default::default() },
                     )
                     .unwrap_err();
                 assert!(matches!(err, StorageError::ShortFile { .. }), "{err:?}");
@@ -384,25 +303,12 @@ fn file_truncated_under_the_reader() {
             std::fs::write(&path, &data).unwrap();
             let st = storage(method, false, true);
             let f = st.open_posix(&path).unwrap();
-            OpenOptions::new()
-                .write(true)
-                .open(&path)
-                .unwrap()
-                .set_len(1 << 20)
-                .unwrap();
+            OpenOptions::new().write(true).open(&path).unwrap().set_len(1 << 20).unwrap();
             let mut buf = vec![0u8; len];
             let err = f
                 .read_ranges_report(
-                    vec![ReadRequest {
-                        offset: 0,
-                        dst: &mut buf,
-                    }],
-                    &IoOptions {
-                        direct,
-                        threads: 2,
-                        chunk_size: 1 << 20,
-                        ..Default::default()
-                    },
+                    vec![ReadRequest { offset: 0, dst: &mut buf }],
+                    &IoOptions { direct, threads: 2, chunk_size: 1 << 20, ..Default::default() },
                 )
                 .unwrap_err();
             match err {
@@ -426,21 +332,12 @@ fn disk_full_save_fails_cleanly() {
     let st = PosixStorage::new();
     let path = mount.path().join("model.safetensors");
     let old = pattern(100_000, 1);
-    st.write_file(&path, &BytesSource(&old), &IoOptions::default())
-        .unwrap();
-    let before: Vec<_> = std::fs::read_dir(mount.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
+    st.write_file(&path, &BytesSource(&old), &IoOptions::default()).unwrap();
+    let before: Vec<_> = std::fs::read_dir(mount.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     for direct_writes in [false, true] {
-        let st = PosixStorage::with_config(PosixConfig {
-            direct_writes,
-            ..PosixConfig::default()
-        });
+        let st = PosixStorage::with_config(PosixConfig { direct_writes, ..PosixConfig::default() });
         let big = pattern(4 << 20, 2);
-        let err = st
-            .write_file(&path, &BytesSource(&big), &IoOptions::default())
-            .unwrap_err();
+        let err = st.write_file(&path, &BytesSource(&big), &IoOptions::default()).unwrap_err();
         match &err {
             StorageError::Io { source, .. } => {
                 assert_eq!(source.raw_os_error(), Some(libc::ENOSPC), "{err}")
@@ -449,10 +346,7 @@ fn disk_full_save_fails_cleanly() {
         }
         assert!(err.to_string().contains("model.safetensors"), "{err}");
         assert_eq!(std::fs::read(&path).unwrap(), old, "old file changed");
-        let after: Vec<_> = std::fs::read_dir(mount.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
+        let after: Vec<_> = std::fs::read_dir(mount.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(after, before, "a temporary file was left behind");
     }
 }
@@ -465,25 +359,13 @@ fn auto_follows_the_page_cache() {
     let path = dir.path().join("auto.bin");
     let data = pattern(16 << 20, 4);
     // Buffered writes leave the file in the page cache.
-    let st = PosixStorage::with_config(PosixConfig {
-        direct_writes: false,
-        ..PosixConfig::default()
-    });
-    st.write_file(&path, &BytesSource(&data), &IoOptions::default())
-        .unwrap();
+    let st = PosixStorage::with_config(PosixConfig { direct_writes: false, ..PosixConfig::default() });
+    st.write_file(&path, &BytesSource(&data), &IoOptions::default()).unwrap();
     let f = st.open_posix(&path).unwrap();
     let threshold = st.config().cached_threshold;
     let read = |f: &turboio_io_posix::PosixFile| {
         let mut buf = vec![0u8; data.len()];
-        let r = f
-            .read_ranges_report(
-                vec![ReadRequest {
-                    offset: 0,
-                    dst: &mut buf,
-                }],
-                &IoOptions::default(),
-            )
-            .unwrap();
+        let r = f.read_ranges_report(vec![ReadRequest { offset: 0, dst: &mut buf }], &IoOptions::default()).unwrap();
         assert!(buf == data);
         r
     };
@@ -500,18 +382,10 @@ fn auto_follows_the_page_cache() {
     let cold = turboio_storage::StorageFile::cached_fraction(&f).unwrap();
     if cold < threshold {
         let r = read(&f);
-        let method = if io_uring_available() {
-            ReadMethod::IoUring
-        } else {
-            ReadMethod::Threads
-        };
+        let method = if io_uring_available() { ReadMethod::IoUring } else { ReadMethod::Threads };
         assert_eq!(
             r,
-            ReadReport {
-                method,
-                direct: true,
-                direct_refused: false
-            },
+            ReadReport { method, direct: true, direct_refused: false },
             "cold file: {cold}, now {:?}",
             turboio_storage::StorageFile::cached_fraction(&f)
         );
@@ -544,10 +418,7 @@ fn cancel_mid_read() {
                 let mut buf = vec![0u8; data.len()];
                 let err = f
                     .read_ranges_report(
-                        vec![ReadRequest {
-                            offset: 3,
-                            dst: &mut buf[3..],
-                        }],
+                        vec![ReadRequest { offset: 3, dst: &mut buf[3..] }],
                         &IoOptions {
                             threads,
                             direct,
@@ -558,10 +429,7 @@ fn cancel_mid_read() {
                         },
                     )
                     .unwrap_err();
-                assert!(
-                    matches!(err, StorageError::Cancelled),
-                    "{method:?} {direct:?} {threads}: {err:?}"
-                );
+                assert!(matches!(err, StorageError::Cancelled), "{method:?} {direct:?} {threads}: {err:?}");
                 let done = progress.load(Ordering::Relaxed);
                 assert!(done > 0 && done < data.len() as u64 - 3, "progress {done}");
             }
@@ -581,10 +449,7 @@ fn hook_error_wins() {
             let f = st.open_posix(&path).unwrap();
             let hook = |off: u64, _: &mut [u8]| {
                 if off >= 1 << 20 {
-                    Err(StorageError::Unsupported {
-                        backend: "test",
-                        what: "hook refused".into(),
-                    })
+                    Err(StorageError::Unsupported { backend: "test", what: "hook refused".into() })
                 } else {
                     Ok(())
                 }
@@ -592,23 +457,11 @@ fn hook_error_wins() {
             let mut buf = vec![0u8; 4 << 20];
             let err = f
                 .read_ranges_report(
-                    vec![ReadRequest {
-                        offset: 0,
-                        dst: &mut buf,
-                    }],
-                    &IoOptions {
-                        threads: 2,
-                        direct,
-                        chunk_size: 512 << 10,
-                        hook: Some(&hook),
-                        ..Default::default()
-                    },
+                    vec![ReadRequest { offset: 0, dst: &mut buf }],
+                    &IoOptions { threads: 2, direct, chunk_size: 512 << 10, hook: Some(&hook), ..Default::default() },
                 )
                 .unwrap_err();
-            assert!(
-                err.to_string().contains("hook refused"),
-                "{method:?} {direct:?}: {err}"
-            );
+            assert!(err.to_string().contains("hook refused"), "{method:?} {direct:?}: {err}");
         }
     }
 }
@@ -623,21 +476,12 @@ fn save_details() {
         let data = pattern(len, 12);
         for direct_writes in [false, true] {
             for fsync in [false, true] {
-                let st = PosixStorage::with_config(PosixConfig {
-                    direct_writes,
-                    fsync,
-                    ..PosixConfig::default()
-                });
+                let st = PosixStorage::with_config(PosixConfig { direct_writes, fsync, ..PosixConfig::default() });
                 let progress = AtomicU64::new(0);
                 st.write_file(
                     &path,
                     &BytesSource(&data),
-                    &IoOptions {
-                        threads: 2,
-                        chunk_size: 1 << 20,
-                        progress: Some(&progress),
-                        ..Default::default()
-                    },
+                    &IoOptions { threads: 2, chunk_size: 1 << 20, progress: Some(&progress), ..Default::default() },
                 )
                 .unwrap();
                 assert_eq!(progress.load(Ordering::Relaxed), len as u64);
@@ -646,24 +490,14 @@ fn save_details() {
         }
     }
     let listing = || {
-        let mut v: Vec<_> = std::fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
+        let mut v: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         v.sort();
         v
     };
     let before = listing();
     let cancel = AtomicBool::new(true);
     let err = PosixStorage::new()
-        .write_file(
-            &path,
-            &BytesSource(&[1, 2, 3]),
-            &IoOptions {
-                cancel: Some(&cancel),
-                ..Default::default()
-            },
-        )
+        .write_file(&path, &BytesSource(&[1, 2, 3]), &IoOptions { cancel: Some(&cancel), ..Default::default() })
         .unwrap_err();
     assert!(matches!(err, StorageError::Cancelled), "{err:?}");
     assert_eq!(listing(), before);
@@ -685,12 +519,7 @@ fn save_details() {
         .write_file(
             &path,
             &CancellingSource(&cancel),
-            &IoOptions {
-                cancel: Some(&cancel),
-                threads: 1,
-                chunk_size: 1 << 20,
-                ..Default::default()
-            },
+            &IoOptions { cancel: Some(&cancel), threads: 1, chunk_size: 1 << 20, ..Default::default() },
         )
         .unwrap_err();
     assert!(matches!(err, StorageError::Cancelled), "{err:?}");
@@ -698,18 +527,12 @@ fn save_details() {
 
     let sub = dir.path().join("a-directory");
     std::fs::create_dir(&sub).unwrap();
-    let err = PosixStorage::new()
-        .write_file(&sub, &BytesSource(b"x"), &IoOptions::default())
-        .unwrap_err();
+    let err = PosixStorage::new().write_file(&sub, &BytesSource(b"x"), &IoOptions::default()).unwrap_err();
     assert!(err.to_string().contains("a-directory"), "{err}");
     assert!(sub.is_dir());
 
     let err = PosixStorage::new()
-        .write_file(
-            &dir.path().join("nope/x.bin"),
-            &BytesSource(b"x"),
-            &IoOptions::default(),
-        )
+        .write_file(&dir.path().join("nope/x.bin"), &BytesSource(b"x"), &IoOptions::default())
         .unwrap_err();
     assert!(err.is_not_found(), "{err:?}");
     assert!(err.to_string().contains("nope/x.bin"), "{err}");
@@ -725,9 +548,7 @@ fn saved_file_mode() {
     use std::os::unix::fs::PermissionsExt;
     let dir = scratch_in(&local_dir());
     let path = dir.path().join("mode.bin");
-    PosixStorage::new()
-        .write_file(&path, &BytesSource(b"abc"), &IoOptions::default())
-        .unwrap();
+    PosixStorage::new().write_file(&path, &BytesSource(b"abc"), &IoOptions::default()).unwrap();
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
     let mask = status
         .lines()

@@ -54,34 +54,14 @@ pub fn run_all(storage: &dyn Storage, dir: &Path, caps: Capabilities, opts: &IoO
 fn write(storage: &dyn Storage, path: &Path, data: &[u8], opts: &IoOptions<'_>) {
     storage
         .write_file(path, &BytesSource(data), opts)
-        .unwrap_or_else(|e| {
-            panic!(
-                "{}: write_file({}) failed: {e}",
-                storage.name(),
-                path.display()
-            )
-        });
+        .unwrap_or_else(|e| panic!("{}: write_file({}) failed: {e}", storage.name(), path.display()));
 }
 
 fn read_all(storage: &dyn Storage, path: &Path, opts: &IoOptions<'_>) -> Vec<u8> {
-    let f = storage
-        .open(path)
-        .unwrap_or_else(|e| panic!("{}: open({}) failed: {e}", storage.name(), path.display()));
+    let f = storage.open(path).unwrap_or_else(|e| panic!("{}: open({}) failed: {e}", storage.name(), path.display()));
     let mut buf = vec![0u8; f.len() as usize];
-    f.read_ranges(
-        vec![ReadRequest {
-            offset: 0,
-            dst: &mut buf,
-        }],
-        opts,
-    )
-    .unwrap_or_else(|e| {
-        panic!(
-            "{}: read_ranges of {} failed: {e}",
-            storage.name(),
-            path.display()
-        )
-    });
+    f.read_ranges(vec![ReadRequest { offset: 0, dst: &mut buf }], opts)
+        .unwrap_or_else(|e| panic!("{}: read_ranges of {} failed: {e}", storage.name(), path.display()));
     buf
 }
 
@@ -91,27 +71,14 @@ fn scratch(dir: &Path, name: &str) -> PathBuf {
 
 /// A multi-chunk file written and read back whole is identical, and its length is right.
 pub fn round_trip(storage: &dyn Storage, dir: &Path, opts: &IoOptions<'_>) {
-    for (i, len) in [1usize, 4095, 4096, 4097, (3 << 20) + 17, 9 << 20]
-        .into_iter()
-        .enumerate()
-    {
+    for (i, len) in [1usize, 4095, 4096, 4097, (3 << 20) + 17, 9 << 20].into_iter().enumerate() {
         let path = scratch(dir, &format!("round_trip_{i}.bin"));
         let data = pattern(len, i as u64 + 1);
         write(storage, &path, &data, opts);
         let f = storage.open(&path).unwrap();
-        assert_eq!(
-            f.len(),
-            len as u64,
-            "{}: length of {}",
-            storage.name(),
-            path.display()
-        );
+        assert_eq!(f.len(), len as u64, "{}: length of {}", storage.name(), path.display());
         let back = read_all(storage, &path, opts);
-        assert!(
-            back == data,
-            "{}: {len}-byte round trip differs",
-            storage.name()
-        );
+        assert!(back == data, "{}: {len}-byte round trip differs", storage.name());
     }
 }
 
@@ -138,19 +105,11 @@ pub fn odd_offsets(storage: &dyn Storage, dir: &Path, opts: &IoOptions<'_>) {
         .iter()
         .zip(bufs.iter_mut())
         .rev()
-        .map(|(&(off, _), b)| ReadRequest {
-            offset: off as u64,
-            dst: b,
-        })
+        .map(|(&(off, _), b)| ReadRequest { offset: off as u64, dst: b })
         .collect();
-    f.read_ranges(reqs, opts)
-        .unwrap_or_else(|e| panic!("{}: odd-offset read_ranges failed: {e}", storage.name()));
+    f.read_ranges(reqs, opts).unwrap_or_else(|e| panic!("{}: odd-offset read_ranges failed: {e}", storage.name()));
     for (&(off, n), b) in spans.iter().zip(&bufs) {
-        assert!(
-            b[..] == data[off..off + n],
-            "{}: range {off}+{n} differs",
-            storage.name()
-        );
+        assert!(b[..] == data[off..off + n], "{}: range {off}+{n} differs", storage.name());
     }
     // Single reads through a reader and through the convenience method.
     let mut small = [0u8; 13];
@@ -168,14 +127,7 @@ pub fn empty_and_tiny_files(storage: &dyn Storage, dir: &Path, opts: &IoOptions<
     assert_eq!(f.len(), 0);
     assert!(f.is_empty());
     f.read_ranges(vec![], opts).unwrap();
-    f.read_ranges(
-        vec![ReadRequest {
-            offset: 0,
-            dst: &mut [],
-        }],
-        opts,
-    )
-    .unwrap();
+    f.read_ranges(vec![ReadRequest { offset: 0, dst: &mut [] }], opts).unwrap();
     let path = scratch(dir, "tiny.bin");
     write(storage, &path, b"abc", opts);
     assert_eq!(read_all(storage, &path, opts), b"abc");
@@ -187,32 +139,17 @@ pub fn short_file(storage: &dyn Storage, dir: &Path, opts: &IoOptions<'_>) {
     let data = pattern(10_000, 7);
     write(storage, &path, &data, opts);
     let f = storage.open(&path).unwrap();
-    for (off, n) in [
-        (9_990u64, 11usize),
-        (10_000, 1),
-        (20_000, 5),
-        (0, 10_001),
-        (4096, 1 << 20),
-    ] {
+    for (off, n) in [(9_990u64, 11usize), (10_000, 1), (20_000, 5), (0, 10_001), (4096, 1 << 20)] {
         let mut buf = vec![0u8; n];
         let err = f
-            .read_ranges(
-                vec![ReadRequest {
-                    offset: off,
-                    dst: &mut buf,
-                }],
-                opts,
-            )
+            .read_ranges(vec![ReadRequest { offset: off, dst: &mut buf }], opts)
             .expect_err("reading past the end must fail");
         assert!(
             matches!(err, StorageError::ShortFile { .. }),
             "{}: reading {off}+{n} of a 10000-byte file gave {err:?}, not ShortFile",
             storage.name()
         );
-        assert!(
-            err.to_string().contains("short.bin"),
-            "message names the file: {err}"
-        );
+        assert!(err.to_string().contains("short.bin"), "message names the file: {err}");
         let err = f.read_exact_at(off, &mut buf).expect_err("past the end");
         assert!(matches!(err, StorageError::ShortFile { .. }), "{err:?}");
     }
@@ -221,14 +158,8 @@ pub fn short_file(storage: &dyn Storage, dir: &Path, opts: &IoOptions<'_>) {
 /// A missing file is [`StorageError::NotFound`], naming the path.
 pub fn missing_file(storage: &dyn Storage, dir: &Path) {
     let path = scratch(dir, "does-not-exist.bin");
-    let err = storage
-        .open(&path)
-        .expect_err("opening a missing file must fail");
-    assert!(
-        err.is_not_found(),
-        "{}: missing file gave {err:?}",
-        storage.name()
-    );
+    let err = storage.open(&path).expect_err("opening a missing file must fail");
+    assert!(err.is_not_found(), "{}: missing file gave {err:?}", storage.name());
     assert!(err.to_string().contains("does-not-exist.bin"), "{err}");
     let path = scratch(dir, "no-such-dir/x.bin");
     let err = storage.open(&path).expect_err("missing directory");
@@ -253,20 +184,10 @@ pub fn concurrent_readers(storage: &dyn Storage, dir: &Path, opts: &IoOptions<'_
                     let n = 1 + (k * 977) % 65_536;
                     let mut buf = vec![0u8; n];
                     reader.read_exact_at(off as u64, &mut buf).unwrap();
-                    assert!(
-                        buf[..] == data[off..off + n],
-                        "thread {t} read {off}+{n} wrong"
-                    );
+                    assert!(buf[..] == data[off..off + n], "thread {t} read {off}+{n} wrong");
                 }
                 let mut whole = vec![0u8; len];
-                f.read_ranges(
-                    vec![ReadRequest {
-                        offset: 0,
-                        dst: &mut whole,
-                    }],
-                    opts,
-                )
-                .unwrap();
+                f.read_ranges(vec![ReadRequest { offset: 0, dst: &mut whole }], opts).unwrap();
                 assert!(whole == *data, "thread {t}: whole-file read differs");
             });
         }
@@ -289,26 +210,11 @@ pub fn hook_sees_every_byte(storage: &dyn Storage, dir: &Path, opts: &IoOptions<
         }
         Ok(())
     };
-    let hooked = IoOptions {
-        hook: Some(&hook),
-        ..*opts
-    };
+    let hooked = IoOptions { hook: Some(&hook), ..*opts };
     let mut a = vec![0u8; 1 << 20];
     let mut b = vec![0u8; len - (1 << 20) - 3];
-    f.read_ranges(
-        vec![
-            ReadRequest {
-                offset: 3,
-                dst: &mut b,
-            },
-            ReadRequest {
-                offset: 1,
-                dst: &mut a,
-            },
-        ],
-        &hooked,
-    )
-    .unwrap();
+    f.read_ranges(vec![ReadRequest { offset: 3, dst: &mut b }, ReadRequest { offset: 1, dst: &mut a }], &hooked)
+        .unwrap();
     assert_eq!(seen.load(Ordering::Relaxed), (a.len() + b.len()) as u64);
     for (i, x) in a.iter().enumerate() {
         let off = 1 + i;
@@ -350,12 +256,7 @@ impl WriteSource for FailingSource {
 
 /// A write whose source fails midway leaves the previous file intact and, where the directory
 /// can be listed, no temporary file behind. A write into a missing directory fails cleanly.
-pub fn failed_write_keeps_old_file(
-    storage: &dyn Storage,
-    dir: &Path,
-    caps: Capabilities,
-    opts: &IoOptions<'_>,
-) {
+pub fn failed_write_keeps_old_file(storage: &dyn Storage, dir: &Path, caps: Capabilities, opts: &IoOptions<'_>) {
     let sub = scratch(dir, "failed_write");
     if caps.local_dir {
         std::fs::create_dir_all(&sub).unwrap();
@@ -364,56 +265,24 @@ pub fn failed_write_keeps_old_file(
     let old = pattern(2 << 20, 11);
     write(storage, &path, &old, opts);
     let listing = |d: &Path| -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(d)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
+        let mut v: Vec<String> =
+            std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         v.sort();
         v
     };
-    let before = if caps.local_dir {
-        listing(&sub)
-    } else {
-        vec![]
-    };
+    let before = if caps.local_dir { listing(&sub) } else { vec![] };
     for fail_at in [0u64, 1 << 20, (6 << 20) - 1] {
-        let src = FailingSource {
-            len: 6 << 20,
-            fail_at,
-        };
-        let err = storage
-            .write_file(&path, &src, opts)
-            .expect_err("the source fails");
-        assert!(
-            matches!(err, StorageError::Source { .. }),
-            "{}: a failing source gave {err:?}",
-            storage.name()
-        );
-        assert!(
-            err.to_string().contains("short"),
-            "the source's message is kept: {err}"
-        );
-        assert_eq!(
-            read_all(storage, &path, opts),
-            old,
-            "{}: old file changed",
-            storage.name()
-        );
+        let src = FailingSource { len: 6 << 20, fail_at };
+        let err = storage.write_file(&path, &src, opts).expect_err("the source fails");
+        assert!(matches!(err, StorageError::Source { .. }), "{}: a failing source gave {err:?}", storage.name());
+        assert!(err.to_string().contains("short"), "the source's message is kept: {err}");
+        assert_eq!(read_all(storage, &path, opts), old, "{}: old file changed", storage.name());
         if caps.local_dir {
-            assert_eq!(
-                listing(&sub),
-                before,
-                "{}: a temporary file was left behind",
-                storage.name()
-            );
+            assert_eq!(listing(&sub), before, "{}: a temporary file was left behind", storage.name());
         }
     }
     let err = storage
-        .write_file(
-            &scratch(dir, "missing-dir/x.bin"),
-            &BytesSource(b"abc"),
-            opts,
-        )
+        .write_file(&scratch(dir, "missing-dir/x.bin"), &BytesSource(b"abc"), opts)
         .expect_err("the directory does not exist");
     assert!(err.is_not_found(), "{err:?}");
 }

@@ -76,17 +76,9 @@ impl StorageError {
     /// Wraps an OS error, turning ENOENT and EACCES/EPERM into their own variants.
     pub fn io(path: &Path, op: &'static str, source: io::Error) -> Self {
         match source.kind() {
-            io::ErrorKind::NotFound => StorageError::NotFound {
-                path: path.to_owned(),
-            },
-            io::ErrorKind::PermissionDenied => StorageError::PermissionDenied {
-                path: path.to_owned(),
-            },
-            _ => StorageError::Io {
-                path: path.to_owned(),
-                op,
-                source,
-            },
+            io::ErrorKind::NotFound => StorageError::NotFound { path: path.to_owned() },
+            io::ErrorKind::PermissionDenied => StorageError::PermissionDenied { path: path.to_owned() },
+            _ => StorageError::Io { path: path.to_owned(), op, source },
         }
     }
 

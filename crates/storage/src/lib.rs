@@ -121,11 +121,7 @@ impl IoOptions<'_> {
 
     /// The worker count to use for `total` bytes in chunks of `chunk` bytes.
     pub fn worker_count(&self, total: u64, chunk: usize) -> usize {
-        let want = if self.threads == 0 {
-            default_threads()
-        } else {
-            self.threads
-        };
+        let want = if self.threads == 0 { default_threads() } else { self.threads };
         let chunks = total.div_ceil(chunk.max(1) as u64).max(1);
         want.clamp(1, usize::try_from(chunks).unwrap_or(usize::MAX))
     }
@@ -188,18 +184,9 @@ pub trait StorageFile: Send + Sync + Debug {
     /// The default spreads chunks of `opts.chunk_size` (default 8 MiB) over `opts.threads`
     /// workers, each with its own [`reader`](Self::reader).
     fn read_ranges(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<()> {
-        let chunk = if opts.chunk_size == 0 {
-            8 << 20
-        } else {
-            opts.chunk_size
-        };
+        let chunk = if opts.chunk_size == 0 { 8 << 20 } else { opts.chunk_size };
         let chunks = split_requests(requests, chunk);
-        for_each_chunk(
-            chunks,
-            opts,
-            || self.reader(),
-            |reader, c| reader.read_exact_at(c.offset, c.dst),
-        )
+        for_each_chunk(chunks, opts, || self.reader(), |reader, c| reader.read_exact_at(c.offset, c.dst))
     }
 
     /// True if [`read_to_device`](Self::read_to_device) can write into memory of this device kind.
@@ -210,10 +197,7 @@ pub trait StorageFile: Send + Sync + Debug {
     /// Reads ranges straight into device memory. Backends without that ability answer
     /// [`StorageError::Unsupported`].
     fn read_to_device(&self, _requests: &[DeviceReadRequest], _opts: &IoOptions<'_>) -> Result<()> {
-        Err(StorageError::Unsupported {
-            backend: "storage",
-            what: "reading into device memory".into(),
-        })
+        Err(StorageError::Unsupported { backend: "storage", what: "reading into device memory".into() })
     }
 
     /// The local file descriptor, for backends whose files can be memory-mapped.
@@ -257,13 +241,7 @@ impl WriteSource for BytesSource<'_> {
         let src = start
             .checked_add(dst.len())
             .and_then(|end| self.0.get(start..end))
-            .ok_or_else(|| {
-                format!(
-                    "range {start}+{} is outside the {} source bytes",
-                    dst.len(),
-                    self.0.len()
-                )
-            })?;
+            .ok_or_else(|| format!("range {start}+{} is outside the {} source bytes", dst.len(), self.0.len()))?;
         dst.copy_from_slice(src);
         Ok(())
     }
@@ -279,6 +257,5 @@ pub trait Storage: Send + Sync + Debug {
 
     /// Writes `source` to `path` atomically: readers see the old file or the complete new one,
     /// never a mix; on any error the old file is untouched and nothing is left behind.
-    fn write_file(&self, path: &Path, source: &dyn WriteSource, opts: &IoOptions<'_>)
-        -> Result<()>;
+    fn write_file(&self, path: &Path, source: &dyn WriteSource, opts: &IoOptions<'_>) -> Result<()>;
 }

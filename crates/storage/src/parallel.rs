@@ -40,12 +40,7 @@ pub fn split_requests(requests: Vec<ReadRequest<'_>>, chunk: usize) -> Vec<Chunk
 /// from `make_state` (a reader, a ring, a buffer). After each chunk the hook runs and progress
 /// is counted; cancellation is checked between chunks. The first error stops all workers and is
 /// returned.
-pub fn for_each_chunk<'c, S, M, W>(
-    chunks: Vec<Chunk<'c>>,
-    opts: &IoOptions<'_>,
-    make_state: M,
-    work: W,
-) -> Result<()>
+pub fn for_each_chunk<'c, S, M, W>(chunks: Vec<Chunk<'c>>, opts: &IoOptions<'_>, make_state: M, work: W) -> Result<()>
 where
     M: Fn() -> Result<S> + Sync,
     W: Fn(&mut S, &mut Chunk<'c>) -> Result<()> + Sync,
@@ -112,18 +107,9 @@ mod tests {
         let mut b = vec![0u8; 3];
         let mut empty: Vec<u8> = Vec::new();
         let reqs = vec![
-            ReadRequest {
-                offset: 100,
-                dst: &mut a,
-            },
-            ReadRequest {
-                offset: 7,
-                dst: &mut empty,
-            },
-            ReadRequest {
-                offset: 5,
-                dst: &mut b,
-            },
+            ReadRequest { offset: 100, dst: &mut a },
+            ReadRequest { offset: 7, dst: &mut empty },
+            ReadRequest { offset: 5, dst: &mut b },
         ];
         let chunks = split_requests(reqs, 4);
         let spans: Vec<(u64, usize)> = chunks.iter().map(|c| (c.offset, c.dst.len())).collect();
@@ -133,13 +119,7 @@ mod tests {
     #[test]
     fn workers_fill_disjoint_chunks_and_run_the_hook() {
         let mut buf = vec![0u8; 1000];
-        let chunks = split_requests(
-            vec![ReadRequest {
-                offset: 0,
-                dst: &mut buf,
-            }],
-            7,
-        );
+        let chunks = split_requests(vec![ReadRequest { offset: 0, dst: &mut buf }], 7);
         let hooked = std::sync::atomic::AtomicU64::new(0);
         let hook = |off: u64, d: &mut [u8]| {
             hooked.fetch_add(d.len() as u64, Ordering::Relaxed);
@@ -148,11 +128,7 @@ mod tests {
             }
             Ok(())
         };
-        let opts = IoOptions {
-            threads: 3,
-            hook: Some(&hook),
-            ..Default::default()
-        };
+        let opts = IoOptions { threads: 3, hook: Some(&hook), ..Default::default() };
         for_each_chunk(
             chunks,
             &opts,
@@ -167,28 +143,15 @@ mod tests {
         .unwrap();
         assert_eq!(hooked.load(Ordering::Relaxed), 1000);
         for (i, b) in buf.iter().enumerate() {
-            assert_eq!(
-                *b,
-                ((i % 251) as u8).wrapping_add((i % 3) as u8),
-                "byte {i}"
-            );
+            assert_eq!(*b, ((i % 251) as u8).wrapping_add((i % 3) as u8), "byte {i}");
         }
     }
 
     #[test]
     fn first_error_is_returned_and_cancel_stops() {
         let mut buf = vec![0u8; 100];
-        let chunks = split_requests(
-            vec![ReadRequest {
-                offset: 0,
-                dst: &mut buf,
-            }],
-            10,
-        );
-        let opts = IoOptions {
-            threads: 2,
-            ..Default::default()
-        };
+        let chunks = split_requests(vec![ReadRequest { offset: 0, dst: &mut buf }], 10);
+        let opts = IoOptions { threads: 2, ..Default::default() };
         let err = for_each_chunk(
             chunks,
             &opts,
@@ -206,17 +169,8 @@ mod tests {
 
         let cancel = AtomicBool::new(true);
         let mut buf = vec![0u8; 100];
-        let chunks = split_requests(
-            vec![ReadRequest {
-                offset: 0,
-                dst: &mut buf,
-            }],
-            10,
-        );
-        let opts = IoOptions {
-            cancel: Some(&cancel),
-            ..Default::default()
-        };
+        let chunks = split_requests(vec![ReadRequest { offset: 0, dst: &mut buf }], 10);
+        let opts = IoOptions { cancel: Some(&cancel), ..Default::default() };
         let ran = std::sync::atomic::AtomicUsize::new(0);
         let err = for_each_chunk(
             chunks,

@@ -36,12 +36,7 @@ impl Opened {
         #[cfg(not(feature = "posix"))]
         {
             let _ = path;
-            Err(Error::Storage(
-                turboio_storage::StorageError::NotCompiledIn {
-                    backend: "posix",
-                    feature: "posix",
-                },
-            ))
+            Err(Error::Storage(turboio_storage::StorageError::NotCompiledIn { backend: "posix", feature: "posix" }))
         }
     }
 
@@ -53,18 +48,12 @@ impl Opened {
         }
     }
 
-    pub(crate) fn read(
-        &self,
-        requests: Vec<ReadRequest<'_>>,
-        opts: &IoOptions<'_>,
-    ) -> Result<ReadInfo> {
+    pub(crate) fn read(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<ReadInfo> {
         let path = self.file().path().to_owned();
         match self {
             #[cfg(feature = "posix")]
             Opened::Posix(f) => {
-                let r = f
-                    .read_ranges_report(requests, opts)
-                    .map_err(|e| Error::storage(&path, e))?;
+                let r = f.read_ranges_report(requests, opts).map_err(|e| Error::storage(&path, e))?;
                 Ok(ReadInfo {
                     method: match r.method {
                         turboio_io_posix::ReadMethod::IoUring => "io_uring",
@@ -75,13 +64,8 @@ impl Opened {
                 })
             }
             Opened::Other(f) => {
-                f.read_ranges(requests, opts)
-                    .map_err(|e| Error::storage(&path, e))?;
-                Ok(ReadInfo {
-                    method: "storage",
-                    direct: false,
-                    direct_refused: false,
-                })
+                f.read_ranges(requests, opts).map_err(|e| Error::storage(&path, e))?;
+                Ok(ReadInfo { method: "storage", direct: false, direct_refused: false })
             }
         }
     }
@@ -104,11 +88,6 @@ pub(crate) fn write_storage(storage: Option<&Arc<dyn Storage>>) -> Result<&dyn S
     }
     #[cfg(not(feature = "posix"))]
     {
-        Err(Error::Storage(
-            turboio_storage::StorageError::NotCompiledIn {
-                backend: "posix",
-                feature: "posix",
-            },
-        ))
+        Err(Error::Storage(turboio_storage::StorageError::NotCompiledIn { backend: "posix", feature: "posix" }))
     }
 }

@@ -46,24 +46,16 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn format(path: &std::path::Path, source: FormatError) -> Self {
-        Error::Format {
-            path: path.to_owned(),
-            source,
-        }
+        Error::Format { path: path.to_owned(), source }
     }
 
     pub(crate) fn device(path: &std::path::Path, source: DeviceError) -> Self {
-        Error::Device {
-            path: path.to_owned(),
-            source,
-        }
+        Error::Device { path: path.to_owned(), source }
     }
 
     pub(crate) fn storage(path: &std::path::Path, source: StorageError) -> Self {
         match source {
-            StorageError::Cancelled => Error::Cancelled {
-                path: path.to_owned(),
-            },
+            StorageError::Cancelled => Error::Cancelled { path: path.to_owned() },
             other => Error::Storage(other),
         }
     }

@@ -13,9 +13,6 @@ use turboio_device::{Allocation, CpuDevice, Device, DeviceKind, FileMapping, Tra
 use turboio_format::{read_header_len, Header, N_LEN};
 use turboio_storage::{IoOptions, ReadRequest, StorageFile};
 
-/// Files at least this much in the page cache are mapped rather than copied (auto mode).
-pub const MAPPED_THRESHOLD: f64 = 0.5;
-
 /// O_DIRECT alignment; copied loads start at the data section rounded down to it.
 const ALIGN: u64 = 4096;
 
@@ -27,15 +24,13 @@ pub(crate) fn read_header(file: &dyn StorageFile) -> Result<Header> {
     let path = file.path();
     let len = file.len();
     let mut prefix = vec![0u8; len.min(FIRST_READ) as usize];
-    file.read_exact_at(0, &mut prefix)
-        .map_err(|e| Error::storage(path, e))?;
+    file.read_exact_at(0, &mut prefix).map_err(|e| Error::storage(path, e))?;
     let n = read_header_len(&prefix, len).map_err(|e| Error::format(path, e))?;
     let end = N_LEN + n as usize;
     if prefix.len() < end {
         let have = prefix.len();
         prefix.resize(end, 0);
-        file.read_exact_at(have as u64, &mut prefix[have..])
-            .map_err(|e| Error::storage(path, e))?;
+        file.read_exact_at(have as u64, &mut prefix[have..]).map_err(|e| Error::storage(path, e))?;
     }
     Header::parse(&prefix, len).map_err(|e| Error::format(path, e))
 }
@@ -61,20 +56,20 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
     let header = read_header(file)?;
     let file_len = file.len();
     let data_start = header.data_start();
-    let threads = if opts.threads == 0 {
-        turboio_storage::default_threads()
-    } else {
-        opts.threads
-    };
+    let threads = if opts.threads == 0 { turboio_storage::default_threads() } else { opts.threads };
 
     let cpu_device;
     let device: &dyn Device = match &opts.device {
         Some(d) => d.as_ref(),
         None => {
-            cpu_device = match &opts.arenas {
-                Some(pool) => CpuDevice::new().with_pool(pool.clone()),
-                None => CpuDevice::new(),
-            };
+            let mut cpu = CpuDevice::new();
+            if let Some(huge) = opts.huge_pages {
+                cpu = cpu.with_huge_pages(huge);
+            }
+            if let Some(pool) = &opts.arenas {
+                cpu = cpu.with_pool(pool.clone());
+            }
+            cpu_device = cpu;
             &cpu_device
         }
     };
@@ -94,34 +89,34 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
                 true
             }
             LoadMode::Copied => false,
-            LoadMode::Auto => {
-                opts.direct != DirectIo::On
-                    && local.is_some()
-                    && cached_fraction.is_some_and(|f| f >= MAPPED_THRESHOLD)
-            }
+            // Hot or cold, a mapping is the fastest way in on the machines measured (see
+            // LoadMode::Auto); forcing direct I/O asks for the copy.
+            LoadMode::Auto => opts.direct != DirectIo::On && local.is_some(),
         };
 
     let cancel = opts.cancel.as_deref();
     let check_cancel = || {
         if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
-            Err(Error::Cancelled {
-                path: path.to_owned(),
-            })
+            Err(Error::Cancelled { path: path.to_owned() })
         } else {
             Ok(())
         }
     };
 
-    if mapped {
-        let f = local.ok_or_else(|| Error::Unsupported {
-            path: path.to_owned(),
-            message: "no local file to map".into(),
-        })?;
-        check_cancel()?;
-        let mapping = FileMapping::new(f, file_len as usize).map_err(|e| Error::device(path, e))?;
-        mapping
-            .populate(threads)
-            .map_err(|e| Error::device(path, e))?;
+    // A file system that cannot map files (mmap fails) gets the copy in auto mode.
+    let mapping = match local {
+        Some(f) if mapped => {
+            check_cancel()?;
+            match FileMapping::new(f, file_len as usize) {
+                Ok(m) => Some(m),
+                Err(_) if opts.mode == LoadMode::Auto => None,
+                Err(e) => return Err(Error::device(path, e)),
+            }
+        }
+        _ => None,
+    };
+    if let Some(mapping) = mapping {
+        mapping.populate(threads).map_err(|e| Error::device(path, e))?;
         if let Some(p) = &opts.progress {
             p.fetch_add(file_len, Ordering::Relaxed);
         }
@@ -134,11 +129,7 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
             device: None,
             report: LoadReport {
                 held: Held::Mapped,
-                read: ReadInfo {
-                    method: "mmap",
-                    direct: false,
-                    direct_refused: false,
-                },
+                read: ReadInfo { method: "mmap", direct: false, direct_refused: false },
                 cached_fraction,
                 bytes: file_len,
                 arena_reused: false,
@@ -166,34 +157,16 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
 
     let pool_before = opts.arenas.as_ref().map(|p| p.free_arenas()).unwrap_or(0);
     let mut memory = device.alloc(span).map_err(|e| Error::device(path, e))?;
-    let arena_reused = on_cpu
-        && opts.device.is_none()
-        && opts
-            .arenas
-            .as_ref()
-            .is_some_and(|p| p.free_arenas() < pool_before);
+    let arena_reused =
+        on_cpu && opts.device.is_none() && opts.arenas.as_ref().is_some_and(|p| p.free_arenas() < pool_before);
 
     let (held, read) = match memory.host_mut() {
         Some(dst) => {
-            let info = opened.read(
-                vec![ReadRequest {
-                    offset: aligned_start,
-                    dst,
-                }],
-                &io,
-            )?;
+            let info = opened.read(vec![ReadRequest { offset: aligned_start, dst }], &io)?;
             (Held::Copied, info)
         }
         None => {
-            let info = load_staged(
-                &opened,
-                device,
-                memory.as_ref(),
-                aligned_start,
-                span,
-                opts.staging_chunk,
-                &io,
-            )?;
+            let info = load_staged(&opened, device, memory.as_ref(), aligned_start, span, opts.staging_chunk, &io)?;
             (Held::Staged, info)
         }
     };
@@ -204,14 +177,7 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
         memory,
         data_base,
         device: opts.device.clone(),
-        report: LoadReport {
-            held,
-            read,
-            cached_fraction,
-            bytes: span as u64,
-            arena_reused,
-            elapsed: start.elapsed(),
-        },
+        report: LoadReport { held, read, cached_fraction, bytes: span as u64, arena_reused, elapsed: start.elapsed() },
     })
 }
 
@@ -228,15 +194,8 @@ fn load_staged(
     io: &IoOptions<'_>,
 ) -> Result<ReadInfo> {
     let path = opened.file().path();
-    let chunk = if chunk == 0 {
-        16 << 20
-    } else {
-        chunk.next_multiple_of(ALIGN as usize)
-    };
-    let chunks: Vec<(usize, usize)> = (0..span)
-        .step_by(chunk)
-        .map(|off| (off, chunk.min(span - off)))
-        .collect();
+    let chunk = if chunk == 0 { 16 << 20 } else { chunk.next_multiple_of(ALIGN as usize) };
+    let chunks: Vec<(usize, usize)> = (0..span).step_by(chunk).map(|off| (off, chunk.min(span - off))).collect();
     let workers = io.worker_count(span as u64, chunk).min(chunks.len().max(1));
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
@@ -249,11 +208,7 @@ fn load_staged(
         let result = (|| -> Result<()> {
             let mut free = Vec::with_capacity(2);
             for _ in 0..2 {
-                free.push(
-                    device
-                        .alloc_staging(chunk)
-                        .map_err(|e| Error::device(path, e))?,
-                );
+                free.push(device.alloc_staging(chunk).map_err(|e| Error::device(path, e))?);
             }
             loop {
                 if failed.load(Ordering::Relaxed) {
@@ -267,25 +222,13 @@ fn load_staged(
                     Some(b) => b,
                     None => match inflight.pop_front() {
                         Some(t) => t.wait().map_err(|e| Error::device(path, e))?,
-                        None => device
-                            .alloc_staging(chunk)
-                            .map_err(|e| Error::device(path, e))?,
+                        None => device.alloc_staging(chunk).map_err(|e| Error::device(path, e))?,
                     },
                 };
                 let dst = &mut buf.as_mut_slice()[..len];
-                let r = opened.read(
-                    vec![ReadRequest {
-                        offset: file_start + off as u64,
-                        dst,
-                    }],
-                    &per_read,
-                )?;
+                let r = opened.read(vec![ReadRequest { offset: file_start + off as u64, dst }], &per_read)?;
                 *info.lock().unwrap_or_else(|p| p.into_inner()) = r;
-                inflight.push_back(
-                    device
-                        .upload(buf, len, memory, off)
-                        .map_err(|e| Error::device(path, e))?,
-                );
+                inflight.push_back(device.upload(buf, len, memory, off).map_err(|e| Error::device(path, e))?);
             }
         })();
         // Every transfer still running is waited for, success or not: the device may be

@@ -167,11 +167,7 @@ impl LoadedFile {
 
     fn view<'a>(&'a self, info: &'a TensorInfo) -> TensorView<'a> {
         let offset = self.data_base + info.data_offsets.0;
-        TensorView {
-            info,
-            bytes: self.memory.host().map(|m| &m[offset..offset + info.len()]),
-            offset,
-        }
+        TensorView { info, bytes: self.memory.host().map(|m| &m[offset..offset + info.len()]), offset }
     }
 
     /// Every tensor, in file order (aliases not included; see [`aliases`](Self::aliases)).
@@ -184,12 +180,7 @@ impl LoadedFile {
         if let Some(t) = self.header.get(name) {
             return Some(self.view(t));
         }
-        let target = self
-            .header
-            .aliases()
-            .into_iter()
-            .find(|(alias, _)| *alias == name)?
-            .1;
+        let target = self.header.aliases().into_iter().find(|(alias, _)| *alias == name)?.1;
         self.header.get(target).map(|t| self.view(t))
     }
 
@@ -208,19 +199,16 @@ impl LoadedFile {
 
     /// Copies a tensor's bytes to host memory, from whatever device holds them.
     pub fn to_host(&self, name: &str) -> Result<Vec<u8>> {
-        let view = self.tensor(name).ok_or_else(|| {
-            Error::format(
-                &self.path,
-                turboio_format::FormatError::TensorNotFound(name.to_owned()),
-            )
-        })?;
+        let view = self
+            .tensor(name)
+            .ok_or_else(|| Error::format(&self.path, turboio_format::FormatError::TensorNotFound(name.to_owned())))?;
         if let Some(b) = view.bytes() {
             return Ok(b.to_vec());
         }
-        let device = self.device.as_ref().ok_or_else(|| Error::Unsupported {
-            path: self.path.clone(),
-            message: "no device to copy from".into(),
-        })?;
+        let device = self
+            .device
+            .as_ref()
+            .ok_or_else(|| Error::Unsupported { path: self.path.clone(), message: "no device to copy from".into() })?;
         let mut out = vec![0u8; view.len()];
         device
             .download(self.memory.as_ref(), view.offset_in_memory(), &mut out)

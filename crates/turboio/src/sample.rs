@@ -30,18 +30,10 @@ pub fn sample_tensors(target: u64) -> Vec<SampleTensor> {
     let vocab = 8 * hu;
     let positions = 2048usize;
     let mut out: Vec<SampleTensor> = vec![
-        (
-            "model.embed_tokens.weight".into(),
-            Dtype::BF16,
-            vec![vocab, hu],
-        ),
+        ("model.embed_tokens.weight".into(), Dtype::BF16, vec![vocab, hu]),
         ("model.norm.weight".into(), Dtype::F32, vec![hu]),
         ("model.position_ids".into(), Dtype::I64, vec![1, positions]),
-        (
-            "model.causal_mask".into(),
-            Dtype::BOOL,
-            vec![positions, positions / 8],
-        ),
+        ("model.causal_mask".into(), Dtype::BOOL, vec![positions, positions / 8]),
         ("lm_head.weight".into(), Dtype::F16, vec![vocab, hu]),
     ];
     let fixed: u64 = out.iter().map(|(_, d, s)| bytes_of(*d, s)).sum();
@@ -49,33 +41,13 @@ pub fn sample_tensors(target: u64) -> Vec<SampleTensor> {
     for l in 0..layers {
         let p = format!("model.layers.{l}");
         for w in ["q_proj", "k_proj", "v_proj", "o_proj"] {
-            out.push((
-                format!("{p}.self_attn.{w}.weight"),
-                Dtype::BF16,
-                vec![hu, hu],
-            ));
+            out.push((format!("{p}.self_attn.{w}.weight"), Dtype::BF16, vec![hu, hu]));
         }
-        out.push((
-            format!("{p}.mlp.gate_proj.weight"),
-            Dtype::BF16,
-            vec![inter, hu],
-        ));
-        out.push((
-            format!("{p}.mlp.up_proj.weight"),
-            Dtype::BF16,
-            vec![inter, hu],
-        ));
-        out.push((
-            format!("{p}.mlp.down_proj.weight"),
-            Dtype::BF16,
-            vec![hu, inter],
-        ));
+        out.push((format!("{p}.mlp.gate_proj.weight"), Dtype::BF16, vec![inter, hu]));
+        out.push((format!("{p}.mlp.up_proj.weight"), Dtype::BF16, vec![inter, hu]));
+        out.push((format!("{p}.mlp.down_proj.weight"), Dtype::BF16, vec![hu, inter]));
         out.push((format!("{p}.input_layernorm.weight"), Dtype::F32, vec![hu]));
-        out.push((
-            format!("{p}.post_attention_layernorm.weight"),
-            Dtype::F32,
-            vec![hu],
-        ));
+        out.push((format!("{p}.post_attention_layernorm.weight"), Dtype::F32, vec![hu]));
     }
     let total: u64 = out.iter().map(|(_, d, s)| bytes_of(*d, s)).sum();
     if target > total + 8 {
@@ -120,11 +92,7 @@ impl SampleData {
                 [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
             }
             Dtype::BF16 | Dtype::F16 => {
-                let (mbits, lo) = if dtype == Dtype::BF16 {
-                    (7, 117)
-                } else {
-                    (10, 5)
-                };
+                let (mbits, lo) = if dtype == Dtype::BF16 { (7, 117) } else { (10, 5) };
                 let mut out = [0u8; 8];
                 for k in 0..4 {
                     let x = (r >> (16 * k)) as u16;
@@ -149,10 +117,7 @@ impl SampleData {
 
 impl TensorData for SampleData {
     fn fill(&self, index: usize, offset: usize, dst: &mut [u8]) -> std::result::Result<(), String> {
-        let dtype = *self
-            .dtypes
-            .get(index)
-            .ok_or_else(|| format!("no sample tensor #{index}"))?;
+        let dtype = *self.dtypes.get(index).ok_or_else(|| format!("no sample tensor #{index}"))?;
         let mut pos = offset as u64;
         let mut out = dst;
         while !out.is_empty() {
@@ -168,29 +133,16 @@ impl TensorData for SampleData {
 }
 
 /// Writes a sample checkpoint of about `target` bytes to `path` and returns its tensors.
-pub fn write_sample(
-    path: impl AsRef<Path>,
-    target: u64,
-    seed: u64,
-    opts: &SaveOptions,
-) -> Result<Vec<SampleTensor>> {
+pub fn write_sample(path: impl AsRef<Path>, target: u64, seed: u64, opts: &SaveOptions) -> Result<Vec<SampleTensor>> {
     let tensors = sample_tensors(target);
     let specs: Vec<TensorSpec<'_>> = tensors
         .iter()
-        .map(|(n, d, s)| TensorSpec {
-            name: n,
-            dtype: *d,
-            shape: s,
-            data_len: bytes_of(*d, s) as usize,
-        })
+        .map(|(n, d, s)| TensorSpec { name: n, dtype: *d, shape: s, data_len: bytes_of(*d, s) as usize })
         .collect();
     let data = SampleData::new(seed, tensors.iter().map(|t| t.1).collect());
     let mut meta = std::collections::BTreeMap::new();
     meta.insert("format".to_string(), "pt".to_string());
-    meta.insert(
-        "generator".to_string(),
-        format!("turboio sample, seed {seed}"),
-    );
+    meta.insert("generator".to_string(), format!("turboio sample, seed {seed}"));
     save_with(path, &specs, Some(&meta), &data, opts)?;
     Ok(tensors)
 }

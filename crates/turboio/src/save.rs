@@ -58,12 +58,7 @@ pub fn save(
     let path = path.as_ref();
     let specs: Vec<TensorSpec<'_>> = tensors
         .iter()
-        .map(|t| TensorSpec {
-            name: t.name,
-            dtype: t.dtype,
-            shape: t.shape,
-            data_len: t.data.len(),
-        })
+        .map(|t| TensorSpec { name: t.name, dtype: t.dtype, shape: t.shape, data_len: t.data.len() })
         .collect();
     let data = HostData(tensors.iter().map(|t| t.data).collect());
     save_with(path, &specs, metadata, &data, opts)
@@ -89,9 +84,7 @@ pub fn save_with(
         cancel: opts.cancel.as_deref(),
         ..Default::default()
     };
-    storage
-        .write_file(path, &source, &io)
-        .map_err(|e| Error::storage(path, e))
+    storage.write_file(path, &source, &io).map_err(|e| Error::storage(path, e))
 }
 
 /// The bytes of a whole file, produced on demand from a layout and tensor data.
@@ -111,12 +104,7 @@ impl<'a> FileSource<'a> {
             .filter(|e| !e.info.is_empty())
             .map(|e| (layout.file_offset(e), e.info.len() as u64, e.input_index))
             .collect();
-        FileSource {
-            header: &layout.header,
-            spans,
-            len: layout.file_len(),
-            data,
-        }
+        FileSource { header: &layout.header, spans, len: layout.file_len(), data }
     }
 }
 
@@ -140,9 +128,7 @@ impl WriteSource for FileSource<'_> {
                     .checked_sub(1)
                     .and_then(|i| self.spans.get(i))
                     .filter(|&&(start, len, _)| pos < start + len)
-                    .ok_or_else(|| {
-                        format!("offset {pos} is past the end of the file being written")
-                    })?;
+                    .ok_or_else(|| format!("offset {pos} is past the end of the file being written"))?;
                 let within = pos - start;
                 n = ((len - within) as usize).min(out.len());
                 self.data.fill(index, within as usize, &mut out[..n])?;

@@ -4,11 +4,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 fn turboio(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_turboio"))
-        .args(args)
-        .env("RUST_BACKTRACE", "1")
-        .output()
-        .expect("run turboio")
+    Command::new(env!("CARGO_BIN_EXE_turboio")).args(args).env("RUST_BACKTRACE", "1").output().expect("run turboio")
 }
 
 fn scratch() -> tempfile::TempDir {
@@ -37,16 +33,7 @@ fn gen_inspect_load_check() {
     let o = turboio(&["inspect", f]);
     assert!(o.status.success());
     let out = stdout(&o);
-    for needle in [
-        "BF16",
-        "F32",
-        "F16",
-        "I64",
-        "BOOL",
-        "model.embed_tokens.weight",
-        "metadata",
-        "generator",
-    ] {
+    for needle in ["BF16", "F32", "F16", "I64", "BOOL", "model.embed_tokens.weight", "metadata", "generator"] {
         assert!(out.contains(needle), "inspect lacks {needle}:\n{out}");
     }
 
@@ -55,44 +42,19 @@ fn gen_inspect_load_check() {
     let doc: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     let header = turboio::read_header_of(&file, &turboio::LoadOptions::default()).unwrap();
     assert_eq!(doc["tensors"].as_array().unwrap().len(), header.len());
-    assert_eq!(
-        doc["file_len"].as_u64().unwrap(),
-        std::fs::metadata(&file).unwrap().len()
-    );
+    assert_eq!(doc["file_len"].as_u64().unwrap(), std::fs::metadata(&file).unwrap().len());
     assert_eq!(doc["metadata"]["format"], "pt");
 
     for mode in ["auto", "mapped", "copied"] {
         for direct in ["auto", "on", "off"] {
-            let o = turboio(&[
-                "load",
-                f,
-                "--mode",
-                mode,
-                "--direct",
-                direct,
-                "--check",
-                "--repeat",
-                "2",
-                "--threads",
-                "2",
-            ]);
+            let o =
+                turboio(&["load", f, "--mode", mode, "--direct", direct, "--check", "--repeat", "2", "--threads", "2"]);
             assert!(o.status.success(), "{mode}/{direct}: {}", stderr(&o));
             let out = stdout(&o);
-            assert!(
-                out.contains("GB/s") && out.contains("check: all") && out.contains("median"),
-                "{out}"
-            );
+            assert!(out.contains("GB/s") && out.contains("check: all") && out.contains("median"), "{out}");
         }
     }
-    let o = turboio(&[
-        "load",
-        f,
-        "--mode",
-        "copied",
-        "--reuse-arena",
-        "--repeat",
-        "2",
-    ]);
+    let o = turboio(&["load", f, "--mode", "copied", "--reuse-arena", "--repeat", "2"]);
     assert!(stdout(&o).contains("arena reused"), "{}", stdout(&o));
 }
 
@@ -110,25 +72,15 @@ fn bad_input_is_one_clear_line_and_a_failure() {
     t.extend_from_slice(&[0u8; 100]);
     std::fs::write(&trunc, &t).unwrap();
     let missing = d.path().join("missing.safetensors");
-    for (file, needle) in [
-        (&bad, "invalid JSON"),
-        (&trunc, "incomplete"),
-        (&missing, "no such file"),
-    ] {
+    for (file, needle) in [(&bad, "invalid JSON"), (&trunc, "incomplete"), (&missing, "no such file")] {
         for cmd in ["inspect", "load"] {
             let o = turboio(&[cmd, file.to_str().unwrap()]);
             assert_eq!(o.status.code(), Some(1), "{cmd} {}", file.display());
             let err = stderr(&o);
             assert_eq!(err.lines().count(), 1, "one line: {err}");
             assert!(err.starts_with("turboio: error: "), "{err}");
-            assert!(
-                err.contains(file.file_name().unwrap().to_str().unwrap()) && err.contains(needle),
-                "{err}"
-            );
-            assert!(
-                !err.contains("panicked") && !err.contains("backtrace"),
-                "{err}"
-            );
+            assert!(err.contains(file.file_name().unwrap().to_str().unwrap()) && err.contains(needle), "{err}");
+            assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
         }
     }
     let o = turboio(&["load", bad.to_str().unwrap(), "--mode", "sideways"]);

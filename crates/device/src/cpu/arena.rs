@@ -1,4 +1,4 @@
-//! Anonymous huge-page arenas and their pool.
+//! Anonymous arenas (optionally with huge pages) and their pool.
 
 use super::advise_parallel;
 use crate::sys::{RawMap, HUGE_PAGE};
@@ -6,9 +6,11 @@ use crate::{Allocation, DeviceError, DeviceId, HostBuffer, Result};
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
-/// Anonymous memory, 2 MiB aligned, with transparent huge pages requested.
+/// Anonymous memory for one load: 2 MiB aligned with transparent huge pages requested, or
+/// page aligned with ordinary pages (see [`default_huge_pages`](super::default_huge_pages)).
 ///
-/// Its capacity is rounded up to whole huge pages; its length is what the current load uses.
+/// With huge pages its capacity is rounded up to whole huge pages; its length is what the
+/// current load uses.
 #[derive(Debug)]
 pub struct Arena {
     map: RawMap,
@@ -19,11 +21,7 @@ impl Arena {
     /// Maps a new arena of `len` bytes. With `huge_pages`, asks for transparent huge pages
     /// (`MADV_HUGEPAGE`), which this machine's `madvise` THP mode grants only when asked.
     pub fn new(len: usize, huge_pages: bool) -> Result<Arena> {
-        let cap = if huge_pages {
-            len.max(1).next_multiple_of(HUGE_PAGE)
-        } else {
-            len.max(1)
-        };
+        let cap = if huge_pages { len.max(1).next_multiple_of(HUGE_PAGE) } else { len.max(1) };
         let align = if huge_pages { HUGE_PAGE } else { 4096 };
         let map = RawMap::anonymous(cap, align).map_err(|source| DeviceError::OutOfMemory {
             device: DeviceId::CPU,
@@ -117,15 +115,15 @@ impl Default for ArenaPool {
 }
 
 impl ArenaPool {
-    /// A pool keeping at most `max_arenas` free arenas (the largest are kept).
+    /// A pool keeping at most `max_arenas` free arenas (the largest are kept), whose arenas
+    /// follow [`default_huge_pages`](super::default_huge_pages).
     pub fn new(max_arenas: usize) -> Self {
-        ArenaPool {
-            inner: Arc::new(PoolInner {
-                free: Mutex::new(Vec::new()),
-                max_arenas,
-                huge_pages: true,
-            }),
-        }
+        Self::with_huge_pages(max_arenas, super::default_huge_pages())
+    }
+
+    /// A pool whose new arenas use huge pages or not.
+    pub fn with_huge_pages(max_arenas: usize, huge_pages: bool) -> Self {
+        ArenaPool { inner: Arc::new(PoolInner { free: Mutex::new(Vec::new()), max_arenas, huge_pages }) }
     }
 
     /// Takes an arena of at least `len` bytes, set to length `len`.
@@ -145,19 +143,12 @@ impl ArenaPool {
             None => {
                 // Drop the free arenas that are too small before mapping a bigger one, so the
                 // pool does not hold memory that no longer fits.
-                self.inner
-                    .free
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .clear();
+                self.inner.free.lock().unwrap_or_else(|p| p.into_inner()).clear();
                 Arena::new(len, self.inner.huge_pages)?
             }
         };
         arena.set_len(len)?;
-        Ok(PooledArena {
-            arena: Some(arena),
-            pool: Some(self.clone()),
-        })
+        Ok(PooledArena { arena: Some(arena), pool: Some(self.clone()) })
     }
 
     fn give(&self, arena: Arena) {
@@ -171,11 +162,7 @@ impl ArenaPool {
 
     /// Free arenas held now.
     pub fn free_arenas(&self) -> usize {
-        self.inner
-            .free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .len()
+        self.inner.free.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     /// Bytes held by free arenas.
@@ -186,11 +173,7 @@ impl ArenaPool {
 
     /// Unmaps every free arena.
     pub fn clear(&self) {
-        self.inner
-            .free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
+        self.inner.free.lock().unwrap_or_else(|p| p.into_inner()).clear();
     }
 }
 
@@ -204,10 +187,7 @@ pub struct PooledArena {
 impl PooledArena {
     /// An arena that belongs to no pool.
     pub fn unpooled(arena: Arena) -> Self {
-        PooledArena {
-            arena: Some(arena),
-            pool: None,
-        }
+        PooledArena { arena: Some(arena), pool: None }
     }
 
     /// The arena.

@@ -19,8 +19,7 @@ pub struct FileMapping {
 impl FileMapping {
     /// Maps the first `len` bytes of `file` (`len` > 0). Nothing is read yet.
     pub fn new(file: &File, len: usize) -> Result<FileMapping> {
-        let map = RawMap::file_private(file, len)
-            .map_err(|source| DeviceError::Map { op: "mmap", source })?;
+        let map = RawMap::file_private(file, len).map_err(|source| DeviceError::Map { op: "mmap", source })?;
         Ok(FileMapping { map })
     }
 
@@ -36,10 +35,7 @@ impl FileMapping {
                 touch_pages(self.map.as_slice());
                 Ok(())
             }
-            Err(source) => Err(DeviceError::Map {
-                op: "madvise(MADV_POPULATE_READ)",
-                source,
-            }),
+            Err(source) => Err(DeviceError::Map { op: "madvise(MADV_POPULATE_READ)", source }),
         }
     }
 
@@ -101,10 +97,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("f.bin");
         let data: Vec<u8> = (0..(3 << 20) + 5).map(|i| (i % 251) as u8).collect();
-        std::fs::File::create(&path)
-            .unwrap()
-            .write_all(&data)
-            .unwrap();
+        std::fs::File::create(&path).unwrap().write_all(&data).unwrap();
         let file = File::open(&path).unwrap();
         let mut m = FileMapping::new(&file, data.len()).unwrap();
         m.populate(2).unwrap();
@@ -124,12 +117,7 @@ mod tests {
         std::fs::write(&path, vec![1u8; 1 << 20]).unwrap();
         let file = File::open(&path).unwrap();
         let m = FileMapping::new(&file, 1 << 20).unwrap();
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(4096)
-            .unwrap();
+        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(4096).unwrap();
         let err = m.populate(1).unwrap_err();
         assert!(err.to_string().contains("MADV_POPULATE_READ"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();

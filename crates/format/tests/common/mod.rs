@@ -7,9 +7,7 @@ use turboio_format::FormatError;
 
 /// Deterministic filler for tensor bytes, so that data slices can be compared meaningfully.
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
 
 /// `N` (little-endian) followed by `rest`, whatever `rest` is.
@@ -92,9 +90,8 @@ pub fn deep_nesting(depth: usize) -> String {
 /// (8 x (2^61 - 1) = 2^64 - 8) plus `8 + N` overflows 64 bits.
 pub fn overflowing_data_len_json() -> String {
     let size: u64 = (1 << 61) - 1;
-    let entries: Vec<String> = (0..8u64)
-        .map(|i| entry(&format!("t{i}"), "U8", &[size], i * size, (i + 1) * size))
-        .collect();
+    let entries: Vec<String> =
+        (0..8u64).map(|i| entry(&format!("t{i}"), "U8", &[size], i * size, (i + 1) * size)).collect();
     object(&entries)
 }
 
@@ -106,18 +103,10 @@ pub fn rejected_cases() -> Vec<Case> {
         ("empty_buffer", Vec::new(), "HeaderTooSmall"),
         ("seven_bytes", vec![2, 0, 0, 0, 0, 0, 0], "HeaderTooSmall"),
         // 3. N over the limit
-        (
-            "n_over_max",
-            raw(100_000_001, b"{}"),
-            "HeaderTooLarge",
-        ),
+        ("n_over_max", raw(100_000_001, b"{}"), "HeaderTooLarge"),
         ("n_u64_max", raw(u64::MAX, b"{}"), "HeaderTooLarge"),
         // 4. 8 + N past the end
-        (
-            "n_exactly_max_short_buffer",
-            raw(100_000_000, b"{}"),
-            "InvalidHeaderLength",
-        ),
+        ("n_exactly_max_short_buffer", raw(100_000_000, b"{}"), "InvalidHeaderLength"),
         ("n_past_end", raw(20, b"{}      "), "InvalidHeaderLength"),
         ("n_one_past_end", raw(3, b"{}"), "InvalidHeaderLength"),
         // 5. UTF-8
@@ -133,144 +122,40 @@ pub fn rejected_cases() -> Vec<Case> {
         ("null", file("null", 0), IHD),
         ("number", file("1", 0), IHD),
         ("tensor_not_object", file("{\"a\":1}", 0), IHD),
-        (
-            "tensor_array_wrong_order",
-            file("{\"a\":[[1],\"F32\",[0,4]]}", 4),
-            IHD,
-        ),
+        ("tensor_array_wrong_order", file("{\"a\":[[1],\"F32\",[0,4]]}", 4), IHD),
         ("tensor_array_too_short", file("{\"a\":[\"F32\",[1]]}", 4), IHD),
-        (
-            "unknown_dtype",
-            file(object(&[entry("a", "F128", &[1], 0, 16)]), 16),
-            IHD,
-        ),
-        (
-            "lowercase_dtype",
-            file(object(&[entry("a", "f32", &[1], 0, 4)]), 4),
-            IHD,
-        ),
-        (
-            "missing_dtype",
-            file("{\"a\":{\"shape\":[1],\"data_offsets\":[0,4]}}", 4),
-            IHD,
-        ),
-        (
-            "missing_shape",
-            file("{\"a\":{\"dtype\":\"F32\",\"data_offsets\":[0,4]}}", 4),
-            IHD,
-        ),
-        (
-            "missing_data_offsets",
-            file("{\"a\":{\"dtype\":\"F32\",\"shape\":[1]}}", 4),
-            IHD,
-        ),
-        (
-            "data_offsets_arity_1",
-            file(
-                "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4]}}",
-                4,
-            ),
-            IHD,
-        ),
-        (
-            "data_offsets_arity_3",
-            file(
-                "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4,8]}}",
-                4,
-            ),
-            IHD,
-        ),
+        ("unknown_dtype", file(object(&[entry("a", "F128", &[1], 0, 16)]), 16), IHD),
+        ("lowercase_dtype", file(object(&[entry("a", "f32", &[1], 0, 4)]), 4), IHD),
+        ("missing_dtype", file("{\"a\":{\"shape\":[1],\"data_offsets\":[0,4]}}", 4), IHD),
+        ("missing_shape", file("{\"a\":{\"dtype\":\"F32\",\"data_offsets\":[0,4]}}", 4), IHD),
+        ("missing_data_offsets", file("{\"a\":{\"dtype\":\"F32\",\"shape\":[1]}}", 4), IHD),
+        ("data_offsets_arity_1", file("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4]}}", 4), IHD),
+        ("data_offsets_arity_3", file("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4,8]}}", 4), IHD),
         (
             "data_offsets_above_u64",
-            file(
-                "{\"a\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,18446744073709551616]}}",
-                0,
-            ),
+            file("{\"a\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,18446744073709551616]}}", 0),
             IHD,
         ),
-        (
-            "shape_negative",
-            file(
-                "{\"a\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,4]}}",
-                4,
-            ),
-            IHD,
-        ),
-        (
-            "shape_float",
-            file(
-                "{\"a\":{\"dtype\":\"F32\",\"shape\":[1.0],\"data_offsets\":[0,4]}}",
-                4,
-            ),
-            IHD,
-        ),
-        (
-            "shape_exponent",
-            file(
-                "{\"a\":{\"dtype\":\"F32\",\"shape\":[1e0],\"data_offsets\":[0,4]}}",
-                4,
-            ),
-            IHD,
-        ),
-        (
-            "shape_string",
-            file(
-                "{\"a\":{\"dtype\":\"F32\",\"shape\":[\"1\"],\"data_offsets\":[0,4]}}",
-                4,
-            ),
-            IHD,
-        ),
-        (
-            "duplicate_metadata",
-            file("{\"__metadata__\":{},\"__metadata__\":{}}", 0),
-            IHD,
-        ),
-        (
-            "metadata_number_value",
-            file("{\"__metadata__\":{\"k\":1}}", 0),
-            IHD,
-        ),
-        (
-            "metadata_nested_object",
-            file("{\"__metadata__\":{\"k\":{\"x\":\"y\"}}}", 0),
-            IHD,
-        ),
-        (
-            "duplicate_metadata_escaped",
-            file("{\"__metadata__\":{},\"\\u005f_metadata__\":{}}", 0),
-            IHD,
-        ),
+        ("shape_negative", file("{\"a\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,4]}}", 4), IHD),
+        ("shape_float", file("{\"a\":{\"dtype\":\"F32\",\"shape\":[1.0],\"data_offsets\":[0,4]}}", 4), IHD),
+        ("shape_exponent", file("{\"a\":{\"dtype\":\"F32\",\"shape\":[1e0],\"data_offsets\":[0,4]}}", 4), IHD),
+        ("shape_string", file("{\"a\":{\"dtype\":\"F32\",\"shape\":[\"1\"],\"data_offsets\":[0,4]}}", 4), IHD),
+        ("duplicate_metadata", file("{\"__metadata__\":{},\"__metadata__\":{}}", 0), IHD),
+        ("metadata_number_value", file("{\"__metadata__\":{\"k\":1}}", 0), IHD),
+        ("metadata_nested_object", file("{\"__metadata__\":{\"k\":{\"x\":\"y\"}}}", 0), IHD),
+        ("duplicate_metadata_escaped", file("{\"__metadata__\":{},\"\\u005f_metadata__\":{}}", 0), IHD),
         ("metadata_string", file("{\"__metadata__\":\"pt\"}", 0), IHD),
         ("json_line_comment", file("{} // comment", 0), IHD),
         ("json_block_comment", file("{/* c */}", 0), IHD),
-        (
-            "trailing_comma",
-            file(format!("{{{},}}", f32_entry("a", 0, 4)), 4),
-            IHD,
-        ),
+        ("trailing_comma", file(format!("{{{},}}", f32_entry("a", 0, 4)), 4), IHD),
         ("deep_nesting_200", file(deep_nesting(200), 1), IHD),
         // 7a. offsets
-        (
-            "hole",
-            file(object(&[f32_entry("a", 0, 16), f32_entry("b", 20, 36)]), 36),
-            "InvalidOffset",
-        ),
-        (
-            "overlap",
-            file(object(&[f32_entry("a", 0, 16), f32_entry("b", 8, 24)]), 24),
-            "InvalidOffset",
-        ),
-        (
-            "not_starting_at_zero",
-            file(object(&[f32_entry("a", 4, 20)]), 20),
-            "InvalidOffset",
-        ),
+        ("hole", file(object(&[f32_entry("a", 0, 16), f32_entry("b", 20, 36)]), 36), "InvalidOffset"),
+        ("overlap", file(object(&[f32_entry("a", 0, 16), f32_entry("b", 8, 24)]), 24), "InvalidOffset"),
+        ("not_starting_at_zero", file(object(&[f32_entry("a", 4, 20)]), 20), "InvalidOffset"),
         (
             "end_before_begin",
-            file(
-                object(&[f32_entry("a", 0, 16), entry("b", "F32", &[0], 16, 8)]),
-                16,
-            ),
+            file(object(&[f32_entry("a", 0, 16), entry("b", "F32", &[0], 16, 8)]), 16),
             "InvalidOffset",
         ),
         (
@@ -284,62 +169,23 @@ pub fn rejected_cases() -> Vec<Case> {
             file(object(&[entry("a", "U8", &[1 << 32, 1 << 32], 0, 0)]), 0),
             "ValidationOverflow",
         ),
-        (
-            "bits_overflow",
-            file(object(&[entry("a", "U8", &[u64::MAX], 0, 0)]), 0),
-            "ValidationOverflow",
-        ),
+        ("bits_overflow", file(object(&[entry("a", "U8", &[u64::MAX], 0, 0)]), 0), "ValidationOverflow"),
         // 7d. sub-byte
-        (
-            "f4_odd_count",
-            file(object(&[entry("a", "F4", &[3], 0, 2)]), 2),
-            "MisalignedSlice",
-        ),
-        (
-            "f6_e3m2_two",
-            file(object(&[entry("a", "F6_E3M2", &[2], 0, 2)]), 2),
-            "MisalignedSlice",
-        ),
+        ("f4_odd_count", file(object(&[entry("a", "F4", &[3], 0, 2)]), 2), "MisalignedSlice"),
+        ("f6_e3m2_two", file(object(&[entry("a", "F6_E3M2", &[2], 0, 2)]), 2), "MisalignedSlice"),
         // 7e. size
-        (
-            "size_mismatch",
-            file(object(&[entry("a", "F32", &[4], 0, 12)]), 12),
-            "TensorInvalidInfo",
-        ),
+        ("size_mismatch", file(object(&[entry("a", "F32", &[4], 0, 12)]), 12), "TensorInvalidInfo"),
         // 8. coverage
-        (
-            "trailing_bytes",
-            file(&valid, 33),
-            "MetadataIncompleteBuffer",
-        ),
-        (
-            "truncated_data",
-            file(&valid, 31),
-            "MetadataIncompleteBuffer",
-        ),
-        (
-            "no_tensor_but_data",
-            file("{}", 1),
-            "MetadataIncompleteBuffer",
-        ),
+        ("trailing_bytes", file(&valid, 33), "MetadataIncompleteBuffer"),
+        ("truncated_data", file(&valid, 31), "MetadataIncompleteBuffer"),
+        ("no_tensor_but_data", file("{}", 1), "MetadataIncompleteBuffer"),
     ];
-    cases
-        .into_iter()
-        .map(|(label, bytes, expect)| Case {
-            label,
-            bytes,
-            expect,
-        })
-        .collect()
+    cases.into_iter().map(|(label, bytes, expect)| Case { label, bytes, expect }).collect()
 }
 
 /// The bytes of one rejected case, by label.
 pub fn case(label: &str) -> Vec<u8> {
-    rejected_cases()
-        .into_iter()
-        .find(|c| c.label == label)
-        .unwrap_or_else(|| panic!("no case {label}"))
-        .bytes
+    rejected_cases().into_iter().find(|c| c.label == label).unwrap_or_else(|| panic!("no case {label}")).bytes
 }
 
 /// Every accepted edge case of spec §1.4.
@@ -415,11 +261,7 @@ pub fn accepted_cases() -> Vec<(&'static str, Vec<u8>)> {
 
 /// The bytes of one accepted case, by label.
 pub fn accepted(label: &str) -> Vec<u8> {
-    accepted_cases()
-        .into_iter()
-        .find(|c| c.0 == label)
-        .unwrap_or_else(|| panic!("no case {label}"))
-        .1
+    accepted_cases().into_iter().find(|c| c.0 == label).unwrap_or_else(|| panic!("no case {label}")).1
 }
 
 // ---- structurally valid JSON headers with random contents (for property tests) -------------
@@ -440,30 +282,18 @@ pub struct RawEntry {
 
 /// Bits per element of a dtype spelling, if it is one.
 pub fn dtype_bits(name: &str) -> Option<u64> {
-    name.parse::<turboio_format::Dtype>()
-        .ok()
-        .map(|d| d.bits() as u64)
+    name.parse::<turboio_format::Dtype>().ok().map(|d| d.bits() as u64)
 }
 
 /// Renders a header for `entries` (in the given order, duplicates kept) and returns the whole
 /// file: the data section is the last END plus `data_delta` bytes when that is small, else
 /// `data_delta.max(0)` bytes.
-pub fn structured_file(
-    entries: &[RawEntry],
-    metadata: Option<&[(String, String)]>,
-    data_delta: i64,
-) -> Vec<u8> {
+pub fn structured_file(entries: &[RawEntry], metadata: Option<&[(String, String)]>, data_delta: i64) -> Vec<u8> {
     let mut parts = Vec::new();
     if let Some(m) = metadata {
         let kv: Vec<String> = m
             .iter()
-            .map(|(k, v)| {
-                format!(
-                    "{}:{}",
-                    serde_json::to_string(k).unwrap(),
-                    serde_json::to_string(v).unwrap()
-                )
-            })
+            .map(|(k, v)| format!("{}:{}", serde_json::to_string(k).unwrap(), serde_json::to_string(v).unwrap()))
             .collect();
         parts.push(format!("\"__metadata__\":{{{}}}", kv.join(",")));
     }
@@ -489,11 +319,7 @@ pub fn structured_file(
         ));
     }
     let json = format!("{{{}}}", parts.join(","));
-    let data = if start <= 1 << 16 {
-        (start as i64 + data_delta).max(0) as usize
-    } else {
-        data_delta.max(0) as usize
-    };
+    let data = if start <= 1 << 16 { (start as i64 + data_delta).max(0) as usize } else { data_delta.max(0) as usize };
     file(json, data)
 }
 
@@ -586,21 +412,13 @@ pub mod strategies {
     pub fn tensor_set(max: usize) -> impl Strategy<Value = Vec<(String, Dtype, Vec<usize>)>> {
         prop::collection::vec(tensor(), 0..max).prop_map(|v| {
             let mut seen = std::collections::BTreeSet::new();
-            v.into_iter()
-                .filter(|(n, _, _)| n != "__metadata__" && seen.insert(n.clone()))
-                .collect()
+            v.into_iter().filter(|(n, _, _)| n != "__metadata__" && seen.insert(n.clone())).collect()
         })
     }
 
     /// Metadata with at most `max` entries, keys and values any strings.
-    pub fn metadata(
-        max: usize,
-    ) -> impl Strategy<Value = Option<std::collections::BTreeMap<String, String>>> {
-        prop::option::of(prop::collection::btree_map(
-            "(?s).{0,8}",
-            "(?s).{0,12}",
-            0..=max,
-        ))
+    pub fn metadata(max: usize) -> impl Strategy<Value = Option<std::collections::BTreeMap<String, String>>> {
+        prop::option::of(prop::collection::btree_map("(?s).{0,8}", "(?s).{0,12}", 0..=max))
     }
 
     /// A whole generated file: entries in random order, optional metadata, data length delta.
@@ -610,18 +428,13 @@ pub mod strategies {
             prop::option::of(prop::collection::vec(("[a-c]{0,2}", "\\PC{0,4}"), 0..3)),
             prop_oneof![8 => Just(0i64), 1 => -3i64..4],
         )
-            .prop_map(|(entries, meta, delta)| {
-                super::structured_file(&entries, meta.as_deref(), delta)
-            })
+            .prop_map(|(entries, meta, delta)| super::structured_file(&entries, meta.as_deref(), delta))
     }
 }
 
 /// A proptest configuration running `default_cases` cases, or `PROPTEST_CASES` when set (for a
 /// longer run: `PROPTEST_CASES=20000 cargo test -p turboio-format`).
 pub fn proptest_config(default_cases: u32) -> proptest::test_runner::Config {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default_cases);
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default_cases);
     proptest::test_runner::Config::with_cases(cases)
 }

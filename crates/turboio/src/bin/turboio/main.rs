@@ -37,9 +37,12 @@ enum Command {
         /// Page-cache bypass: auto (O_DIRECT when the file is not cached), on, off.
         #[arg(long, default_value = "auto", value_parser = parse_direct)]
         direct: DirectIo,
-        /// How to hold the bytes: auto, mapped (zero copy from the page cache), copied (huge-page arena).
+        /// How to hold the bytes: auto, mapped (zero copy from the page cache), copied (a private arena).
         #[arg(long, default_value = "auto")]
         mode: LoadMode,
+        /// Transparent huge pages for copied loads: on, off (default: TURBOIO_HUGE_PAGES, else off).
+        #[arg(long, value_parser = parse_on_off)]
+        huge_pages: Option<bool>,
         /// Load this many times (each load is dropped before the next).
         #[arg(long, default_value_t = 1)]
         repeat: usize,
@@ -79,15 +82,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect { file, json } => inspect(&file, json),
-        Command::Load {
-            file,
-            threads,
-            direct,
-            mode,
-            repeat,
-            reuse_arena,
-            check,
-        } => load(&file, threads, direct, mode, repeat, reuse_arena, check),
+        Command::Load { file, threads, direct, mode, huge_pages, repeat, reuse_arena, check } => {
+            let opts = LoadOptions { threads, direct, mode, huge_pages, ..Default::default() };
+            load(&file, opts, repeat, reuse_arena, check)
+        }
         Command::Gen { out, size, seed } => gen(&out, size, seed),
         Command::Demo { size, dir, runs } => demo(size, dir, runs),
     };
@@ -122,11 +120,8 @@ fn inspect(file: &Path, json: bool) -> CliResult {
                 })
             })
             .collect();
-        let aliases: serde_json::Map<String, serde_json::Value> = header
-            .aliases()
-            .into_iter()
-            .map(|(a, t)| (a.to_owned(), t.into()))
-            .collect();
+        let aliases: serde_json::Map<String, serde_json::Value> =
+            header.aliases().into_iter().map(|(a, t)| (a.to_owned(), t.into())).collect();
         let doc = serde_json::json!({
             "path": file.display().to_string(),
             "file_len": header.file_len(),
@@ -162,47 +157,27 @@ fn inspect(file: &Path, json: bool) -> CliResult {
             println!("    {k}: {v}");
         }
     }
-    let width = header
-        .tensors()
-        .iter()
-        .map(|t| t.name.len())
-        .max()
-        .unwrap_or(4)
-        .max(4);
-    println!(
-        "  {:<width$}  {:>11}  {:<24}  {:>14}",
-        "name", "dtype", "shape", "bytes"
-    );
+    let width = header.tensors().iter().map(|t| t.name.len()).max().unwrap_or(4).max(4);
+    println!("  {:<width$}  {:>11}  {:<24}  {:>14}", "name", "dtype", "shape", "bytes");
     for t in header.tensors() {
         let shape = format!("{:?}", t.shape);
-        println!(
-            "  {:<width$}  {:>11}  {:<24}  {:>14}",
-            t.name,
-            t.dtype.name(),
-            shape,
-            t.len()
-        );
+        println!("  {:<width$}  {:>11}  {:<24}  {:>14}", t.name, t.dtype.name(), shape, t.len());
     }
     Ok(())
 }
 
-fn load(
-    file: &Path,
-    threads: usize,
-    direct: DirectIo,
-    mode: LoadMode,
-    repeat: usize,
-    reuse_arena: bool,
-    check: bool,
-) -> CliResult {
-    let mut opts = LoadOptions {
-        threads,
-        direct,
-        mode,
-        ..Default::default()
-    };
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" | "true" | "1" | "yes" => Ok(true),
+        "off" | "false" | "0" | "no" => Ok(false),
+        other => Err(format!("expected on or off, not `{other}`")),
+    }
+}
+
+fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, check: bool) -> CliResult {
     if reuse_arena {
-        opts.arenas = Some(turboio::device::ArenaPool::new(1));
+        let huge = opts.huge_pages.unwrap_or_else(turboio::device::default_huge_pages);
+        opts.arenas = Some(turboio::device::ArenaPool::with_huge_pages(1, huge));
     }
     let file_len = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
     let mut times = Vec::new();
@@ -214,10 +189,7 @@ fn load(
         let loaded = loaded?;
         let r = loaded.report();
         times.push(r.elapsed.as_secs_f64());
-        let cached = r
-            .cached_fraction
-            .map(|f| format!(", {:.0}% cached before", f * 100.0))
-            .unwrap_or_default();
+        let cached = r.cached_fraction.map(|f| format!(", {:.0}% cached before", f * 100.0)).unwrap_or_default();
         let direct = if r.read.direct {
             " O_DIRECT"
         } else if r.read.direct_refused {
@@ -244,44 +216,30 @@ fn load(
     if times.len() > 1 {
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
-        println!(
-            "median: {median:.3} s = {:.2} GB/s",
-            file_len as f64 / median / 1e9
-        );
+        println!("median: {median:.3} s = {:.2} GB/s", file_len as f64 / median / 1e9);
     }
     Ok(())
 }
 
 fn check_against_plain_read(loaded: &LoadedFile) -> CliResult {
-    let plain = std::fs::read(loaded.path())
-        .map_err(|e| format!("{}: plain read failed: {e}", loaded.path().display()))?;
+    let plain =
+        std::fs::read(loaded.path()).map_err(|e| format!("{}: plain read failed: {e}", loaded.path().display()))?;
     let start = loaded.header().data_start() as usize;
     for t in loaded.tensors() {
         let (b, e) = t.info().data_offsets;
         let expect = &plain[start + b..start + e];
         let got = loaded.to_host(t.name())?;
         if got != expect {
-            return Err(format!(
-                "{}: tensor `{}` differs from a plain read",
-                loaded.path().display(),
-                t.name()
-            )
-            .into());
+            return Err(format!("{}: tensor `{}` differs from a plain read", loaded.path().display(), t.name()).into());
         }
     }
-    println!(
-        "check: all {} tensors match a plain read of the file",
-        loaded.len()
-    );
+    println!("check: all {} tensors match a plain read of the file", loaded.len());
     Ok(())
 }
 
 fn gen(out: &Path, size: u64, seed: u64) -> CliResult {
     let bar = progress::Bar::start(size, &format!("writing {}", out.display()));
-    let opts = SaveOptions {
-        progress: bar.counter(),
-        ..Default::default()
-    };
+    let opts = SaveOptions { progress: bar.counter(), ..Default::default() };
     let start = Instant::now();
     let result = turboio::sample::write_sample(out, size, seed, &opts);
     bar.finish();
@@ -325,19 +283,14 @@ fn demo(size: u64, dir: Option<PathBuf>, runs: usize) -> CliResult {
         ("turboio mapped", LoadMode::Mapped),
         ("turboio copied", LoadMode::Copied),
     ];
-    let mut results: Vec<(String, Vec<f64>, String)> = loaders
-        .iter()
-        .map(|(n, _)| (n.to_string(), vec![], String::new()))
-        .collect();
+    let mut results: Vec<(String, Vec<f64>, String)> =
+        loaders.iter().map(|(n, _)| (n.to_string(), vec![], String::new())).collect();
     results.push(("std::fs::read".into(), vec![], "one read into a Vec".into()));
     // Warm the cache once, then alternate loaders run by run.
     drop(std::fs::read(&path)?);
     for _ in 0..runs {
         for (i, (_, mode)) in loaders.iter().enumerate() {
-            let opts = LoadOptions {
-                mode: *mode,
-                ..Default::default()
-            };
+            let opts = LoadOptions { mode: *mode, ..Default::default() };
             let loaded = turboio::load(&path, &opts)?;
             let r = loaded.report();
             results[i].1.push(r.elapsed.as_secs_f64());
@@ -353,11 +306,7 @@ fn demo(size: u64, dir: Option<PathBuf>, runs: usize) -> CliResult {
     println!("|---|---:|---:|---:|---|");
     for (name, times, how) in &results {
         let m = median(times.clone());
-        println!(
-            "| {name} | {m:.3} | {:.2} | {:.1}x | {how} |",
-            len as f64 / m / 1e9,
-            base / m
-        );
+        println!("| {name} | {m:.3} | {:.2} | {:.1}x | {how} |", len as f64 / m / 1e9, base / m);
     }
     println!("\nMore: `turboio load FILE --check`, `turboio inspect FILE`, `cargo xtask bench` (hot and cold, all baselines).");
     Ok(())

@@ -19,11 +19,7 @@ impl Bar {
     pub fn start(total: u64, message: &str) -> Bar {
         let done = Arc::new(AtomicBool::new(false));
         if !std::io::stderr().is_terminal() {
-            return Bar {
-                counter: None,
-                done,
-                thread: None,
-            };
+            return Bar { counter: None, done, thread: None };
         }
         let counter = Arc::new(AtomicU64::new(0));
         let (c, d, message) = (counter.clone(), done.clone(), message.to_owned());
@@ -40,11 +36,9 @@ impl Bar {
                 let b = bar.get_or_insert_with(|| {
                     let b = ProgressBar::new(total);
                     b.set_style(
-                        ProgressStyle::with_template(
-                            "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}",
-                        )
-                        .unwrap_or_else(|_| ProgressStyle::default_bar())
-                        .progress_chars("=> "),
+                        ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}")
+                            .unwrap_or_else(|_| ProgressStyle::default_bar())
+                            .progress_chars("=> "),
                     );
                     b.set_message(message.clone());
                     b
@@ -55,11 +49,7 @@ impl Bar {
                 b.finish_and_clear();
             }
         });
-        Bar {
-            counter: Some(counter),
-            done,
-            thread: Some(thread),
-        }
+        Bar { counter: Some(counter), done, thread: Some(thread) }
     }
 
     /// The counter to hand to the library.

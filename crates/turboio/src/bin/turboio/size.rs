@@ -3,13 +3,9 @@
 /// Parses `4GiB`, `512MiB`, `100MB`, `1G`, `123456`.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let value: f64 = num
-        .parse()
-        .map_err(|_| format!("invalid size `{s}` (try 4GiB, 512MiB, 100MB)"))?;
+    let value: f64 = num.parse().map_err(|_| format!("invalid size `{s}` (try 4GiB, 512MiB, 100MB)"))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kib" => 1 << 10,
@@ -20,11 +16,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "mb" => 1_000_000,
         "gb" => 1_000_000_000,
         "tb" => 1_000_000_000_000,
-        other => {
-            return Err(format!(
-                "invalid size unit `{other}` in `{s}` (try GiB, MiB, GB, MB)"
-            ))
-        }
+        other => return Err(format!("invalid size unit `{other}` in `{s}` (try GiB, MiB, GB, MB)")),
     };
     let bytes = value * mult as f64;
     if !(1.0..1e15).contains(&bytes) {
