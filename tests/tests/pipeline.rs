@@ -33,7 +33,7 @@ fn cpu_paths_load_identical_bytes() {
     // Saves write with O_DIRECT, so a new file is not in the page cache: read it once.
     drop(std::fs::read(&path).unwrap());
     let pool = ArenaPool::new(1);
-    for mode in [LoadMode::Auto, LoadMode::Mapped, LoadMode::Copied] {
+    for mode in [LoadMode::Auto, LoadMode::Mapped, LoadMode::Copied, LoadMode::Lazy] {
         for direct in [DirectIo::Auto, DirectIo::On, DirectIo::Off] {
             for threads in [1, 2, 3] {
                 for arenas in [None, Some(pool.clone())] {
@@ -41,7 +41,7 @@ fn cpu_paths_load_identical_bytes() {
                     let opts = LoadOptions { mode, direct, threads, arenas, ..Default::default() };
                     let loaded = turboio::load(&path, &opts).unwrap_or_else(|e| panic!("{label}: {e}"));
                     let expect_held = match (mode, direct) {
-                        (LoadMode::Mapped, _) => Held::Mapped,
+                        (LoadMode::Mapped | LoadMode::Lazy, _) => Held::Mapped,
                         (LoadMode::Copied, _) | (LoadMode::Auto, DirectIo::On) => Held::Copied,
                         // Read just before: the file is in the page cache.
                         (LoadMode::Auto, _) => Held::Mapped,
@@ -55,6 +55,38 @@ fn cpu_paths_load_identical_bytes() {
             }
         }
     }
+}
+
+#[test]
+fn auto_maps_hot_files_and_copies_cold_ones() {
+    let dir = disk_dir();
+    let path = sample(dir.path(), 16 << 20);
+    drop(std::fs::read(&path).unwrap());
+    let hot = turboio::load(&path, &LoadOptions::default()).unwrap();
+    assert_eq!(hot.report().held, Held::Mapped);
+    assert!(hot.report().cached_fraction.unwrap() >= turboio::MAPPED_THRESHOLD);
+    drop(hot);
+    let file = turboio::posix::PosixStorage::new().open_posix(&path).unwrap();
+    file.evict_cache().unwrap();
+    let after = turboio::storage::StorageFile::cached_fraction(&file).unwrap();
+    if after >= turboio::MAPPED_THRESHOLD {
+        eprintln!("skipped: the page cache kept {after:.2} of the file after POSIX_FADV_DONTNEED");
+        return;
+    }
+    let cold = turboio::load(&path, &LoadOptions::default()).unwrap();
+    assert_eq!(cold.report().held, Held::Copied);
+    assert!(cold.report().read.direct, "cold files are read with O_DIRECT");
+    assert_matches_plain_read(&cold, "cold auto");
+}
+
+#[test]
+fn lazy_loads_read_nothing_up_front() {
+    let dir = disk_dir();
+    let path = sample(dir.path(), 8 << 20);
+    let lazy = turboio::load(&path, &LoadOptions { mode: LoadMode::Lazy, ..Default::default() }).unwrap();
+    assert_eq!(lazy.report().bytes, 0);
+    assert_eq!(lazy.report().read.method, "mmap, lazy");
+    assert_matches_plain_read(&lazy, "lazy");
 }
 
 #[test]

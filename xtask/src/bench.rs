@@ -4,7 +4,6 @@
 
 use crate::ceiling;
 use anyhow::{Context, Result};
-use std::any::Any;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -19,7 +18,7 @@ pub struct Args {
     /// File sizes (default 1GiB,2GiB,4GiB; 64MiB with --quick).
     #[arg(long, value_delimiter = ',')]
     pub sizes: Vec<String>,
-    /// Runs per loader and cache state (default 3; 2 with --quick). The median is reported.
+    /// Runs per loader and cache state (default 5; 2 with --quick). The median is reported.
     #[arg(long)]
     pub runs: Option<usize>,
     /// Where sample files are generated and kept between runs.
@@ -34,6 +33,10 @@ pub struct Args {
     /// Delete the sample files afterwards.
     #[arg(long)]
     pub clean: bool,
+    /// Skip the Python rows (which set up .venv with torch, safetensors, fastsafetensors and
+    /// the turboio wheel).
+    #[arg(long)]
+    pub no_python: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,23 +88,35 @@ impl Loader {
     ];
 }
 
+fn median_of(v: &[f64]) -> f64 {
+    let mut t = v.to_vec();
+    t.sort_by(f64::total_cmp);
+    t.get(t.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 #[derive(Debug, Default, Clone)]
-struct Row {
-    size: u64,
-    cache: &'static str,
-    loader: &'static str,
-    times: Vec<f64>,
-    peak_rss: u64,
-    anon_delta: i64,
-    how: String,
-    skipped: Option<String>,
+pub struct Row {
+    pub size: u64,
+    pub cache: &'static str,
+    pub loader: &'static str,
+    /// "python" for the rows measured in Python processes; "" for in-process Rust rows.
+    pub group: &'static str,
+    /// Load plus first touch of every page.
+    pub times: Vec<f64>,
+    /// Load alone.
+    pub load_times: Vec<f64>,
+    pub peak_rss: u64,
+    pub anon_delta: i64,
+    pub how: String,
+    pub skipped: Option<String>,
 }
 
 impl Row {
     fn median(&self) -> f64 {
-        let mut t = self.times.clone();
-        t.sort_by(f64::total_cmp);
-        t.get(t.len() / 2).copied().unwrap_or(f64::NAN)
+        median_of(&self.times)
+    }
+    fn load_median(&self) -> f64 {
+        median_of(&self.load_times)
     }
     fn gbps(&self) -> f64 {
         self.size as f64 / self.median() / 1e9
@@ -122,7 +137,7 @@ fn reset_peak_rss() {
 }
 
 /// Reads the file through the page cache into a small reused buffer, so that every page is cached.
-fn warm(path: &Path) -> Result<()> {
+pub fn warm(path: &Path) -> Result<()> {
     use std::io::Read;
     let mut f = std::fs::File::open(path)?;
     let mut buf = vec![0u8; 8 << 20];
@@ -130,7 +145,7 @@ fn warm(path: &Path) -> Result<()> {
     Ok(())
 }
 
-fn drop_caches() -> std::result::Result<(), String> {
+pub fn drop_caches() -> std::result::Result<(), String> {
     // SAFETY: sync() has no preconditions.
     unsafe { libc::sync() };
     std::fs::write("/proc/sys/vm/drop_caches", "3")
@@ -176,10 +191,41 @@ fn sample(dir: &Path, size: u64) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// Runs one loader once; returns (seconds, what it did, the result to keep alive while memory is measured).
-fn run_one(loader: Loader, path: &Path, pool: &ArenaPool) -> Result<(f64, String, Box<dyn Any>)> {
+/// What a loader produced, kept alive while memory is measured and its pages are touched.
+enum Output {
+    Loaded(Box<turboio::LoadedFile>),
+    Bytes(Vec<u8>),
+    Copies(Vec<Vec<u8>>),
+    Mapping(FileMapping),
+    Nothing,
+}
+
+fn touch_pages(bytes: &[u8], sum: &mut u64) {
+    for i in (0..bytes.len()).step_by(4096) {
+        *sum = sum.wrapping_add(u64::from(std::hint::black_box(bytes[i])));
+    }
+}
+
+impl Output {
+    /// Reads one byte of every 4 KiB page of the data, as a user's first pass over the tensors
+    /// would: lazily mapped pages are read now, and first touches of fresh memory are paid.
+    fn touch(&self) -> u64 {
+        let mut sum = 0u64;
+        match self {
+            Output::Loaded(f) => f.tensors().filter_map(|t| t.bytes()).for_each(|b| touch_pages(b, &mut sum)),
+            Output::Bytes(v) => touch_pages(v, &mut sum),
+            Output::Copies(v) => v.iter().for_each(|b| touch_pages(b, &mut sum)),
+            Output::Mapping(m) => touch_pages(m.as_slice(), &mut sum),
+            Output::Nothing => {}
+        }
+        sum
+    }
+}
+
+/// Runs one loader once; returns (seconds, what it did, its output).
+fn run_one(loader: Loader, path: &Path, pool: &ArenaPool) -> Result<(f64, String, Output)> {
     let turbo =
-        |mode: LoadMode, arenas: Option<ArenaPool>, huge_pages: Option<bool>| -> Result<(f64, String, Box<dyn Any>)> {
+        |mode: LoadMode, arenas: Option<ArenaPool>, huge_pages: Option<bool>| -> Result<(f64, String, Output)> {
             let t = Instant::now();
             let f = turboio::load(path, &LoadOptions { mode, arenas, huge_pages, ..Default::default() })?;
             let secs = t.elapsed().as_secs_f64();
@@ -191,7 +237,7 @@ fn run_one(loader: Loader, path: &Path, pool: &ArenaPool) -> Result<(f64, String
                 if r.read.direct { " O_DIRECT" } else { "" },
                 if r.arena_reused { ", reused" } else { "" }
             );
-            Ok((secs, how, Box::new(f)))
+            Ok((secs, how, Output::Loaded(Box::new(f))))
         };
     match loader {
         Loader::TurboAuto => turbo(LoadMode::Auto, None, None),
@@ -202,7 +248,7 @@ fn run_one(loader: Loader, path: &Path, pool: &ArenaPool) -> Result<(f64, String
         Loader::FsRead => {
             let t = Instant::now();
             let v = std::fs::read(path)?;
-            Ok((t.elapsed().as_secs_f64(), "read into a new Vec".into(), Box::new(v)))
+            Ok((t.elapsed().as_secs_f64(), "read into a new Vec".into(), Output::Bytes(v)))
         }
         Loader::MmapCopy => {
             let t = Instant::now();
@@ -216,17 +262,17 @@ fn run_one(loader: Loader, path: &Path, pool: &ArenaPool) -> Result<(f64, String
                 .iter()
                 .map(|t| m.as_slice()[start + t.data_offsets.0..start + t.data_offsets.1].to_vec())
                 .collect();
-            Ok((t.elapsed().as_secs_f64(), format!("{} tensor copies", copies.len()), Box::new(copies)))
+            Ok((t.elapsed().as_secs_f64(), format!("{} tensor copies", copies.len()), Output::Copies(copies)))
         }
         Loader::PopulateCeiling => {
             let t = Instant::now();
-            let n = ceiling::map_populate(path)?;
-            Ok((t.elapsed().as_secs_f64(), format!("{n} bytes, 1 thread"), Box::new(())))
+            let m = ceiling::map_populate(path)?;
+            Ok((t.elapsed().as_secs_f64(), format!("{} bytes, 1 thread", m.len()), Output::Mapping(m)))
         }
         Loader::ODirectCeiling => {
             let t = Instant::now();
             let n = ceiling::odirect_sequential(path, 32, 1 << 20)?;
-            Ok((t.elapsed().as_secs_f64(), format!("{n} bytes, io_uring, 1 MiB blocks"), Box::new(())))
+            Ok((t.elapsed().as_secs_f64(), format!("{n} bytes, io_uring, 1 MiB blocks"), Output::Nothing))
         }
     }
 }
@@ -257,12 +303,16 @@ fn measure(rows: &mut [Row], loaders: &[Loader], path: &Path, runs: usize, cold:
             let anon_before = status_kb("RssAnon:") as i64 * 1024;
             let rss_before = status_kb("VmRSS:") * 1024;
             reset_peak_rss();
-            let (secs, how, keep) = run_one(loaders[i], path, pool)?;
+            let (secs, how, output) = run_one(loaders[i], path, pool)?;
+            let t = Instant::now();
+            std::hint::black_box(output.touch());
+            let touch = t.elapsed().as_secs_f64();
             let peak = (status_kb("VmHWM:") * 1024).saturating_sub(rss_before);
             let anon = status_kb("RssAnon:") as i64 * 1024 - anon_before;
-            drop(keep);
+            drop(output);
             let row = &mut rows[i];
-            row.times.push(secs);
+            row.times.push(secs + touch);
+            row.load_times.push(secs);
             row.peak_rss = row.peak_rss.max(peak);
             row.anon_delta = row.anon_delta.max(anon);
             row.how = how;
@@ -277,9 +327,9 @@ struct Check {
     need: f64,
 }
 
-fn ratio(rows: &[Row], size: u64, cache: &str, a: Loader, b: Loader) -> Option<f64> {
-    let find = |l: Loader| {
-        rows.iter().find(|r| r.size == size && r.cache == cache && r.loader == l.name() && r.skipped.is_none())
+fn ratio(rows: &[Row], size: u64, cache: &str, a: &str, b: &str) -> Option<f64> {
+    let find = |name: &str| {
+        rows.iter().find(|r| r.size == size && r.cache == cache && r.loader == name && r.skipped.is_none())
     };
     Some(find(b)?.median() / find(a)?.median())
 }
@@ -294,12 +344,25 @@ pub fn run(args: Args) -> Result<()> {
     } else {
         args.sizes.iter().map(|s| parse_size(s)).collect::<Result<_>>()?
     };
-    let runs = args.runs.unwrap_or(if args.quick { 2 } else { 3 }).max(1);
+    let runs = args.runs.unwrap_or(if args.quick { 2 } else { 5 }).max(1);
     let pool = ArenaPool::with_huge_pages(1, false);
+    let python = if args.no_python { None } else { Some(crate::pybench::setup()?) };
     let mut all: Vec<Row> = Vec::new();
     for &size in &sizes {
         let path = sample(&args.dir, size)?;
         let len = std::fs::metadata(&path)?.len();
+        if let Some(py) = &python {
+            let pt = crate::pybench::pt_copy(py, &path)?;
+            eprintln!("{}: python, hot, {runs} runs ...", size_name(size));
+            all.extend(crate::pybench::measure(py, &path, &pt, len, runs, false)?);
+            if !args.no_cold {
+                eprintln!("{}: python, cold, {runs} runs ...", size_name(size));
+                all.extend(crate::pybench::measure(py, &path, &pt, len, runs, true)?);
+            }
+            if args.clean {
+                std::fs::remove_file(&pt)?;
+            }
+        }
         let mut hot: Vec<Row> = Loader::HOT
             .iter()
             .map(|l| Row { size: len, cache: "hot", loader: l.name(), ..Default::default() })
@@ -331,17 +394,20 @@ pub fn run(args: Args) -> Result<()> {
         let Some(len) = all.iter().find(|r| r.size >= size && r.size < size + (64 << 20)).map(|r| r.size) else {
             continue;
         };
-        let mut add = |what: &str, cache: &str, a: Loader, b: Loader, need: f64| {
+        let mut add = |what: &str, cache: &str, a: &str, b: &str, need: f64| {
             if let Some(r) = ratio(&all, len, cache, a, b) {
                 checks.push(Check { what: format!("{} {cache}: {what}", size_name(size)), ratio: r, need });
             }
         };
-        add("auto vs map+populate ceiling", "hot", Loader::TurboAuto, Loader::PopulateCeiling, 0.6);
-        add("auto vs std::fs::read", "hot", Loader::TurboAuto, Loader::FsRead, 3.0);
-        add("copied vs std::fs::read", "hot", Loader::TurboCopied, Loader::FsRead, 1.5);
-        add("copied vs mmap+copy", "hot", Loader::TurboCopied, Loader::MmapCopy, 1.5);
-        add("auto vs O_DIRECT QD32 ceiling", "cold", Loader::TurboAuto, Loader::ODirectCeiling, 0.8);
-        add("auto vs std::fs::read", "cold", Loader::TurboAuto, Loader::FsRead, 1.0);
+        add("auto vs map+populate ceiling", "hot", Loader::TurboAuto.name(), Loader::PopulateCeiling.name(), 0.6);
+        add("auto vs std::fs::read", "hot", Loader::TurboAuto.name(), Loader::FsRead.name(), 3.0);
+        add("copied vs std::fs::read", "hot", Loader::TurboCopied.name(), Loader::FsRead.name(), 1.5);
+        add("copied vs mmap+copy", "hot", Loader::TurboCopied.name(), Loader::MmapCopy.name(), 1.5);
+        add("auto vs O_DIRECT QD32 ceiling", "cold", Loader::TurboAuto.name(), Loader::ODirectCeiling.name(), 0.8);
+        add("auto vs std::fs::read", "cold", Loader::TurboAuto.name(), Loader::FsRead.name(), 1.0);
+        add("turboio.load vs safetensors.torch.load_file", "hot", "turboio.load", "safetensors.torch.load_file", 3.0);
+        add("turboio.load vs safetensors.torch.load_file", "cold", "turboio.load", "safetensors.torch.load_file", 2.0);
+        add("turboio.load vs torch.load", "hot", "turboio.load", "torch.load", 8.0);
     }
 
     let report = render(&all, &checks, runs);
@@ -349,17 +415,18 @@ pub fn run(args: Args) -> Result<()> {
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(args.out.join("load.md"), &report)?;
     let mut csv = String::from(
-        "size_bytes,cache,loader,runs,median_s,gb_per_s,min_s,max_s,peak_rss_bytes,anon_delta_bytes,how,skipped\n",
+        "size_bytes,cache,loader,runs,load_median_s,median_s,gb_per_s,min_s,max_s,peak_rss_bytes,anon_delta_bytes,how,skipped\n",
     );
     for r in &all {
         let (mn, mx) = r.times.iter().fold((f64::INFINITY, 0f64), |(a, b), &t| (a.min(t), b.max(t)));
         let _ = writeln!(
             csv,
-            "{},{},{},{},{:.4},{:.3},{:.4},{:.4},{},{},\"{}\",\"{}\"",
+            "{},{},{},{},{:.4},{:.4},{:.3},{:.4},{:.4},{},{},\"{}\",\"{}\"",
             r.size,
             r.cache,
             r.loader,
             r.times.len(),
+            r.load_median(),
             r.median(),
             r.gbps(),
             mn,
@@ -376,7 +443,7 @@ pub fn run(args: Args) -> Result<()> {
         "machine": machine(),
         "runs": runs,
         "rows": all.iter().map(|r| serde_json::json!({
-            "size_bytes": r.size, "cache": r.cache, "loader": r.loader, "times_s": r.times,
+            "size_bytes": r.size, "cache": r.cache, "loader": r.loader, "times_s": r.times, "load_times_s": r.load_times,
             "median_s": r.median(), "gb_per_s": r.gbps(), "peak_rss_bytes": r.peak_rss,
             "anon_delta_bytes": r.anon_delta, "how": r.how, "skipped": r.skipped,
         })).collect::<Vec<_>>(),
@@ -425,26 +492,28 @@ fn status_line(file: &str, key: &str) -> String {
 fn render(rows: &[Row], checks: &[Check], runs: usize) -> String {
     let mut s = String::new();
     let _ =
-        writeln!(s, "turboio load benchmark, {} ({}), median of {runs} runs, loaders alternating\n", date(), machine());
-    let mut keys: Vec<(u64, &str)> = rows.iter().map(|r| (r.size, r.cache)).collect();
+        writeln!(s, "turboio load benchmark, {} ({}), median of {runs} runs, loaders alternating. \"total\" is the load plus a first read of one byte of every 4 KiB page of the result (what lazily mapped or freshly faulted memory costs at first use); ratios use it.\n", date(), machine());
+    let mut keys: Vec<(u64, &str, &str)> = rows.iter().map(|r| (r.size, r.group, r.cache)).collect();
     keys.dedup();
-    for (size, cache) in keys {
-        let group: Vec<&Row> = rows.iter().filter(|r| r.size == size && r.cache == cache).collect();
-        let _ = writeln!(s, "### {:.2} GB file, {cache} page cache\n", size as f64 / 1e9);
+    for (size, kind, cache) in keys {
+        let group: Vec<&Row> = rows.iter().filter(|r| r.size == size && r.cache == cache && r.group == kind).collect();
+        let title = if kind == "python" { "Python loaders (tensors in torch), " } else { "" };
+        let _ = writeln!(s, "### {title}{:.2} GB file, {cache} page cache\n", size as f64 / 1e9);
         let base = |name: &str| group.iter().find(|r| r.loader == name && r.skipped.is_none()).map(|r| r.median());
-        let auto = base(Loader::TurboAuto.name());
-        let _ = writeln!(s, "| loader | median s | GB/s | turboio auto is | peak RSS | +anon RSS | how |");
-        let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---|");
+        let auto = base(if kind == "python" { "turboio.load" } else { Loader::TurboAuto.name() });
+        let _ = writeln!(s, "| loader | load s | total s | GB/s (total) | turboio is | peak RSS | +anon RSS | how |");
+        let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---|");
         for r in group {
             if let Some(why) = &r.skipped {
-                let _ = writeln!(s, "| {} | skipped | | | | | {why} |", r.loader);
+                let _ = writeln!(s, "| {} | skipped | | | | | | {why} |", r.loader);
                 continue;
             }
             let vs = auto.map(|a| format!("{:.2}x", r.median() / a)).unwrap_or_default();
             let _ = writeln!(
                 s,
-                "| {} | {:.3} | {:.2} | {vs} | {:.2} GiB | {:.1} MiB | {} |",
+                "| {} | {:.3} | {:.3} | {:.2} | {vs} | {:.2} GiB | {:.1} MiB | {} |",
                 r.loader,
+                r.load_median(),
                 r.median(),
                 r.gbps(),
                 r.peak_rss as f64 / (1u64 << 30) as f64,

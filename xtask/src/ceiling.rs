@@ -68,10 +68,10 @@ pub fn odirect_sequential(path: &Path, depth: usize, block: usize) -> Result<u64
 }
 
 /// Maps the whole file privately and populates it (one thread), the zero-copy ceiling.
-pub fn map_populate(path: &Path) -> Result<u64> {
+pub fn map_populate(path: &Path) -> Result<FileMapping> {
     let file = std::fs::File::open(path)?;
     let len = file.metadata()?.len() as usize;
     let m = FileMapping::new(&file, len)?;
     m.populate(1)?;
-    Ok(m.len() as u64)
+    Ok(m)
 }

@@ -7,6 +7,7 @@
 
 mod bench;
 mod ceiling;
+mod pybench;
 mod test;
 
 use clap::{Parser, Subcommand};

@@ -56,6 +56,26 @@ pub fn venv(requirements: &[&str]) -> Result<PathBuf> {
     Ok(python)
 }
 
+/// Builds the wheel (release) and installs it into the venv of `python`.
+pub fn install_wheel(python: &Path) -> Result<()> {
+    let out = root().join("target/wheels");
+    let _ = std::fs::remove_dir_all(&out);
+    step(
+        "build the wheel",
+        Command::new(python)
+            .args(["-m", "maturin", "build", "--release", "--locked", "-m", "crates/py/Cargo.toml", "--out"])
+            .arg(&out),
+    )?;
+    let wheel = std::fs::read_dir(&out)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .with_context(|| format!("no wheel in {}", out.display()))?;
+    step(
+        "install the wheel",
+        Command::new(python).args(["-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps"]).arg(&wheel),
+    )
+}
+
 pub fn run(args: Args) -> Result<()> {
     let start = std::time::Instant::now();
     if !args.fast {
@@ -74,7 +94,8 @@ pub fn run(args: Args) -> Result<()> {
             ]),
         )?;
     }
-    let python = venv(&["tests/requirements.txt"])?;
+    let python = venv(&["tests/requirements.txt", "crates/py/requirements-test.txt"])?;
+    install_wheel(&python)?;
     step(
         "tests",
         cargo()
@@ -82,6 +103,7 @@ pub fn run(args: Args) -> Result<()> {
             .env("TURBOIO_PYTHON", &python)
             .env("TURBOIO_REQUIRE_PYTHON", "1"),
     )?;
+    step("python tests", Command::new(&python).args(["-m", "pytest", "-q", "crates/py/tests"]))?;
     step(
         "tests without default features",
         cargo().args(["test", "-p", "turboio", "--no-default-features", "--lib", "--locked"]),

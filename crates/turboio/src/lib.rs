@@ -58,7 +58,7 @@ mod save;
 
 pub use backend::ReadInfo;
 pub use error::{Error, Result};
-pub use load::{load, read_header_of};
+pub use load::{load, read_header_of, MAPPED_THRESHOLD};
 pub use loaded::{Held, LoadReport, LoadedFile, TensorView};
 pub use options::{parse_direct, DirectIo, LoadMode, LoadOptions, SaveOptions};
 pub use save::{save, save_with, SaveTensor, TensorData};

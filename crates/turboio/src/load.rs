@@ -13,6 +13,9 @@ use turboio_device::{Allocation, CpuDevice, Device, DeviceKind, FileMapping, Tra
 use turboio_format::{read_header_len, Header, N_LEN};
 use turboio_storage::{IoOptions, ReadRequest, StorageFile};
 
+/// Files at least this much in the page cache are mapped rather than copied (auto mode).
+pub const MAPPED_THRESHOLD: f64 = 0.5;
+
 /// O_DIRECT alignment; copied loads start at the data section rounded down to it.
 const ALIGN: u64 = 4096;
 
@@ -79,7 +82,7 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
 
     let mapped = on_cpu
         && match opts.mode {
-            LoadMode::Mapped => {
+            LoadMode::Mapped | LoadMode::Lazy => {
                 if local.is_none() {
                     return Err(Error::Unsupported {
                         path: path.to_owned(),
@@ -89,9 +92,9 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
                 true
             }
             LoadMode::Copied => false,
-            // Hot or cold, a mapping is the fastest way in on the machines measured (see
-            // LoadMode::Auto); forcing direct I/O asks for the copy.
-            LoadMode::Auto => opts.direct != DirectIo::On && local.is_some(),
+            LoadMode::Auto => {
+                opts.direct != DirectIo::On && local.is_some() && cached_fraction.is_some_and(|f| f >= MAPPED_THRESHOLD)
+            }
         };
 
     let cancel = opts.cancel.as_deref();
@@ -116,8 +119,11 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
         _ => None,
     };
     if let Some(mapping) = mapping {
-        mapping.populate(threads).map_err(|e| Error::device(path, e))?;
-        if let Some(p) = &opts.progress {
+        let lazy = opts.mode == LoadMode::Lazy;
+        if !lazy {
+            mapping.populate(threads).map_err(|e| Error::device(path, e))?;
+        }
+        if let (Some(p), false) = (&opts.progress, lazy) {
             p.fetch_add(file_len, Ordering::Relaxed);
         }
         check_cancel()?;
@@ -129,9 +135,13 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
             device: None,
             report: LoadReport {
                 held: Held::Mapped,
-                read: ReadInfo { method: "mmap", direct: false, direct_refused: false },
+                read: ReadInfo {
+                    method: if lazy { "mmap, lazy" } else { "mmap" },
+                    direct: false,
+                    direct_refused: false,
+                },
                 cached_fraction,
-                bytes: file_len,
+                bytes: if lazy { 0 } else { file_len },
                 arena_reused: false,
                 elapsed: start.elapsed(),
             },

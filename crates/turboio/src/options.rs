@@ -12,22 +12,25 @@ pub use turboio_storage::DirectIo;
 /// How a load holds the file's bytes in CPU memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LoadMode {
-    /// Mapped whenever the storage gives a local file, copied when direct I/O is forced on or
-    /// the backend has no local file.
+    /// Mapped when the file is mostly in the page cache ([`MAPPED_THRESHOLD`](crate::MAPPED_THRESHOLD)),
+    /// copied otherwise (with `O_DIRECT` when the backend does that for cold files), and
+    /// always copied when direct I/O is forced on or the backend has no local file.
     ///
-    /// Mapped wins hot (no copy at all) and, on the machines this project is measured on, cold
-    /// too: populating a mapping of a cold file runs parallel readahead streams straight into
-    /// the page cache (the device fills those pages; the CPU never zeroes them), which measured
-    /// 1.3-1.7x faster than `O_DIRECT` into fresh anonymous memory (1.9-2.5 GB/s against
-    /// 1.1-1.6 GB/s, 1-4 GiB files, `cargo xtask bench`). On a machine where `O_DIRECT` with a
-    /// deep queue beats readahead (bare-metal NVMe), ask for [`LoadMode::Copied`] or
-    /// [`DirectIo::On`] for cold files.
+    /// Why not map cold files too: populating a mapping of a cold file reads it into the page
+    /// cache quickly, but on virtual machines the first CPU access to each freshly filled page
+    /// then costs a second trap, which the load hands to the first use of the tensors. Counting
+    /// that first touch, copies with `O_DIRECT` measured 1.3x faster (`cargo xtask bench`, 4 GiB,
+    /// 2.96 s against 3.83 s); without it the mapping looked 1.3x faster.
     #[default]
     Auto,
     /// A private, writable mapping of the file populated from the page cache: zero copy.
     Mapped,
-    /// A copy into a huge-page arena (O_DIRECT when the file is cold).
+    /// A copy into a private arena (O_DIRECT when the file is cold).
     Copied,
+    /// A private mapping that is not populated: nothing is read until a tensor's bytes are
+    /// touched, and then only their pages (what `safe_open` wants for reading a few tensors
+    /// of a big file). Pages come from the page cache or the disk on first touch.
+    Lazy,
 }
 
 impl FromStr for LoadMode {
@@ -38,7 +41,8 @@ impl FromStr for LoadMode {
             "auto" => Ok(LoadMode::Auto),
             "mapped" => Ok(LoadMode::Mapped),
             "copied" => Ok(LoadMode::Copied),
-            other => Err(format!("unknown mode `{other}` (expected auto, mapped or copied)")),
+            "lazy" => Ok(LoadMode::Lazy),
+            other => Err(format!("unknown mode `{other}` (expected auto, mapped, copied or lazy)")),
         }
     }
 }
@@ -49,6 +53,7 @@ impl fmt::Display for LoadMode {
             LoadMode::Auto => "auto",
             LoadMode::Mapped => "mapped",
             LoadMode::Copied => "copied",
+            LoadMode::Lazy => "lazy",
         })
     }
 }

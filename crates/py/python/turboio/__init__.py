@@ -1,0 +1,270 @@
+"""turboio: load and save safetensors checkpoints as fast as the storage and memory allow.
+
+Three drop-in APIs on one fast core:
+
+- veTurboIO: `import turboio as veturboio`, then `veturboio.load(...)`, `save_file`,
+  `save_model`, `save_pt`, `init_io_helper`, `load_to_shmem`.
+- fastsafetensors: `from turboio import SafeTensorsFileLoader, SingleGroup, fastsafe_open`
+  (also `turboio.fastsafetensors`).
+- safetensors.torch: `import turboio.torch` (`load_file`, `save_file`, `safe_open`, ...).
+
+Loaded tensors are views into the loader's memory, handed to torch through DLPack without a
+copy; the memory is freed when the last tensor viewing it is garbage collected.
+"""
+
+import os
+import random
+import string
+import tempfile
+import warnings
+
+from . import _turboio
+from ._turboio import __version__
+from ._dtypes import torch_dtype
+from ._torch import raw_tensors, remove_duplicate_names, tensors_of, threads as _threads
+from .fastsafetensors import SafeTensorsFileLoader, SingleGroup, fastsafe_open
+
+__all__ = [
+    "load",
+    "load_to_shmem",
+    "save_file",
+    "save_model",
+    "init_io_helper",
+    "save_pt",
+    "IOHelper",
+    "SafeTensorsFileLoader",
+    "SingleGroup",
+    "fastsafe_open",
+    "__version__",
+]
+
+
+class IOHelper:
+    """Buffers kept across loads (`init_io_helper()`): copied loads reuse one arena instead of
+    mapping and faulting in fresh memory each time."""
+
+    def __init__(self, max_arenas=1):
+        self._pool = _turboio.ArenaPool(max_arenas)
+
+    def free_bytes(self):
+        return self._pool.free_bytes()
+
+    def clear(self):
+        self._pool.clear()
+
+
+def init_io_helper():
+    """A helper whose buffers are reused by every `load(..., helper=helper)`."""
+    return IOHelper()
+
+
+def _not_yet(what):
+    return NotImplementedError(f"turboio: {what} is not supported yet")
+
+
+def _cipher_requested(use_cipher):
+    if use_cipher is None:
+        return os.environ.get("VETURBOIO_USE_CIPHER", "0") == "1"
+    return bool(use_cipher)
+
+
+def _local_path(file):
+    path = os.fspath(file)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if path.startswith("sfcs://"):
+        raise _not_yet("SFCS (sfcs:// paths)")
+    if os.environ.get("VETURBOIO_USE_SFCS_SDK") == "1" and not path.startswith("/dev/shm/"):
+        raise _not_yet("SFCS (VETURBOIO_USE_SFCS_SDK=1)")
+    return path
+
+
+def _cpu_device(map_location):
+    # veTurboIO returns CPU tensors for every non-CUDA device (npu included, which torch
+    # itself may not know without its plugin, so the string is parsed here).
+    kind = getattr(map_location, "type", None) or str(map_location or "cpu").split(":")[0]
+    if kind == "cuda":
+        raise _not_yet(f"loading to {map_location} (map_location='cuda')")
+
+
+def is_safetensors(path):
+    """True if the file's content is a safetensors file (tells it from a torch pickle)."""
+    with open(path, "rb") as f:
+        prefix = f.read(4096)
+        size = os.fstat(f.fileno()).st_size
+    return _turboio.looks_like_safetensors(prefix, size)
+
+
+def load(
+    file,
+    map_location="cpu",
+    enable_fast_mode=True,
+    num_thread=32,
+    helper=None,
+    use_pinmem=False,
+    use_direct_io=False,
+    use_cipher=None,
+    state_dict=None,
+    progress=None,
+):
+    """Loads a safetensors or torch `.pt` file (detected by content) into a dict of tensors.
+
+    Safetensors tensors are zero-copy views of one load (mapped from the page cache when
+    possible); aliases recorded in `__metadata__` come back as the same tensor object. `.pt`
+    files go through `torch.load(weights_only=True)`. With `state_dict`, the file is read
+    straight into those pre-allocated tensors (which must be contiguous, of the same dtype and
+    large enough) and the same dict is returned.
+
+    `progress` (a turboio extension) is called as `progress(bytes_done)` about every 50 ms
+    from the calling thread; an exception it raises aborts the load. Ctrl-C aborts it too.
+    """
+    import torch
+
+    path = _local_path(file)
+    if _cipher_requested(use_cipher):
+        raise _not_yet("encrypted checkpoints (use_cipher)")
+    _cpu_device(map_location)
+    direct = "on" if use_direct_io else "auto"
+    n = _threads(num_thread)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    if not is_safetensors(path):
+        # A file object, not the path: recent torch guesses the format from the file name.
+        with open(path, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    if state_dict:
+        return _load_into(path, state_dict, n, direct)
+    pool = helper._pool if isinstance(helper, IOHelper) else None
+    loaded = _turboio.load(path, threads=n, direct=direct, pool=pool, progress=progress)
+    return tensors_of(loaded, aliases=enable_fast_mode)
+
+
+def _load_into(path, state_dict, num_thread, direct):
+    data_start, _, _, infos = _turboio.read_header(path)
+    requests, resize = [], []
+    for name, dtype, shape, begin, end in infos:
+        t = state_dict[name]
+        if t.device.type != "cpu":
+            raise _not_yet(f"loading into {t.device} tensors")
+        if not t.is_contiguous():
+            raise RuntimeError("allocated tensor not contiguous")
+        if t.dtype != torch_dtype(dtype):
+            raise RuntimeError("allocated tensor dtype not match")
+        if t.numel() * t.element_size() < end - begin:
+            raise RuntimeError("allocated tensor size not enough")
+        if end > begin:
+            requests.append((data_start + begin, t.data_ptr(), end - begin))
+        resize.append((t, shape))
+    _turboio._read_into(path, requests, threads=num_thread, direct=direct)
+    for t, shape in resize:
+        if list(t.shape) != list(shape):
+            t.resize_(shape)
+    return state_dict
+
+
+def load_to_shmem(file, num_thread=32, helper=None, use_direct_io=False, use_cipher=None):
+    """Copies a file into a new `multiprocessing.shared_memory.SharedMemory` (named with 10
+    random letters); the caller must `close()` and `unlink()` it."""
+    import ctypes
+    from multiprocessing import shared_memory
+
+    path = _local_path(file)
+    if _cipher_requested(use_cipher):
+        raise _not_yet("encrypted checkpoints (use_cipher)")
+    if is_safetensors(path):
+        _turboio.read_header(path)  # validate before copying, as veTurboIO does
+    size = os.path.getsize(path)
+    name = "".join(random.sample(string.ascii_letters, 10))
+    shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
+    try:
+        if size:
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(shm.buf))
+            _turboio._read_into(path, [(0, addr, size)], threads=_threads(num_thread), direct="on" if use_direct_io else "auto")
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
+    return shm
+
+
+def save_file(
+    state_dict,
+    file,
+    force_contiguous=True,
+    force_save_shared_tensor=False,
+    force_clone_shared_tensor=False,
+    metadata=None,
+    use_cipher=False,
+    helper=None,
+    enable_fast_mode=False,
+):
+    """Saves a dict of tensors as safetensors, atomically (the old file survives any failure).
+
+    With `force_save_shared_tensor`, tensors sharing memory are stored once and the others
+    recorded as aliases in `__metadata__` (they are removed from `state_dict`, or cloned with
+    `force_clone_shared_tensor`), exactly as veTurboIO does.
+    """
+    path = _local_path(file)
+    if _cipher_requested(use_cipher):
+        raise _not_yet("encrypted checkpoints (use_cipher)")
+    if force_clone_shared_tensor and not force_save_shared_tensor:
+        warnings.warn("force_clone_shared_tensor has no effect without force_save_shared_tensor")
+    if force_save_shared_tensor:
+        for kept, removed in remove_duplicate_names(state_dict).items():
+            for name in removed:
+                if metadata is None:
+                    metadata = {}
+                metadata.setdefault(name, kept)
+                if force_clone_shared_tensor:
+                    state_dict[name] = state_dict[name].clone()
+                else:
+                    del state_dict[name]
+    tensors = state_dict
+    if force_contiguous:
+        tensors = {k: (v.contiguous() if hasattr(v, "contiguous") else v) for k, v in state_dict.items()}
+    records, keep = raw_tensors(tensors)
+    if metadata is not None:
+        metadata = {str(k): str(v) for k, v in metadata.items()}
+    _turboio._save(path, records, metadata)
+    del keep
+
+
+def save_model(model, file, use_cipher=False):
+    """Saves a model's state dict; shared parameters are stored once (aliases in `__metadata__`)."""
+    from . import torch as st
+
+    path = _local_path(file)
+    if _cipher_requested(use_cipher):
+        raise _not_yet("encrypted checkpoints (use_cipher)")
+    st.save_model(model, path)
+
+
+def save_pt(state_dict, file, use_cipher=False):
+    """`torch.save` to a temporary file in the same directory, then an atomic rename."""
+    import torch
+
+    path = _local_path(file)
+    if _cipher_requested(use_cipher):
+        raise _not_yet("encrypted checkpoints (use_cipher)")
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".turboio-tmp", dir=directory)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state_dict, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

@@ -1,0 +1,151 @@
+"""Shared torch plumbing: tensors out of a load, tensors into a save, shared-storage rules."""
+
+from collections import defaultdict
+import os
+
+from . import _turboio
+from ._dtypes import safetensors_name, torch_dtype
+
+
+def tensor_from(pt):
+    """A torch tensor viewing a loaded tensor in place (DLPack, no copy), with the right dtype."""
+    import torch
+
+    t = torch.from_dlpack(pt)
+    if pt.raw:
+        td = torch_dtype(pt.dtype)
+        if td is not None:
+            t = t.view(td)
+    return t
+
+
+def tensors_of(loaded, aliases=True):
+    """`{name: tensor}` of a load, in file order, plus aliases from `__metadata__`."""
+    out = {pt.name: tensor_from(pt) for pt in loaded.tensors()}
+    if aliases:
+        for alias, target in loaded.aliases():
+            out[alias] = out[target]
+    return out
+
+
+def storage_key(t):
+    s = t.untyped_storage()
+    return (t.device, s.data_ptr(), s.nbytes())
+
+
+def find_shared(tensors):
+    """Groups of names whose tensors overlap in memory (as safetensors defines sharing)."""
+    import torch
+
+    by_storage = defaultdict(set)
+    for name, t in tensors.items():
+        if t.device == torch.device("meta"):
+            continue
+        key = storage_key(t)
+        if key[1] != 0 and key[2] != 0:
+            by_storage[key].add(name)
+    groups = []
+    for names in by_storage.values():
+        if len(names) < 2:
+            continue
+        spans = sorted(
+            (tensors[n].data_ptr(), tensors[n].data_ptr() + tensors[n].numel() * tensors[n].element_size(), n)
+            for n in names
+        )
+        current, end = {spans[0][2]}, spans[0][1]
+        for start, stop, n in spans[1:]:
+            if start >= end:
+                if len(current) > 1:
+                    groups.append(current)
+                current, end = {n}, stop
+            else:
+                current.add(n)
+                end = max(end, stop)
+        if len(current) > 1:
+            groups.append(current)
+    return groups
+
+
+def is_complete(t):
+    s = t.untyped_storage()
+    return t.data_ptr() == s.data_ptr() and t.nelement() * t.element_size() == s.nbytes()
+
+
+def remove_duplicate_names(state_dict, preferred_names=None, discard_names=None):
+    """For each group of shared tensors, the name to keep and the names to drop."""
+    preferred = set(preferred_names or [])
+    discard = set(discard_names or [])
+    result = defaultdict(list)
+    for group in find_shared(state_dict):
+        complete = {n for n in group if is_complete(state_dict[n])}
+        if not complete:
+            raise RuntimeError(
+                "Error while trying to find names to remove to save state dict, but found no suitable name to keep"
+                f" for saving amongst: {sorted(group)}. None is covering the entire storage. Refusing to save/load"
+                " the model since you could be storing much more memory than needed."
+            )
+        keep = sorted(complete)[0]
+        kept_not_discarded = complete - discard
+        if kept_not_discarded:
+            keep = sorted(kept_not_discarded)[0]
+        if preferred & complete:
+            keep = sorted(preferred & complete)[0]
+        for n in sorted(group):
+            if n != keep:
+                result[keep].append(n)
+    return result
+
+
+def raw_tensors(tensors, what="tensors"):
+    """Checks a `{name: tensor}` dict the way safetensors does and returns the records the
+    extension writes from, plus the tensors to keep alive while it does."""
+    import torch
+
+    if not isinstance(tensors, dict):
+        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
+    invalid = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
+    if invalid:
+        k = invalid[0]
+        raise ValueError(f"Key `{k}` is invalid, expected torch.Tensor but received {type(tensors[k])}")
+    sparse = [k for k, v in tensors.items() if v.layout != torch.strided]
+    if sparse:
+        raise ValueError(
+            f"You are trying to save a sparse tensors: `{sparse}` which this library does not support. You can"
+            " make it a dense tensor before saving with `.to_dense()` but be aware this might make a much larger file"
+            " than needed."
+        )
+    shared = find_shared(tensors)
+    if shared:
+        raise RuntimeError(
+            f"Some tensors share memory, this will lead to duplicate memory on disk and potential differences when"
+            f" loading them again: {[sorted(g) for g in shared]}.\nA potential way to correctly save your model is to"
+            " use `save_model`.\nMore information at https://huggingface.co/docs/safetensors/torch_shared_tensors"
+        )
+    records, keep = [], []
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise ValueError(f"Key `{name}` is invalid, expected a str")
+        if t.device.type == "meta":
+            raise RuntimeError(f"Cannot copy out of meta tensor `{name}`")
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        if not t.is_contiguous():
+            raise ValueError(
+                f"You are trying to save a non contiguous tensor: `{name}` which is not allowed. It either means you"
+                " are trying to save tensors which are reference of each other in which case it's recommended to save"
+                " only the full tensors, and reslice at load time, or simply call `.contiguous()` on your tensor to"
+                " pack it before saving."
+            )
+        dtype = safetensors_name(t.dtype)
+        shape = list(t.shape)
+        if dtype == "F4":
+            shape[-1] *= 2
+        nbytes = t.numel() * t.element_size()
+        records.append((name, dtype, shape, t.data_ptr() if nbytes else 0, nbytes))
+        keep.append(t)
+    return records, keep
+
+
+def threads(num_thread):
+    n = os.cpu_count() or 1
+    return max(1, min(int(num_thread or n), n))

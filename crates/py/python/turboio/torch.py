@@ -1,0 +1,245 @@
+"""A drop-in for `safetensors.torch`: `import turboio.torch as safetensors_torch`.
+
+Same functions, parameters and exceptions; loads go through turboio (mapped from the page cache
+when possible, zero copy), saves are atomic and byte-identical to safetensors' own.
+"""
+
+import os
+import struct
+
+from . import _turboio
+from ._dtypes import torch_dtype
+from ._torch import raw_tensors, remove_duplicate_names, tensor_from, tensors_of
+
+__all__ = ["load_file", "save_file", "load", "save", "save_model", "load_model", "safe_open", "SafetensorError"]
+
+
+class SafetensorError(Exception):
+    """Raised for invalid files and misuse, as `safetensors.SafetensorError` is."""
+
+
+def _check_device(device):
+    import torch
+
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if dev.type != "cpu":
+        raise NotImplementedError(f"turboio: loading to {dev} is not supported yet (CPU only for now)")
+
+
+def _load(filename, mode="auto"):
+    try:
+        return _turboio.load(os.fspath(filename), mode=mode)
+    except FileNotFoundError:
+        raise
+    except ValueError as e:
+        raise SafetensorError(f"Error while deserializing header: {e}") from None
+
+
+def load_file(filename, device="cpu"):
+    """Loads a safetensors file into a dict of tensors (zero-copy views of one load)."""
+    _check_device(device)
+    return tensors_of(_load(filename), aliases=False)
+
+
+def save_file(tensors, filename, metadata=None):
+    """Saves a dict of tensors (atomically; byte-identical to safetensors' writer)."""
+    records, keep = raw_tensors(tensors)
+    if metadata is not None:
+        metadata = {str(k): str(v) for k, v in metadata.items()}
+    try:
+        _turboio._save(os.fspath(filename), records, metadata)
+    except ValueError as e:
+        raise SafetensorError(f"Error while serializing: {e}") from None
+    del keep
+
+
+def save(tensors, metadata=None):
+    """Serializes a dict of tensors into bytes."""
+    records, keep = raw_tensors(tensors)
+    try:
+        out = _turboio._serialize(records, metadata)
+    except ValueError as e:
+        raise SafetensorError(f"Error while serializing: {e}") from None
+    del keep
+    return out
+
+
+def load(data):
+    """Deserializes bytes made by `save` (or read from a file) into a dict of tensors."""
+    import torch
+
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"expected bytes, got {type(data)}")
+    try:
+        data_start, _, _, infos = _turboio.parse_bytes(bytes(data))
+    except ValueError as e:
+        raise SafetensorError(f"Error while deserializing header: {e}") from None
+    buf = bytearray(data)
+    out = {}
+    for name, dtype, shape, begin, end in infos:
+        td = torch_dtype(dtype) or torch.uint8
+        if end == begin:
+            out[name] = torch.empty(_torch_shape(dtype, shape), dtype=td)
+            continue
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
+        out[name] = raw.view(td).reshape(_torch_shape(dtype, shape)) if td != torch.uint8 or dtype == "U8" else raw
+    return out
+
+
+def _torch_shape(dtype, shape):
+    if dtype == "F4" and shape and shape[-1] % 2 == 0:
+        return shape[:-1] + [shape[-1] // 2]
+    if dtype in ("F6_E2M3", "F6_E3M2"):
+        n = 1
+        for d in shape:
+            n *= d
+        return [n * 6 // 8]
+    return shape
+
+
+def save_model(model, filename, metadata=None, force_contiguous=True):
+    """Saves a model's state dict, storing shared tensors once (aliases go to `__metadata__`)."""
+    state_dict = model.state_dict()
+    for kept, removed in remove_duplicate_names(state_dict).items():
+        for name in removed:
+            if metadata is None:
+                metadata = {}
+            metadata.setdefault(name, kept)
+            del state_dict[name]
+    if force_contiguous:
+        state_dict = {k: v.contiguous() for k, v in state_dict.items()}
+    try:
+        save_file(state_dict, filename, metadata=metadata)
+    except ValueError as e:
+        raise ValueError(f"{e}\nYou can try setting `force_contiguous=True` to fix this.") from None
+
+
+def load_model(model, filename, strict=True, device="cpu"):
+    """Loads a file saved by `save_model` into `model`; returns `(missing, unexpected)` keys."""
+    state_dict = load_file(filename, device=device)
+    to_removes = remove_duplicate_names(model.state_dict(), preferred_names=state_dict.keys())
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = set(missing)
+    unexpected = list(unexpected)
+    for removed in to_removes.values():
+        for name in removed:
+            if name in missing:
+                missing.remove(name)
+            else:
+                unexpected.append(name)
+    if strict and (missing or unexpected):
+        error = f"Error(s) in loading state_dict for {model.__class__.__name__}:"
+        if missing:
+            error += "\n    Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(missing))
+        if unexpected:
+            error += "\n    Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(unexpected))
+        raise RuntimeError(error)
+    return missing, unexpected
+
+
+_FRAMEWORKS = {"pt", "torch", "pytorch"}
+
+
+class safe_open:
+    """Lazy access to a safetensors file: `with safe_open(path, framework="pt") as f: f.get_tensor(name)`.
+
+    The file is mapped, not read: only the pages of the tensors you ask for are read.
+    `get_slice(name)[...]` reads just the byte ranges of the slice.
+    """
+
+    def __init__(self, filename, framework="pt", device="cpu"):
+        if framework not in _FRAMEWORKS:
+            raise SafetensorError(f"framework {framework} is invalid (turboio.torch supports pt)")
+        _check_device(device)
+        self._path = os.fspath(filename)
+        if not os.path.exists(self._path):
+            raise FileNotFoundError(f"No such file or directory: {self._path}")
+        self._loaded = _load(self._path, mode="lazy")
+        self._infos = {n: (d, s, b, e) for n, d, s, b, e in self._loaded.infos()}
+        self._order = [n for n, *_ in self._loaded.infos()]
+        self._tensors = None
+        self._data_start = self._loaded.data_start
+
+    def _check_open(self):
+        if self._loaded is None:
+            raise SafetensorError("File is closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._loaded = None
+        self._tensors = None
+
+    def metadata(self):
+        self._check_open()
+        return self._loaded.metadata()
+
+    def keys(self):
+        self._check_open()
+        return sorted(self._infos)
+
+    def offset_keys(self):
+        self._check_open()
+        return list(self._order)
+
+    def _pt(self, name):
+        if self._tensors is None:
+            self._tensors = {pt.name: pt for pt in self._loaded.tensors()}
+        return self._tensors[name]
+
+    def get_tensor(self, name):
+        self._check_open()
+        if name not in self._infos:
+            raise SafetensorError(f"File does not contain tensor {name}")
+        return tensor_from(self._pt(name))
+
+    def get_tensors(self):
+        self._check_open()
+        return {n: self.get_tensor(n) for n in self._order}
+
+    def get_slice(self, name):
+        self._check_open()
+        if name not in self._infos:
+            raise SafetensorError(f"File does not contain tensor {name}")
+        dtype, shape, begin, end = self._infos[name]
+        return _Slice(self._path, self._data_start + begin, dtype, shape)
+
+
+class _Slice:
+    """`safe_open(...).get_slice(name)`: reads only the bytes a slice covers."""
+
+    def __init__(self, path, offset, dtype, shape):
+        self._path, self._offset, self._dtype, self._shape = path, offset, dtype, list(shape)
+
+    def get_shape(self):
+        return list(self._shape)
+
+    def get_dtype(self):
+        return self._dtype
+
+    def __getitem__(self, index):
+        import torch
+
+        from ._slicing import plan_slice
+
+        elem_bits = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}.get(self._dtype)
+        if elem_bits is not None:
+            raise SafetensorError(f"slicing {self._dtype} tensors is not supported (sub-byte elements)")
+        td = torch_dtype(self._dtype) or torch.uint8
+        esize = torch.empty((), dtype=td).element_size()
+        try:
+            out_shape, ranges = plan_slice(self._shape, index, esize)
+        except (IndexError, TypeError, ValueError) as e:
+            raise SafetensorError(f"Error during slicing {index} with shape {self._shape}: {e}") from None
+        total = sum(n for _, n in ranges)
+        buf = torch.empty(total, dtype=torch.uint8)
+        requests, pos = [], 0
+        base = buf.data_ptr()
+        for off, n in ranges:
+            if n:
+                requests.append((self._offset + off, base + pos, n))
+            pos += n
+        if requests:
+            _turboio._read_into(self._path, requests)
+        return buf.view(td).reshape(out_shape) if total else torch.empty(out_shape, dtype=td)

@@ -1,0 +1,519 @@
+//! The `turboio._turboio` extension: a thin skin over the `turboio` crate.
+//!
+//! - Loads run in Rust with the GIL released, on a worker thread, while the calling thread
+//!   wakes every 50 ms to run Python's signal handlers: Ctrl-C cancels the load (it stops
+//!   within a chunk), frees its memory, and raises `KeyboardInterrupt`. Nothing half-filled is
+//!   ever handed out.
+//! - Tensors leave as DLPack capsules (the `dlpack` module) that keep the load alive; torch and numpy
+//!   import them without a copy and without this crate linking either.
+//! - Errors map to the exceptions Python users expect: `FileNotFoundError`, `PermissionError`,
+//!   `ValueError` for invalid files and arguments, `OSError` for I/O failures, `RuntimeError`
+//!   otherwise. Messages name the file.
+//!
+//! The Python package (`python/turboio`) builds the veTurboIO, fastsafetensors and
+//! `safetensors.torch` APIs on these few functions.
+
+mod dlpack;
+
+use dlpack::{DLDataType, Export};
+use pyo3::exceptions::{
+    PyFileNotFoundError, PyKeyboardInterrupt, PyOSError, PyPermissionError, PyRuntimeError, PyValueError,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use turboio::device::ArenaPool;
+use turboio::format::{FormatError, Header};
+use turboio::storage::StorageError;
+use turboio::{DirectIo, Dtype, Error, LoadMode, LoadOptions, LoadedFile, SaveOptions, TensorSpec};
+
+fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match &e {
+        Error::Storage(StorageError::NotFound { .. }) => PyFileNotFoundError::new_err(msg),
+        Error::Storage(StorageError::PermissionDenied { .. }) => PyPermissionError::new_err(msg),
+        Error::Storage(StorageError::Io { .. } | StorageError::ShortFile { .. }) => PyOSError::new_err(msg),
+        Error::Format { .. } | Error::Unsupported { .. } => PyValueError::new_err(msg),
+        Error::Cancelled { .. } => PyKeyboardInterrupt::new_err(msg),
+        _ => PyRuntimeError::new_err(msg),
+    }
+}
+
+/// Runs `work` on a worker thread with the GIL released. The calling thread takes the GIL
+/// back at the start and then every 50 ms to run signal handlers and the optional progress
+/// callback (`callback(bytes_done)`); if either raises (Ctrl-C raises `KeyboardInterrupt`),
+/// `cancel` is set, the worker is waited for (it stops promptly and frees what it holds) and the
+/// exception propagates.
+fn interruptible<T: Send>(
+    py: Python<'_>,
+    cancel: &Arc<AtomicBool>,
+    progress: Option<(&Bound<'_, PyAny>, &AtomicU64)>,
+    work: impl FnOnce() -> Result<T, Error> + Send,
+) -> PyResult<T> {
+    std::thread::scope(|s| {
+        let caller = std::thread::current();
+        let handle = s.spawn(move || {
+            let r = work();
+            caller.unpark();
+            r
+        });
+        let mut interrupted: Option<PyErr> = None;
+        let poll = |interrupted: &mut Option<PyErr>| {
+            if interrupted.is_some() {
+                return;
+            }
+            let mut r = py.check_signals();
+            if let (Ok(()), Some((cb, done))) = (&r, progress) {
+                r = cb.call1((done.load(Ordering::Relaxed),)).map(|_| ());
+            }
+            if let Err(e) = r {
+                cancel.store(true, Ordering::Relaxed);
+                *interrupted = Some(e);
+            }
+        };
+        poll(&mut interrupted);
+        while !handle.is_finished() {
+            py.detach(|| std::thread::park_timeout(Duration::from_millis(50)));
+            if !handle.is_finished() {
+                poll(&mut interrupted);
+            }
+        }
+        let result = py.detach(|| handle.join());
+        match (interrupted, result) {
+            (Some(e), _) => Err(e),
+            (None, Ok(r)) => r.map_err(to_py),
+            (None, Err(_)) => Err(PyRuntimeError::new_err("turboio: internal error: a worker thread panicked")),
+        }
+    })
+}
+
+fn parse_direct(s: &str) -> PyResult<DirectIo> {
+    turboio::parse_direct(s).map_err(PyValueError::new_err)
+}
+
+fn parse_mode(s: &str) -> PyResult<LoadMode> {
+    s.parse().map_err(PyValueError::new_err)
+}
+
+fn dtype_of(s: &str) -> PyResult<Dtype> {
+    s.parse().map_err(|e: turboio::format::UnknownDtype| PyValueError::new_err(e.to_string()))
+}
+
+/// The DLPack type of a dtype, and whether it is exported as raw bytes (uint8) instead,
+/// because DLPack consumers do not all know it (float8, float4, float6).
+fn dl_type(d: Dtype) -> (DLDataType, bool) {
+    let t = |code: u8, bits: u8| DLDataType { code, bits, lanes: 1 };
+    match d {
+        Dtype::BOOL => (t(6, 8), false),
+        Dtype::U8 => (t(1, 8), false),
+        Dtype::I8 => (t(0, 8), false),
+        Dtype::I16 => (t(0, 16), false),
+        Dtype::U16 => (t(1, 16), false),
+        Dtype::F16 => (t(2, 16), false),
+        Dtype::BF16 => (t(4, 16), false),
+        Dtype::I32 => (t(0, 32), false),
+        Dtype::U32 => (t(1, 32), false),
+        Dtype::F32 => (t(2, 32), false),
+        Dtype::C64 => (t(5, 64), false),
+        Dtype::F64 => (t(2, 64), false),
+        Dtype::I64 => (t(0, 64), false),
+        Dtype::U64 => (t(1, 64), false),
+        _ => (t(1, 8), true),
+    }
+}
+
+/// The shape a raw-bytes export gets: one byte per element for the 8-bit types, the packed
+/// shape (last dimension halved) for F4 when it is even, else a flat byte count.
+fn raw_shape(d: Dtype, shape: &[usize], nbytes: usize) -> Vec<i64> {
+    match d.bits() {
+        8 => shape.iter().map(|&x| x as i64).collect(),
+        4 if shape.last().is_some_and(|l| l % 2 == 0) => {
+            let mut s: Vec<i64> = shape.iter().map(|&x| x as i64).collect();
+            if let Some(l) = s.last_mut() {
+                *l /= 2;
+            }
+            s
+        }
+        _ => vec![nbytes as i64],
+    }
+}
+
+/// A tensor of a load, exportable with `__dlpack__` (zero copy; keeps the load alive).
+#[pyclass(name = "Tensor", module = "turboio._turboio", frozen)]
+struct PyTensor {
+    file: Arc<LoadedFile>,
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    offset: usize,
+    nbytes: usize,
+}
+
+#[pymethods]
+impl PyTensor {
+    /// The tensor's name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The safetensors dtype, e.g. "BF16".
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype.name()
+    }
+
+    /// The shape.
+    #[getter]
+    fn shape(&self) -> Vec<usize> {
+        self.shape.clone()
+    }
+
+    /// Bytes of data.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.nbytes
+    }
+
+    /// True if the DLPack export is raw bytes (uint8) to be viewed as the real dtype.
+    #[getter]
+    fn raw(&self) -> bool {
+        dl_type(self.dtype).1
+    }
+
+    /// The DLPack protocol: a capsule viewing this tensor's bytes in place.
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<Bound<'py, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = stream;
+        if let Some((ty, _)) = dl_device {
+            if ty != dlpack::DEVICE_CPU {
+                return Err(pyo3::exceptions::PyBufferError::new_err("turboio tensors are in CPU memory"));
+            }
+        }
+        if copy == Some(true) {
+            return Err(pyo3::exceptions::PyBufferError::new_err(
+                "turboio exports without copying; copy the result instead",
+            ));
+        }
+        let base = self
+            .file
+            .memory()
+            .host()
+            .ok_or_else(|| PyRuntimeError::new_err("this load is not in host memory"))?
+            .as_ptr() as *mut u8;
+        let (dtype, raw) = dl_type(self.dtype);
+        let shape = if raw {
+            raw_shape(self.dtype, &self.shape, self.nbytes)
+        } else {
+            self.shape.iter().map(|&x| x as i64).collect()
+        };
+        let owner: Arc<dyn Send + Sync> = self.file.clone();
+        let export = Export { owner, data: base.wrapping_add(self.offset), shape, dtype };
+        dlpack::capsule(py, export, max_version.is_some_and(|(major, _)| major >= 1))
+    }
+
+    /// The DLPack device: (kDLCPU, 0).
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (dlpack::DEVICE_CPU, 0)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Tensor(name={:?}, dtype={}, shape={:?})", self.name, self.dtype, self.shape)
+    }
+}
+
+/// A loaded safetensors file.
+#[pyclass(name = "LoadedFile", module = "turboio._turboio", frozen)]
+struct PyLoaded {
+    inner: Arc<LoadedFile>,
+}
+
+fn infos(h: &Header) -> Vec<(&str, &'static str, Vec<usize>, usize, usize)> {
+    h.tensors()
+        .iter()
+        .map(|t| (t.name.as_str(), t.dtype.name(), t.shape.clone(), t.data_offsets.0, t.data_offsets.1))
+        .collect()
+}
+
+#[pymethods]
+impl PyLoaded {
+    /// The path.
+    #[getter]
+    fn path(&self) -> String {
+        self.inner.path().display().to_string()
+    }
+
+    /// Offset of the data section in the file (`8 + N`).
+    #[getter]
+    fn data_start(&self) -> u64 {
+        self.inner.header().data_start()
+    }
+
+    /// `[(name, dtype, shape, begin, end)]` in file order.
+    fn infos(&self) -> Vec<(&str, &'static str, Vec<usize>, usize, usize)> {
+        infos(self.inner.header())
+    }
+
+    /// `__metadata__` or None.
+    fn metadata(&self) -> Option<BTreeMap<String, String>> {
+        self.inner.metadata().cloned()
+    }
+
+    /// `[(alias, target)]` recorded in `__metadata__`.
+    fn aliases(&self) -> Vec<(String, String)> {
+        self.inner.aliases().into_iter().map(|(a, t)| (a.to_owned(), t.to_owned())).collect()
+    }
+
+    /// Every tensor as a DLPack-exportable object, in file order.
+    fn tensors(&self) -> Vec<PyTensor> {
+        self.inner
+            .tensors()
+            .map(|t| PyTensor {
+                file: self.inner.clone(),
+                name: t.name().to_owned(),
+                dtype: t.dtype(),
+                shape: t.shape().to_vec(),
+                offset: t.offset_in_memory(),
+                nbytes: t.len(),
+            })
+            .collect()
+    }
+
+    /// What the load did: held ("mapped"/"copied"), method, direct, cached_fraction, bytes, seconds.
+    fn report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let r = self.inner.report();
+        let d = PyDict::new(py);
+        d.set_item("held", r.held.to_string())?;
+        d.set_item("method", r.read.method)?;
+        d.set_item("direct", r.read.direct)?;
+        d.set_item("cached_fraction", r.cached_fraction)?;
+        d.set_item("bytes", r.bytes)?;
+        d.set_item("seconds", r.elapsed.as_secs_f64())?;
+        d.set_item("arena_reused", r.arena_reused)?;
+        Ok(d)
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+}
+
+/// Arenas kept across loads (veTurboIO's IOHelper).
+#[pyclass(name = "ArenaPool", module = "turboio._turboio", frozen)]
+struct PyArenaPool {
+    pool: ArenaPool,
+}
+
+#[pymethods]
+impl PyArenaPool {
+    #[new]
+    #[pyo3(signature = (max_arenas=1, huge_pages=None))]
+    fn new(max_arenas: usize, huge_pages: Option<bool>) -> Self {
+        let huge = huge_pages.unwrap_or_else(turboio::device::default_huge_pages);
+        PyArenaPool { pool: ArenaPool::with_huge_pages(max_arenas, huge) }
+    }
+
+    /// Bytes held by free arenas.
+    fn free_bytes(&self) -> usize {
+        self.pool.free_bytes()
+    }
+
+    /// Unmaps the free arenas.
+    fn clear(&self) {
+        self.pool.clear()
+    }
+}
+
+/// Loads every tensor of a safetensors file (GIL released, Ctrl-C cancels).
+#[pyfunction]
+#[pyo3(signature = (path, threads=0, direct="auto", mode="auto", pool=None, huge_pages=None, progress=None))]
+#[allow(clippy::too_many_arguments)]
+fn load(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    threads: usize,
+    direct: &str,
+    mode: &str,
+    pool: Option<&PyArenaPool>,
+    huge_pages: Option<bool>,
+    progress: Option<Bound<'_, PyAny>>,
+) -> PyResult<PyLoaded> {
+    let cancel = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let opts = LoadOptions {
+        progress: Some(done.clone()),
+        threads,
+        direct: parse_direct(direct)?,
+        mode: parse_mode(mode)?,
+        arenas: pool.map(|p| p.pool.clone()),
+        huge_pages,
+        cancel: Some(cancel.clone()),
+        ..Default::default()
+    };
+    let loaded = interruptible(py, &cancel, progress.as_ref().map(|cb| (cb, &*done)), || turboio::load(&path, &opts))?;
+    Ok(PyLoaded { inner: Arc::new(loaded) })
+}
+
+type HeaderInfo = (u64, u64, Option<BTreeMap<String, String>>, Vec<(String, &'static str, Vec<usize>, usize, usize)>);
+
+fn header_info(h: &Header) -> HeaderInfo {
+    (
+        h.data_start(),
+        h.file_len(),
+        h.metadata().cloned(),
+        infos(h).into_iter().map(|(n, d, s, b, e)| (n.to_owned(), d, s, b, e)).collect(),
+    )
+}
+
+/// Reads and validates a file's header only: `(data_start, file_len, metadata, [(name, dtype, shape, begin, end)])`.
+#[pyfunction]
+fn read_header(py: Python<'_>, path: std::path::PathBuf) -> PyResult<HeaderInfo> {
+    let h = py.detach(|| turboio::read_header_of(&path, &LoadOptions::default())).map_err(to_py)?;
+    Ok(header_info(&h))
+}
+
+/// Validates a whole safetensors file held in memory; same result as `read_header`.
+#[pyfunction]
+fn parse_bytes(data: &[u8]) -> PyResult<HeaderInfo> {
+    let h = Header::from_file_bytes(data).map_err(|e: FormatError| PyValueError::new_err(e.to_string()))?;
+    Ok(header_info(&h))
+}
+
+/// Reads file ranges into memory given by address: `[(file_offset, address, nbytes)]`.
+///
+/// Private to the Python package, which passes only `data_ptr()`s of contiguous CPU tensors
+/// (or shared-memory buffers) it has checked and keeps referenced for the call.
+#[pyfunction]
+#[pyo3(signature = (path, requests, threads=0, direct="auto"))]
+fn _read_into(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    requests: Vec<(u64, usize, usize)>,
+    threads: usize,
+    direct: &str,
+) -> PyResult<()> {
+    let direct = parse_direct(direct)?;
+    let cancel = Arc::new(AtomicBool::new(false));
+    let c = cancel.clone();
+    interruptible(py, &cancel, None, move || {
+        let storage = turboio::posix::PosixStorage::new();
+        let file = storage.open_posix(&path)?;
+        let reqs = requests
+            .iter()
+            .map(|&(offset, addr, len)| turboio::storage::ReadRequest {
+                offset,
+                // SAFETY: see this function's doc: the Python layer owns these buffers for
+                // the whole call and nothing else touches them meanwhile.
+                dst: unsafe { dlpack::host_slice_mut(addr, len) },
+            })
+            .collect();
+        let io = turboio::storage::IoOptions { threads, direct, cancel: Some(&c), ..Default::default() };
+        file.read_ranges_report(reqs, &io).map_err(|e| match e {
+            StorageError::Cancelled => Error::Cancelled { path: path.clone() },
+            other => Error::Storage(other),
+        })?;
+        Ok(())
+    })
+}
+
+/// A tensor to write: `(name, dtype, shape, address, nbytes)`.
+type RawTensor = (String, String, Vec<usize>, usize, usize);
+
+struct RawData(Vec<(usize, usize)>);
+
+impl turboio::TensorData for RawData {
+    fn fill(&self, index: usize, offset: usize, dst: &mut [u8]) -> Result<(), String> {
+        let &(addr, len) = self.0.get(index).ok_or("no such tensor")?;
+        if offset + dst.len() > len {
+            return Err(format!("tensor #{index} has {len} bytes, not {}", offset + dst.len()));
+        }
+        // SAFETY: see `_save`'s doc: the address holds `len` readable bytes for the call.
+        let src = unsafe { dlpack::host_slice(addr, len) };
+        dst.copy_from_slice(&src[offset..offset + dst.len()]);
+        Ok(())
+    }
+}
+
+fn specs_of(tensors: &[RawTensor]) -> PyResult<Vec<TensorSpec<'_>>> {
+    tensors
+        .iter()
+        .map(|(name, dtype, shape, _, len)| Ok(TensorSpec { name, dtype: dtype_of(dtype)?, shape, data_len: *len }))
+        .collect()
+}
+
+/// Saves tensors given by address atomically (GIL released).
+///
+/// Private to the Python package, which passes only `data_ptr()`s of contiguous CPU tensors it
+/// keeps referenced for the call.
+#[pyfunction]
+#[pyo3(signature = (path, tensors, metadata=None, threads=0))]
+fn _save(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    tensors: Vec<RawTensor>,
+    metadata: Option<BTreeMap<String, String>>,
+    threads: usize,
+) -> PyResult<()> {
+    let specs = specs_of(&tensors)?;
+    let data = RawData(tensors.iter().map(|t| (t.3, t.4)).collect());
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts = SaveOptions { threads, cancel: Some(cancel.clone()), ..Default::default() };
+    interruptible(py, &cancel, None, || turboio::save_with(&path, &specs, metadata.as_ref(), &data, &opts))
+}
+
+/// Serializes tensors given by address into `bytes` (same layout as a saved file).
+#[pyfunction]
+#[pyo3(signature = (tensors, metadata=None))]
+fn _serialize<'py>(
+    py: Python<'py>,
+    tensors: Vec<RawTensor>,
+    metadata: Option<BTreeMap<String, String>>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let specs = specs_of(&tensors)?;
+    let pairs: Vec<(TensorSpec<'_>, &[u8])> = specs
+        .iter()
+        .zip(&tensors)
+        // SAFETY: see `_save`'s doc.
+        .map(|(s, t)| (*s, unsafe { dlpack::host_slice(t.3, t.4) }))
+        .collect();
+    let bytes =
+        turboio::format::serialize(&pairs, metadata.as_ref()).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+/// Whether the file starts like a safetensors file (a plausible header length followed by `{`
+/// after optional whitespace). Used to tell safetensors from torch pickles by content.
+#[pyfunction]
+fn looks_like_safetensors(prefix: &[u8], file_len: u64) -> bool {
+    let Ok(n) = turboio::format::read_header_len(prefix, file_len) else { return false };
+    let json = prefix.get(8..).unwrap_or(&[]);
+    let first = json.iter().take(n as usize).find(|b| !b.is_ascii_whitespace());
+    first == Some(&b'{')
+}
+
+/// The extension module.
+#[pymodule]
+fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyLoaded>()?;
+    m.add_class::<PyTensor>()?;
+    m.add_class::<PyArenaPool>()?;
+    m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(read_header, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(_read_into, m)?)?;
+    m.add_function(wrap_pyfunction!(_save, m)?)?;
+    m.add_function(wrap_pyfunction!(_serialize, m)?)?;
+    m.add_function(wrap_pyfunction!(looks_like_safetensors, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,91 @@
+"""The fastsafetensors API (single process), against the tensors safetensors reads."""
+
+import pytest
+import safetensors.torch as st
+import torch
+
+from turboio import SafeTensorsFileLoader, SingleGroup, fastsafe_open
+from conftest import same
+
+
+class FakeGroup:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.fixture
+def files(tmp):
+    a = {"w1": torch.randn(10, 6), "b1": torch.arange(7, dtype=torch.int32)}
+    b = {"w2": torch.randn(4, 9).to(torch.bfloat16)}
+    pa, pb = str(tmp / "a.safetensors"), str(tmp / "b.safetensors")
+    st.save_file(a, pa, metadata={"shard": "a"})
+    st.save_file(b, pb)
+    return pa, pb, {**a, **b}
+
+
+def test_loader(files):
+    pa, pb, ref = files
+    loader = SafeTensorsFileLoader(SingleGroup(), "cpu", nogds=True)
+    loader.add_filenames({0: [pa, pb]})
+    assert sorted(loader.get_keys()) == sorted(ref)
+    assert loader.get_shape("w1") == [10, 6]
+    fb = loader.copy_files_to_device()
+    for k in ref:
+        assert same(fb.get_tensor(k), ref[k]), k
+        assert same(fb.get_sharded(k, 0), ref[k]), "world of one: the whole tensor"
+    assert fb.get_filename("w2") == pb and fb.get_filename("nope") == ""
+    assert fb.get_tensor("w1", dtype=torch.float16).dtype == torch.float16
+    kept = fb.get_tensor("w1")
+    fb.close()
+    loader.close()
+    assert same(kept, ref["w1"]), "tensors stay valid after close()"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 11])
+def test_get_sharded_gives_this_rank_its_block(files, world):
+    pa, _, ref = files
+    for rank in range(world):
+        loader = SafeTensorsFileLoader(FakeGroup(world, rank), device="cpu")
+        loader.add_filenames({0: [pa]})
+        fb = loader.copy_files_to_device()
+        for dim in (0, 1):
+            want = torch.chunk(ref["w1"], world, dim=dim) if ref["w1"].shape[dim] >= world else None
+            got = fb.get_sharded("w1", dim)
+            block = -(-ref["w1"].shape[dim] // world)
+            assert same(got, ref["w1"].narrow(dim, min(rank * block, ref["w1"].shape[dim]), got.shape[dim])), (rank, dim)
+            if want is not None and rank < len(want):
+                assert same(got, want[rank])
+        assert same(fb.get_sharded("b1", -1), ref["b1"])
+        fb.close()
+
+
+def test_fastsafe_open(files):
+    pa, pb, ref = files
+    with fastsafe_open([pa, pb]) as f:
+        assert sorted(f.keys()) == sorted(ref)
+        assert f.metadata()[pa] == {"shard": "a"}
+        assert same(f.get_tensor("w2"), ref["w2"])
+    with fastsafe_open(pa, framework="pt", pg=SingleGroup(), device="cpu", nogds=False) as f:
+        assert same(f.get_tensor("b1"), ref["b1"])
+
+
+def test_errors(files):
+    pa, pb, _ = files
+    with pytest.raises(NotImplementedError, match="not supported yet"):
+        SafeTensorsFileLoader(SingleGroup(), "cuda:0")
+    with pytest.raises(Exception, match="ProcessGroup"):
+        SafeTensorsFileLoader(object(), "cpu")
+    import shutil
+
+    copy = pa.replace("a.safetensors", "a2.safetensors")
+    shutil.copy(pa, copy)
+    loader = SafeTensorsFileLoader(SingleGroup(), "cpu")
+    loader.add_filenames({0: [pa, copy]})
+    with pytest.raises(Exception, match="unique"):
+        loader.copy_files_to_device()

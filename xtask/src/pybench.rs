@@ -1,0 +1,89 @@
+//! The Python rows of `cargo xtask bench`: each Python loader loads the file in a process of
+//! its own (`crates/py/bench/py_load.py`) and then touches one byte of every page of every
+//! tensor, so lazily mapped loaders pay for their reads too.
+
+use crate::bench::{drop_caches, warm, Row};
+use crate::test::{install_wheel, root, venv};
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The loaders compared, by the name the child script knows.
+pub const LOADERS: [&str; 5] =
+    ["turboio.load", "turboio.torch.load_file", "safetensors.torch.load_file", "torch.load", "fastsafetensors"];
+
+/// The venv with the peers and the freshly built wheel.
+pub fn setup() -> Result<PathBuf> {
+    let python = venv(&["crates/py/requirements-test.txt", "crates/py/bench/requirements.txt"])?;
+    install_wheel(&python)?;
+    Ok(python)
+}
+
+/// The same tensors saved with `torch.save`, for `torch.load` (made once, next to the file).
+pub fn pt_copy(python: &Path, file: &Path) -> Result<PathBuf> {
+    let pt = file.with_extension("pt");
+    let fresh = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    if pt.exists() && fresh(&pt) >= fresh(file) {
+        return Ok(pt);
+    }
+    eprintln!("writing {} ...", pt.display());
+    let status = Command::new(python)
+        .args(["-c", "import sys, torch, safetensors.torch as st; torch.save(st.load_file(sys.argv[1]), sys.argv[2])"])
+        .arg(file)
+        .arg(&pt)
+        .status()?;
+    if !status.success() {
+        bail!("could not write {}", pt.display());
+    }
+    Ok(pt)
+}
+
+fn run_child(python: &Path, loader: &str, file: &Path) -> Result<(f64, f64, u64)> {
+    let out = Command::new(python)
+        .arg(root().join("crates/py/bench/py_load.py"))
+        .args(["--loader", loader, "--file"])
+        .arg(file)
+        .output()
+        .with_context(|| format!("run {loader}"))?;
+    if !out.status.success() {
+        bail!("{loader} failed on {}: {}", file.display(), String::from_utf8_lossy(&out.stderr));
+    }
+    let line = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value =
+        serde_json::from_str(line.lines().last().unwrap_or("")).with_context(|| format!("{loader} printed {line}"))?;
+    let f = |k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    Ok((f("load_s"), f("touch_s"), v["peak_rss"].as_u64().unwrap_or(0)))
+}
+
+/// Measures every Python loader `runs` times, alternating, hot or cold.
+pub fn measure(python: &Path, file: &Path, pt: &Path, len: u64, runs: usize, cold: bool) -> Result<Vec<Row>> {
+    let cache = if cold { "cold" } else { "hot" };
+    let mut rows: Vec<Row> =
+        LOADERS.iter().map(|l| Row { size: len, cache, loader: l, group: "python", ..Default::default() }).collect();
+    for r in 0..runs {
+        for k in 0..LOADERS.len() {
+            let i = (k + r) % LOADERS.len();
+            if rows[i].skipped.is_some() {
+                continue;
+            }
+            let target = if LOADERS[i] == "torch.load" { pt } else { file };
+            if cold {
+                if let Err(why) = drop_caches() {
+                    for row in rows.iter_mut() {
+                        row.skipped = Some(why.clone());
+                    }
+                    return Ok(rows);
+                }
+            } else {
+                warm(target)?;
+            }
+            let (load, touch, peak) = run_child(python, LOADERS[i], target)?;
+            let row = &mut rows[i];
+            row.times.push(load + touch);
+            row.load_times.push(load);
+            row.peak_rss = row.peak_rss.max(peak);
+            row.how = "own process; peak RSS includes the interpreter and torch".into();
+        }
+    }
+    Ok(rows)
+}
