@@ -14,7 +14,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use turboio_storage::{
-    for_each_chunk, split_requests, Chunk, DirectIo, IoOptions, RangeReader, ReadRequest, StorageError, StorageFile,
+    for_each_chunk, run_workers, split_requests, Chunk, DirectIo, IoOptions, RangeReader, ReadRequest, StorageError,
+    StorageFile,
 };
 
 /// Default bytes per chunk handed to a worker.
@@ -317,31 +318,8 @@ impl Run<'_, '_, '_> {
             }
         }
         let queue = Mutex::new(chunks.into_iter());
-        let failed = AtomicBool::new(false);
-        let first_error: Mutex<Option<StorageError>> = Mutex::new(None);
-        let run = |ring: Ring| {
-            if let Err(e) = UringWorker::new(self, ring).run(&queue, &failed) {
-                failed.store(true, Ordering::Relaxed);
-                let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
-                if slot.is_none() {
-                    *slot = Some(e);
-                }
-            }
-        };
-        let mut rings = rings.into_iter();
-        let first = rings.next();
-        std::thread::scope(|s| {
-            for ring in rings {
-                s.spawn(|| run(ring));
-            }
-            if let Some(ring) = first {
-                run(ring);
-            }
-        });
-        match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            Some(e) => Err(e),
-            None => Ok(ReadMethod::IoUring),
-        }
+        run_workers(rings, |ring, stop| UringWorker::new(self, ring).run(&queue, stop))?;
+        Ok(ReadMethod::IoUring)
     }
 }
 

@@ -13,8 +13,7 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
-use turboio_storage::{IoOptions, StorageError, WriteSource};
+use turboio_storage::{run_workers, IoOptions, StorageError, WriteSource};
 
 /// Default bytes per chunk of a save.
 const DEFAULT_CHUNK: usize = 8 << 20;
@@ -134,11 +133,9 @@ fn write_chunks(
     let chunks = len.div_ceil(chunk as u64);
     let workers = opts.worker_count(len, chunk);
     let next = AtomicU64::new(0);
-    let failed = AtomicBool::new(false);
     let direct_failed = AtomicBool::new(false);
-    let first_error: Mutex<Option<StorageError>> = Mutex::new(None);
 
-    let work = || -> Result<(), StorageError> {
+    run_workers(vec![(); workers], |(), failed| -> Result<(), StorageError> {
         let mut buf = AlignedBuf::new(chunk.min(usize::try_from(len).unwrap_or(chunk)));
         loop {
             if failed.load(Ordering::Relaxed) {
@@ -169,28 +166,5 @@ fn write_chunks(
             file.write_all_at(&data[done..], offset + done as u64).map_err(|e| io_err(path, "write", e))?;
             opts.add_progress(n as u64);
         }
-    };
-    let run = || {
-        if let Err(e) = work() {
-            failed.store(true, Ordering::Relaxed);
-            let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
-            if slot.is_none() {
-                *slot = Some(e);
-            }
-        }
-    };
-    if workers <= 1 {
-        run();
-    } else {
-        std::thread::scope(|s| {
-            for _ in 1..workers {
-                s.spawn(run);
-            }
-            run();
-        });
-    }
-    match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
+    })
 }

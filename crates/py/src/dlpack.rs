@@ -101,64 +101,60 @@ fn row_major_strides(shape: &[i64]) -> Vec<i64> {
     strides
 }
 
-unsafe extern "C" fn delete_legacy(p: *mut DLManagedTensor) {
+/// The two managed-tensor structs (legacy and versioned), for the generic deleters below.
+trait Managed {
+    /// The capsule name consumers look for.
+    const NAME: &'static CStr;
+    fn context(&self) -> *mut c_void;
+    fn deleter(&self) -> Option<unsafe extern "C" fn(*mut Self)>;
+}
+
+impl Managed for DLManagedTensor {
+    const NAME: &'static CStr = NAME;
+    fn context(&self) -> *mut c_void {
+        self.manager_ctx
+    }
+    fn deleter(&self) -> Option<unsafe extern "C" fn(*mut Self)> {
+        self.deleter
+    }
+}
+
+impl Managed for DLManagedTensorVersioned {
+    const NAME: &'static CStr = NAME_VERSIONED;
+    fn context(&self) -> *mut c_void {
+        self.manager_ctx
+    }
+    fn deleter(&self) -> Option<unsafe extern "C" fn(*mut Self)> {
+        self.deleter
+    }
+}
+
+unsafe extern "C" fn delete<T: Managed>(p: *mut T) {
     if p.is_null() {
         return;
     }
     // SAFETY: p and its context were made by Box::into_raw in `capsule` and are freed only
-    // here, once: the consumer calls the deleter exactly once, or the capsule destructor
-    // does when nobody consumed the capsule (never both: consuming renames the capsule).
+    // here, once: the consumer calls the deleter exactly once, or the capsule destructor does
+    // when nobody consumed the capsule (never both: consuming renames the capsule).
     unsafe {
         let m = Box::from_raw(p);
-        drop(Box::from_raw(m.manager_ctx as *mut Context));
+        drop(Box::from_raw(m.context() as *mut Context));
     }
 }
 
-unsafe extern "C" fn delete_versioned(p: *mut DLManagedTensorVersioned) {
-    if p.is_null() {
-        return;
-    }
-    // SAFETY: as in delete_legacy.
-    unsafe {
-        let m = Box::from_raw(p);
-        drop(Box::from_raw(m.manager_ctx as *mut Context));
-    }
-}
-
-unsafe extern "C" fn capsule_destructor_legacy(capsule: *mut ffi::PyObject) {
+unsafe extern "C" fn capsule_destructor<T: Managed>(capsule: *mut ffi::PyObject) {
     // SAFETY: called by Python with the GIL held on a capsule we created. A consumed capsule
-    // has been renamed ("used_dltensor") and IsValid is false: the consumer owns the tensor.
+    // has been renamed ("used_dltensor...") and IsValid is false: the consumer owns the tensor.
     // The error state is saved and restored because this can run while an exception is set.
     unsafe {
-        if ffi::PyCapsule_IsValid(capsule, NAME.as_ptr()) == 1 {
+        if ffi::PyCapsule_IsValid(capsule, T::NAME.as_ptr()) == 1 {
             let mut ty = std::ptr::null_mut();
             let mut value = std::ptr::null_mut();
             let mut tb = std::ptr::null_mut();
             ffi::PyErr_Fetch(&mut ty, &mut value, &mut tb);
-            let p = ffi::PyCapsule_GetPointer(capsule, NAME.as_ptr()) as *mut DLManagedTensor;
-            if !p.is_null() {
-                if let Some(d) = (*p).deleter {
-                    d(p);
-                }
-            }
-            ffi::PyErr_Restore(ty, value, tb);
-        }
-    }
-}
-
-unsafe extern "C" fn capsule_destructor_versioned(capsule: *mut ffi::PyObject) {
-    // SAFETY: as in capsule_destructor_legacy.
-    unsafe {
-        if ffi::PyCapsule_IsValid(capsule, NAME_VERSIONED.as_ptr()) == 1 {
-            let mut ty = std::ptr::null_mut();
-            let mut value = std::ptr::null_mut();
-            let mut tb = std::ptr::null_mut();
-            ffi::PyErr_Fetch(&mut ty, &mut value, &mut tb);
-            let p = ffi::PyCapsule_GetPointer(capsule, NAME_VERSIONED.as_ptr()) as *mut DLManagedTensorVersioned;
-            if !p.is_null() {
-                if let Some(d) = (*p).deleter {
-                    d(p);
-                }
+            let p = ffi::PyCapsule_GetPointer(capsule, T::NAME.as_ptr()) as *mut T;
+            if let Some(d) = p.as_ref().and_then(|m| m.deleter()) {
+                d(p);
             }
             ffi::PyErr_Restore(ty, value, tb);
         }
@@ -188,18 +184,18 @@ pub fn capsule<'py>(py: Python<'py>, e: Export, versioned: bool) -> PyResult<Bou
         let m = Box::new(DLManagedTensorVersioned {
             version: DLPackVersion { major: 1, minor: 0 },
             manager_ctx: ctx as *mut c_void,
-            deleter: Some(delete_versioned),
+            deleter: Some(delete::<DLManagedTensorVersioned>),
             flags: 0,
             dl_tensor: tensor,
         });
-        (Box::into_raw(m) as *mut c_void, NAME_VERSIONED, capsule_destructor_versioned)
+        (Box::into_raw(m) as *mut c_void, NAME_VERSIONED, capsule_destructor::<DLManagedTensorVersioned>)
     } else {
         let m = Box::new(DLManagedTensor {
             dl_tensor: tensor,
             manager_ctx: ctx as *mut c_void,
-            deleter: Some(delete_legacy),
+            deleter: Some(delete::<DLManagedTensor>),
         });
-        (Box::into_raw(m) as *mut c_void, NAME, capsule_destructor_legacy)
+        (Box::into_raw(m) as *mut c_void, NAME, capsule_destructor::<DLManagedTensor>)
     };
     // SAFETY: the GIL is held (we have `py`); the name is a static C string that outlives the
     // capsule; on failure nothing took ownership of `ptr`, so we free it ourselves.
@@ -207,9 +203,9 @@ pub fn capsule<'py>(py: Python<'py>, e: Export, versioned: bool) -> PyResult<Bou
         let cap = ffi::PyCapsule_New(ptr, name.as_ptr(), Some(destructor));
         if cap.is_null() {
             if versioned {
-                delete_versioned(ptr as *mut DLManagedTensorVersioned);
+                delete(ptr as *mut DLManagedTensorVersioned);
             } else {
-                delete_legacy(ptr as *mut DLManagedTensor);
+                delete(ptr as *mut DLManagedTensor);
             }
             return Err(PyErr::fetch(py));
         }

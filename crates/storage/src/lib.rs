@@ -41,7 +41,7 @@ mod parallel;
 pub mod conformance;
 
 pub use error::StorageError;
-pub use parallel::{default_threads, for_each_chunk, split_requests, Chunk};
+pub use parallel::{default_threads, for_each_chunk, run_workers, split_requests, Chunk};
 
 use std::fmt::Debug;
 use std::path::Path;

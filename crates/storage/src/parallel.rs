@@ -1,6 +1,6 @@
 //! Splitting bulk reads into chunks and running them on worker threads.
 
-use crate::{IoOptions, ReadRequest, Result, StorageError};
+use crate::{IoOptions, ReadRequest, Result};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
@@ -52,43 +52,56 @@ where
     let largest = chunks.iter().map(|c| c.dst.len()).max().unwrap_or(1);
     let workers = opts.worker_count(total as u64, largest).min(chunks.len());
     let queue = Mutex::new(chunks.into_iter());
-    let failed = AtomicBool::new(false);
-    let first_error: Mutex<Option<StorageError>> = Mutex::new(None);
-
-    let run = || {
-        let result = (|| -> Result<()> {
-            let mut state = make_state()?;
-            loop {
-                if failed.load(Ordering::Relaxed) {
-                    return Ok(());
-                }
-                opts.check_cancel()?;
-                let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
-                let Some(mut chunk) = next else { return Ok(()) };
-                work(&mut state, &mut chunk)?;
-                if let Some(hook) = opts.hook {
-                    hook(chunk.offset, chunk.dst)?;
-                }
-                opts.add_progress(chunk.dst.len() as u64);
+    run_workers(vec![(); workers], |(), stop| {
+        let mut state = make_state()?;
+        loop {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(());
             }
-        })();
-        if let Err(e) = result {
-            failed.store(true, Ordering::Relaxed);
+            opts.check_cancel()?;
+            let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
+            let Some(mut chunk) = next else { return Ok(()) };
+            work(&mut state, &mut chunk)?;
+            if let Some(hook) = opts.hook {
+                hook(chunk.offset, chunk.dst)?;
+            }
+            opts.add_progress(chunk.dst.len() as u64);
+        }
+    })
+}
+
+/// Runs `work` once per element of `states`, each on a thread of its own (the calling thread
+/// takes the first), and returns the first error. `stop` is set as soon as one worker fails so
+/// that the others can return early.
+pub fn run_workers<S: Send, E: Send>(
+    states: Vec<S>,
+    work: impl Fn(S, &AtomicBool) -> Result<(), E> + Sync,
+) -> Result<(), E> {
+    let stop = AtomicBool::new(false);
+    let first_error: Mutex<Option<E>> = Mutex::new(None);
+    let run = |state: S| {
+        if let Err(e) = work(state, &stop) {
+            stop.store(true, Ordering::Relaxed);
             let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
             if slot.is_none() {
                 *slot = Some(e);
             }
         }
     };
-
-    if workers <= 1 {
-        run();
+    let mut states = states.into_iter();
+    let first = states.next();
+    if states.len() == 0 {
+        if let Some(s) = first {
+            run(s);
+        }
     } else {
-        std::thread::scope(|s| {
-            for _ in 1..workers {
-                s.spawn(run);
+        std::thread::scope(|scope| {
+            for s in states {
+                scope.spawn(|| run(s));
             }
-            run();
+            if let Some(s) = first {
+                run(s);
+            }
         });
     }
     match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
@@ -100,6 +113,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::StorageError;
 
     #[test]
     fn split_covers_every_byte_once() {

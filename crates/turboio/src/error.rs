@@ -36,6 +36,26 @@ pub enum Error {
         /// Why.
         message: String,
     },
+    /// No key could be found or made for an encrypted file (the message lists every source
+    /// tried and why each failed).
+    #[error("{}: {message}", path.display())]
+    Key {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// An encrypted file decrypted to an invalid safetensors file: almost always a wrong key or IV.
+    #[error("{}: the decrypted file is not a valid safetensors file ({source}); is the key right? (key from {key_source})", path.display())]
+    Decrypted {
+        /// The file.
+        path: PathBuf,
+        /// What the format check found.
+        #[source]
+        source: FormatError,
+        /// Where the key came from.
+        key_source: String,
+    },
     /// The operation was cancelled.
     #[error("{}: cancelled", path.display())]
     Cancelled {

@@ -49,6 +49,8 @@
 #![deny(missing_docs)]
 
 mod backend;
+#[cfg(feature = "cipher")]
+pub mod crypt;
 mod error;
 mod load;
 mod loaded;
@@ -58,7 +60,7 @@ mod save;
 
 pub use backend::ReadInfo;
 pub use error::{Error, Result};
-pub use load::{load, read_header_of, MAPPED_THRESHOLD};
+pub use load::{load, read_all, read_header_of, read_prefix, MAPPED_THRESHOLD};
 pub use loaded::{Held, LoadReport, LoadedFile, TensorView};
 pub use options::{parse_direct, DirectIo, LoadMode, LoadOptions, SaveOptions};
 pub use save::{save, save_with, SaveTensor, TensorData};

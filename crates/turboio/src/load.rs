@@ -6,12 +6,12 @@ use crate::options::{DirectIo, LoadMode, LoadOptions};
 use crate::{Error, Result};
 use std::collections::VecDeque;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 use turboio_device::{Allocation, CpuDevice, Device, DeviceKind, FileMapping, Transfer};
 use turboio_format::{read_header_len, Header, N_LEN};
-use turboio_storage::{IoOptions, ReadRequest, StorageFile};
+use turboio_storage::{IoOptions, ReadRequest};
 
 /// Files at least this much in the page cache are mapped rather than copied (auto mode).
 pub const MAPPED_THRESHOLD: f64 = 0.5;
@@ -23,25 +23,71 @@ const ALIGN: u64 = 4096;
 const FIRST_READ: u64 = 1 << 20;
 
 /// Reads and validates the header of an open file (only the first `8 + N` bytes are read).
-pub(crate) fn read_header(file: &dyn StorageFile) -> Result<Header> {
+fn read_header(file: &Opened) -> Result<Header> {
     let path = file.path();
     let len = file.len();
     let mut prefix = vec![0u8; len.min(FIRST_READ) as usize];
-    file.read_exact_at(0, &mut prefix).map_err(|e| Error::storage(path, e))?;
-    let n = read_header_len(&prefix, len).map_err(|e| Error::format(path, e))?;
+    file.read_exact_at(0, &mut prefix)?;
+    let format_error = |e| {
+        #[cfg(feature = "cipher")]
+        if let Some(c) = &file.crypt {
+            return Error::Decrypted { path: path.to_owned(), source: e, key_source: c.source.clone() };
+        }
+        Error::format(path, e)
+    };
+    let n = read_header_len(&prefix, len).map_err(format_error)?;
     let end = N_LEN + n as usize;
     if prefix.len() < end {
         let have = prefix.len();
         prefix.resize(end, 0);
-        file.read_exact_at(have as u64, &mut prefix[have..]).map_err(|e| Error::storage(path, e))?;
+        file.read_exact_at(have as u64, &mut prefix[have..])?;
     }
-    Header::parse(&prefix, len).map_err(|e| Error::format(path, e))
+    Header::parse(&prefix, len).map_err(format_error)
 }
 
-/// Reads only the header of a safetensors file.
+/// Opens a file for a load, with the decrypting layer when the options ask for it.
+fn open(path: &Path, opts: &LoadOptions) -> Result<Opened> {
+    #[allow(unused_mut)]
+    let mut opened = Opened::open(opts.storage.as_ref(), path)?;
+    #[cfg(feature = "cipher")]
+    if let Some(enc) = &opts.encryption {
+        opened.crypt = Some(crate::crypt::for_read(opened.raw(), enc)?);
+    }
+    Ok(opened)
+}
+
+/// Reads only the header of a safetensors file (decrypting it when the options ask for it).
 pub fn read_header_of(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Header> {
-    let opened = Opened::open(opts.storage.as_ref(), path.as_ref())?;
-    read_header(opened.file())
+    read_header(&open(path.as_ref(), opts)?)
+}
+
+/// Reads the first `n` bytes of the plain file (decrypted when the options ask for it), e.g. to
+/// tell a safetensors file from a torch pickle.
+pub fn read_prefix(path: impl AsRef<Path>, n: usize, opts: &LoadOptions) -> Result<Vec<u8>> {
+    let opened = open(path.as_ref(), opts)?;
+    let mut buf = vec![0u8; (opened.len().min(n as u64)) as usize];
+    opened.read_exact_at(0, &mut buf)?;
+    Ok(buf)
+}
+
+/// Reads the whole plain file into memory (decrypted when the options ask for it), e.g. an
+/// encrypted torch pickle on its way to `torch.load`.
+pub fn read_all(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Vec<u8>> {
+    let opened = open(path.as_ref(), opts)?;
+    let len = usize::try_from(opened.len()).map_err(|_| Error::Unsupported {
+        path: path.as_ref().to_owned(),
+        message: "file too large for this address space".into(),
+    })?;
+    let mut buf = vec![0u8; len];
+    let io = IoOptions {
+        threads: opts.threads,
+        direct: opts.direct,
+        progress: opts.progress.as_deref(),
+        cancel: opts.cancel.as_deref(),
+        ..Default::default()
+    };
+    opened.read(vec![ReadRequest { offset: 0, dst: &mut buf }], &io)?;
+    Ok(buf)
 }
 
 /// Loads every tensor of a safetensors file.
@@ -54,10 +100,9 @@ pub fn read_header_of(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Head
 pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
     let path = path.as_ref();
     let start = Instant::now();
-    let opened = Opened::open(opts.storage.as_ref(), path)?;
-    let file = opened.file();
-    let header = read_header(file)?;
-    let file_len = file.len();
+    let opened = open(path, opts)?;
+    let header = read_header(&opened)?;
+    let file_len = opened.len();
     let data_start = header.data_start();
     let threads = if opts.threads == 0 { turboio_storage::default_threads() } else { opts.threads };
 
@@ -77,17 +122,19 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
         }
     };
     let on_cpu = device.id().kind == DeviceKind::Cpu;
-    let local = file.local_file();
-    let cached_fraction = if on_cpu { file.cached_fraction() } else { None };
+    let local = opened.local_file();
+    let cached_fraction = if on_cpu { opened.raw().cached_fraction() } else { None };
 
     let mapped = on_cpu
         && match opts.mode {
             LoadMode::Mapped | LoadMode::Lazy => {
                 if local.is_none() {
-                    return Err(Error::Unsupported {
-                        path: path.to_owned(),
-                        message: "mapped mode needs a local file; use copied mode with this storage backend".into(),
-                    });
+                    let message = if opened.encrypted() {
+                        "an encrypted file cannot be mapped (its bytes must be decrypted); use copied mode"
+                    } else {
+                        "mapped mode needs a local file; use copied mode with this storage backend"
+                    };
+                    return Err(Error::Unsupported { path: path.to_owned(), message: message.into() });
                 }
                 true
             }
@@ -203,17 +250,15 @@ fn load_staged(
     chunk: usize,
     io: &IoOptions<'_>,
 ) -> Result<ReadInfo> {
-    let path = opened.file().path();
+    let path = opened.path();
     let chunk = if chunk == 0 { 16 << 20 } else { chunk.next_multiple_of(ALIGN as usize) };
     let chunks: Vec<(usize, usize)> = (0..span).step_by(chunk).map(|off| (off, chunk.min(span - off))).collect();
     let workers = io.worker_count(span as u64, chunk).min(chunks.len().max(1));
     let next = AtomicUsize::new(0);
-    let failed = AtomicBool::new(false);
-    let first_error: Mutex<Option<Error>> = Mutex::new(None);
     let info: Mutex<ReadInfo> = Mutex::new(ReadInfo::default());
     let per_read = IoOptions { threads: 1, ..*io };
 
-    let worker = || {
+    turboio_storage::run_workers(vec![(); workers], |(), failed| {
         let mut inflight: VecDeque<Transfer> = VecDeque::new();
         let result = (|| -> Result<()> {
             let mut free = Vec::with_capacity(2);
@@ -249,23 +294,8 @@ fn load_staged(
                 drained = drained.and(Err(Error::device(path, e)));
             }
         }
-        if let Err(e) = result.and(drained) {
-            failed.store(true, Ordering::Relaxed);
-            let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
-            if slot.is_none() {
-                *slot = Some(e);
-            }
-        }
-    };
-    std::thread::scope(|s| {
-        for _ in 1..workers {
-            s.spawn(worker);
-        }
-        worker();
-    });
-    if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        return Err(e);
-    }
+        result.and(drained)
+    })?;
     device.synchronize().map_err(|e| Error::device(path, e))?;
     let info = *info.lock().unwrap_or_else(|p| p.into_inner());
     Ok(info)

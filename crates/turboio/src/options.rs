@@ -95,6 +95,9 @@ pub struct LoadOptions {
     /// Set to abort the load; it then fails with [`Error::Cancelled`](crate::Error::Cancelled)
     /// and nothing partial is returned.
     pub cancel: Option<Arc<AtomicBool>>,
+    /// Decrypt the file (veTurboIO's AES-CTR formats; the header layout is detected).
+    #[cfg(feature = "cipher")]
+    pub encryption: Option<crate::crypt::Encryption>,
 }
 
 impl fmt::Debug for LoadOptions {
@@ -122,6 +125,9 @@ pub struct SaveOptions {
     pub progress: Option<Arc<AtomicU64>>,
     /// Set to abort the save; the previous file is then left as it was.
     pub cancel: Option<Arc<AtomicBool>>,
+    /// Encrypt the file (veTurboIO's AES-CTR formats).
+    #[cfg(feature = "cipher")]
+    pub encryption: Option<crate::crypt::Encryption>,
 }
 
 impl fmt::Debug for SaveOptions {

@@ -76,7 +76,22 @@ pub fn save_with(
 ) -> Result<()> {
     let path = path.as_ref();
     let layout = plan(specs, metadata).map_err(|e| Error::format(path, e))?;
-    let source = FileSource::new(&layout, data);
+    let plain = FileSource::new(&layout, data);
+    #[cfg(feature = "cipher")]
+    let encrypted = match &opts.encryption {
+        Some(enc) => {
+            let (cipher, prefix) = crate::crypt::for_write(path, enc)?;
+            Some(crate::crypt::EncryptingSource { prefix, inner: &plain, cipher })
+        }
+        None => None,
+    };
+    #[cfg(feature = "cipher")]
+    let source: &dyn WriteSource = match &encrypted {
+        Some(e) => e,
+        None => &plain,
+    };
+    #[cfg(not(feature = "cipher"))]
+    let source: &dyn WriteSource = &plain;
     let storage = write_storage(opts.storage.as_ref())?;
     let io = IoOptions {
         threads: opts.threads,
@@ -84,7 +99,7 @@ pub fn save_with(
         cancel: opts.cancel.as_deref(),
         ..Default::default()
     };
-    storage.write_file(path, &source, &io).map_err(|e| Error::storage(path, e))
+    storage.write_file(path, source, &io).map_err(|e| Error::storage(path, e))
 }
 
 /// The bytes of a whole file, produced on demand from a layout and tensor data.

@@ -1,5 +1,6 @@
 //! The `turboio` command-line tool.
 
+mod cipher;
 mod progress;
 mod size;
 
@@ -52,6 +53,8 @@ enum Command {
         /// Compare every tensor's bytes with a plain read of the file.
         #[arg(long)]
         check: bool,
+        #[command(flatten)]
+        cipher: cipher::CipherArgs,
     },
     /// Write a realistic sample checkpoint (mixed dtypes, random data).
     Gen {
@@ -63,6 +66,26 @@ enum Command {
         /// Seed of the random data.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        #[command(flatten)]
+        cipher: cipher::CipherArgs,
+    },
+    /// Encrypt a file (safetensors or .pt) in veTurboIO's AES-CTR format, atomically.
+    Encrypt {
+        /// The plain file.
+        input: PathBuf,
+        /// The encrypted file to write.
+        output: PathBuf,
+        #[command(flatten)]
+        cipher: cipher::CipherArgs,
+    },
+    /// Decrypt a file written by `turboio encrypt`, veTurboIO or the CLI's --cipher options.
+    Decrypt {
+        /// The encrypted file.
+        input: PathBuf,
+        /// The plain file to write.
+        output: PathBuf,
+        #[command(flatten)]
+        cipher: cipher::CipherArgs,
     },
     /// Generate a sample checkpoint and print a load table (mapped, copied, auto vs std::fs::read).
     Demo {
@@ -82,11 +105,17 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect { file, json } => inspect(&file, json),
-        Command::Load { file, threads, direct, mode, huge_pages, repeat, reuse_arena, check } => {
-            let opts = LoadOptions { threads, direct, mode, huge_pages, ..Default::default() };
-            load(&file, opts, repeat, reuse_arena, check)
+        Command::Load { file, threads, direct, mode, huge_pages, repeat, reuse_arena, check, cipher } => {
+            cipher.encryption().map_err(Into::into).and_then(|encryption| {
+                let opts = LoadOptions { threads, direct, mode, huge_pages, encryption, ..Default::default() };
+                load(&file, opts, repeat, reuse_arena, check)
+            })
         }
-        Command::Gen { out, size, seed } => gen(&out, size, seed),
+        Command::Gen { out, size, seed, cipher } => {
+            cipher.encryption().map_err(Into::into).and_then(|encryption| gen(&out, size, seed, encryption))
+        }
+        Command::Encrypt { input, output, cipher } => cipher::encrypt(&input, &output, &cipher),
+        Command::Decrypt { input, output, cipher } => cipher::decrypt(&input, &output, &cipher),
         Command::Demo { size, dir, runs } => demo(size, dir, runs),
     };
     match result {
@@ -210,7 +239,7 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
             cached,
         );
         if check {
-            check_against_plain_read(&loaded)?;
+            check_against_plain_read(&loaded, &opts)?;
         }
     }
     if times.len() > 1 {
@@ -221,9 +250,17 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
     Ok(())
 }
 
-fn check_against_plain_read(loaded: &LoadedFile) -> CliResult {
-    let plain =
-        std::fs::read(loaded.path()).map_err(|e| format!("{}: plain read failed: {e}", loaded.path().display()))?;
+fn check_against_plain_read(loaded: &LoadedFile, opts: &LoadOptions) -> CliResult {
+    let plain = match &opts.encryption {
+        // The reference for an encrypted file: the whole file decrypted in one plain pass.
+        Some(enc) => turboio::read_all(
+            loaded.path(),
+            &LoadOptions { encryption: Some(enc.clone()), direct: DirectIo::Off, ..Default::default() },
+        )?,
+        None => {
+            std::fs::read(loaded.path()).map_err(|e| format!("{}: plain read failed: {e}", loaded.path().display()))?
+        }
+    };
     let start = loaded.header().data_start() as usize;
     for t in loaded.tensors() {
         let (b, e) = t.info().data_offsets;
@@ -237,9 +274,9 @@ fn check_against_plain_read(loaded: &LoadedFile) -> CliResult {
     Ok(())
 }
 
-fn gen(out: &Path, size: u64, seed: u64) -> CliResult {
+fn gen(out: &Path, size: u64, seed: u64, encryption: Option<turboio::crypt::Encryption>) -> CliResult {
     let bar = progress::Bar::start(size, &format!("writing {}", out.display()));
-    let opts = SaveOptions { progress: bar.counter(), ..Default::default() };
+    let opts = SaveOptions { progress: bar.counter(), encryption, ..Default::default() };
     let start = Instant::now();
     let result = turboio::sample::write_sample(out, size, seed, &opts);
     bar.finish();
@@ -267,7 +304,7 @@ fn demo(size: u64, dir: Option<PathBuf>, runs: usize) -> CliResult {
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let path = dir.join(format!("sample-{}.safetensors", size::format_size(size)));
     if std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0) < size {
-        gen(&path, size, 0)?;
+        gen(&path, size, 0, None)?;
     }
     let len = std::fs::metadata(&path)?.len();
     let header = turboio::read_header_of(&path, &LoadOptions::default())?;

@@ -1,0 +1,202 @@
+//! Encrypted checkpoints (feature `cipher`): veTurboIO's AES-CTR files, in the load and save
+//! paths.
+//!
+//! Loads detect the layout (the 256 KiB `Byte3ncryptM0del` header, or none), get the key from
+//! [`Keys`], and decrypt each chunk on the reader thread right after it is read. Saves encrypt
+//! each chunk as the writers produce it, so no second full-size buffer exists. Encrypted files
+//! are always copied (a mapping would expose ciphertext).
+
+use crate::{Error, Result};
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+use turboio_cipher::{CipherHeader, CtrCipher, HEADER_SIZE};
+use turboio_storage::{StorageFile, WriteSource};
+
+pub use turboio_cipher::{Iv, Key};
+pub use turboio_kms::KeyResolver;
+
+/// Where the keys of encrypted files come from.
+#[derive(Clone)]
+pub enum Keys {
+    /// veTurboIO's chain: a cipher header's KMS-wrapped key, then the datapipe socket, then
+    /// `VETURBOIO_KEY` / `VETURBOIO_IV` (see `turboio_kms`).
+    Chain(Arc<KeyResolver>),
+    /// A key and IV given directly.
+    Fixed {
+        /// 16 bytes (AES-128) or 32 (AES-256).
+        key: Key,
+        /// The initial counter block.
+        iv: Iv,
+    },
+}
+
+impl fmt::Debug for Keys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Keys::Chain(_) => f.write_str("Keys::Chain"),
+            Keys::Fixed { key, .. } => write!(f, "Keys::Fixed({key:?})"),
+        }
+    }
+}
+
+impl Keys {
+    /// veTurboIO's chain, configured from the environment.
+    pub fn from_env() -> Keys {
+        Keys::Chain(Arc::new(KeyResolver::from_env()))
+    }
+
+    /// Only `VETURBOIO_KEY` and `VETURBOIO_IV` (standard base64), no KMS or datapipe.
+    pub fn env_only() -> std::result::Result<Keys, String> {
+        let get = |name: &str| std::env::var(name).map_err(|_| format!("{name} is not set"));
+        let key = Key::from_base64(&get("VETURBOIO_KEY")?).map_err(|e| format!("VETURBOIO_KEY: {e}"))?;
+        let iv = Iv::from_base64(&get("VETURBOIO_IV")?).map_err(|e| format!("VETURBOIO_IV: {e}"))?;
+        Ok(Keys::Fixed { key, iv })
+    }
+}
+
+/// Encryption of a load or a save.
+#[derive(Clone, Debug)]
+pub struct Encryption {
+    /// Where the key comes from.
+    pub keys: Keys,
+    /// Saves only: write veTurboIO's 256 KiB header (a fresh random key, wrapped by KMS
+    /// Encrypt, is stored in it). Loads detect the header by themselves.
+    pub header: bool,
+}
+
+impl Encryption {
+    /// Decryption or encryption with `keys`, without a header on save.
+    pub fn new(keys: Keys) -> Self {
+        Encryption { keys, header: false }
+    }
+}
+
+/// The decrypting layer of an open file.
+pub(crate) struct Crypt {
+    /// Bytes of cipher header before the ciphertext.
+    pub offset: u64,
+    pub cipher: CtrCipher,
+    /// Where the key came from, for messages.
+    pub source: String,
+}
+
+impl fmt::Debug for Crypt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Crypt").field("offset", &self.offset).field("source", &self.source).finish_non_exhaustive()
+    }
+}
+
+fn key_error(path: &Path, message: impl fmt::Display) -> Error {
+    Error::Key { path: path.to_owned(), message: message.to_string() }
+}
+
+/// Finds the layout and the key of an encrypted file.
+pub(crate) fn for_read(file: &dyn StorageFile, enc: &Encryption) -> Result<Crypt> {
+    let path = file.path();
+    let len = file.len();
+    let mut first = vec![0u8; len.min(HEADER_SIZE) as usize];
+    file.read_exact_at(0, &mut first).map_err(|e| Error::storage(path, e))?;
+    let header = CipherHeader::parse(&first, len).map_err(|e| key_error(path, format!("bad cipher header: {e}")))?;
+    let offset = if header.is_some() { HEADER_SIZE } else { 0 };
+    let (key, iv, source) = match &enc.keys {
+        Keys::Fixed { key, iv } => (key.clone(), *iv, "the given key".to_string()),
+        Keys::Chain(resolver) => {
+            let m = resolver.key_for_read(path, header.as_ref()).map_err(|e| key_error(path, e))?;
+            let source = format!("{:?}", m.source);
+            (m.key.clone(), m.iv, source)
+        }
+    };
+    Ok(Crypt { offset, cipher: CtrCipher::new(&key, &iv), source })
+}
+
+/// Gets the key of a file about to be written, and the plain prefix (the cipher header) to
+/// write before the ciphertext.
+pub(crate) fn for_write(path: &Path, enc: &Encryption) -> Result<(CtrCipher, Vec<u8>)> {
+    match (&enc.keys, enc.header) {
+        (Keys::Fixed { key, iv }, false) => Ok((CtrCipher::new(key, iv), Vec::new())),
+        (Keys::Fixed { .. }, true) => Err(key_error(
+            path,
+            "a cipher header stores a KMS-wrapped key: it needs the KMS key chain, not a fixed key",
+        )),
+        (Keys::Chain(r), false) => {
+            let m = r.key_for_write(path).map_err(|e| key_error(path, e))?;
+            Ok((CtrCipher::new(&m.key, &m.iv), Vec::new()))
+        }
+        (Keys::Chain(r), true) => {
+            let (m, header) = r.new_header_key().map_err(|e| key_error(path, e))?;
+            let bytes = header.to_bytes().map_err(|e| key_error(path, e))?;
+            Ok((CtrCipher::new(&m.key, &m.iv), bytes))
+        }
+    }
+}
+
+/// The bytes of an encrypted file: the plain prefix, then `inner` encrypted chunk by chunk.
+pub(crate) struct EncryptingSource<'a> {
+    pub prefix: Vec<u8>,
+    pub inner: &'a dyn WriteSource,
+    pub cipher: CtrCipher,
+}
+
+impl WriteSource for EncryptingSource<'_> {
+    fn len(&self) -> u64 {
+        self.prefix.len() as u64 + self.inner.len()
+    }
+
+    fn fill(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), String> {
+        let p = self.prefix.len() as u64;
+        let mut out = dst;
+        let mut pos = offset;
+        if pos < p {
+            let n = ((p - pos) as usize).min(out.len());
+            out[..n].copy_from_slice(&self.prefix[pos as usize..pos as usize + n]);
+            out = &mut out[n..];
+            pos += n as u64;
+        }
+        if !out.is_empty() {
+            self.inner.fill(pos - p, out)?;
+            self.cipher.apply_at(pos - p, out);
+        }
+        Ok(())
+    }
+}
+
+/// The bytes of an open file (plain or decrypted), as a write source.
+struct OpenedSource<'a>(&'a crate::backend::Opened);
+
+impl WriteSource for OpenedSource<'_> {
+    fn len(&self) -> u64 {
+        self.0.len()
+    }
+
+    fn fill(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), String> {
+        self.0.read_exact_at(offset, dst).map_err(|e| e.to_string())
+    }
+}
+
+/// Encrypts any file (a safetensors file, a torch pickle) into `output`, atomically: chunk by
+/// chunk as the writers go, never holding the whole file.
+pub fn encrypt_file(input: &Path, output: &Path, enc: &Encryption, opts: &crate::SaveOptions) -> Result<()> {
+    let plain = crate::backend::Opened::open(opts.storage.as_ref(), input)?;
+    let (cipher, prefix) = for_write(output, enc)?;
+    let source = EncryptingSource { prefix, inner: &OpenedSource(&plain), cipher };
+    write(output, &source, opts)
+}
+
+/// Decrypts a file written in either of veTurboIO's layouts into `output`, atomically.
+pub fn decrypt_file(input: &Path, output: &Path, enc: &Encryption, opts: &crate::SaveOptions) -> Result<()> {
+    let mut opened = crate::backend::Opened::open(opts.storage.as_ref(), input)?;
+    opened.crypt = Some(for_read(opened.raw(), enc)?);
+    write(output, &OpenedSource(&opened), opts)
+}
+
+fn write(output: &Path, source: &dyn WriteSource, opts: &crate::SaveOptions) -> Result<()> {
+    let storage = crate::backend::write_storage(opts.storage.as_ref())?;
+    let io = turboio_storage::IoOptions {
+        threads: opts.threads,
+        progress: opts.progress.as_deref(),
+        cancel: opts.cancel.as_deref(),
+        ..Default::default()
+    };
+    storage.write_file(output, source, &io).map_err(|e| Error::storage(output, e))
+}
