@@ -117,3 +117,84 @@ fn files_written_by_turboio_read_back_in_python() {
         assert_eq!(unhex(v["hex"].as_str().unwrap()), *b, "{n}");
     }
 }
+
+const ENCRYPT: &str = r#"
+import json, sys, base64
+import numpy as np
+from safetensors.numpy import save_file
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+plain_path, out_path, layout = sys.argv[1], sys.argv[2], sys.argv[3]
+key, iv = b"abcdefgh12345678", b"1234567887654321"
+rng = np.random.default_rng(1)
+t = {"w": rng.random((300, 7)).astype(np.float32), "i": np.arange(1001, dtype=np.int64), "b": rng.random(33) > 0.5}
+save_file(t, plain_path, metadata={"who": "python"})
+data = open(plain_path, "rb").read()
+enc = Cipher(algorithms.AES(key), modes.CTR(iv)).encryptor()
+ct = enc.update(data) + enc.finalize()
+if layout == "header":
+    h = json.dumps({"mode": "CTR-128", "iv": base64.b64encode(iv).decode(), "meta_data_key": "not-a-kms-blob", "file_timestamp": 1700000000})
+    prefix = b"Byte3ncryptM0del" + h.encode() + b"\0" * (262144 - 16 - len(h))
+    ct = prefix + ct
+open(out_path, "wb").write(ct)
+print(json.dumps({k: v.tobytes().hex() for k, v in t.items()}))
+"#;
+
+const DECRYPT: &str = r#"
+import json, sys
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from safetensors.numpy import load_file
+enc_path, out_path = sys.argv[1], sys.argv[2]
+dec = Cipher(algorithms.AES(b"abcdefgh12345678"), modes.CTR(b"1234567887654321")).decryptor()
+open(out_path, "wb").write(dec.update(open(enc_path, "rb").read()) + dec.finalize())
+print(json.dumps({k: v.tobytes().hex() for k, v in load_file(out_path).items()}))
+"#;
+
+fn env_keys() -> turboio::crypt::Keys {
+    // veTurboIO's chain with nothing but VETURBOIO_KEY / VETURBOIO_IV available: a header's KMS
+    // blob cannot be unwrapped (no KMS configured) and the chain falls back to the environment.
+    let socket = std::env::temp_dir().join("turboio-no-datapipe/missing.sock");
+    let resolver = turboio::crypt::KeyResolver::from_vars(|_| None)
+        .with_socket_path(socket)
+        .with_env_key_iv(Some("YWJjZGVmZ2gxMjM0NTY3OA=="), Some("MTIzNDU2Nzg4NzY1NDMyMQ=="));
+    turboio::crypt::Keys::Chain(std::sync::Arc::new(resolver))
+}
+
+#[test]
+fn files_encrypted_by_python_cryptography_load() {
+    let Some(py) = python() else { return };
+    let d = disk_dir();
+    for layout in ["headerless", "header"] {
+        let plain = d.path().join(format!("{layout}.plain.safetensors"));
+        let enc = d.path().join(format!("{layout}.enc.safetensors"));
+        let out = run_python(&py, ENCRYPT, &[plain.to_str().unwrap(), enc.to_str().unwrap(), layout]);
+        let want: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&out).unwrap();
+        let encryption = turboio::crypt::Encryption::new(env_keys());
+        for mode in [LoadMode::Auto, LoadMode::Copied] {
+            let opts = LoadOptions { mode, encryption: Some(encryption.clone()), ..Default::default() };
+            let loaded = turboio::load(&enc, &opts).unwrap_or_else(|e| panic!("{layout}: {e}"));
+            assert_eq!(loaded.metadata().unwrap()["who"], "python");
+            for (name, hex) in &want {
+                assert_eq!(loaded.to_host(name).unwrap(), unhex(hex.as_str().unwrap()), "{layout} {name}");
+            }
+        }
+    }
+}
+
+#[test]
+fn files_encrypted_by_turboio_decrypt_with_python_cryptography() {
+    let Some(py) = python() else { return };
+    let d = disk_dir();
+    let enc = d.path().join("ours.enc.safetensors");
+    let w: Vec<u8> = (0..4000u32).flat_map(|i| (i as f32 * 0.5).to_le_bytes()).collect();
+    let n: Vec<u8> = (0..77i64).flat_map(|i| i.to_le_bytes()).collect();
+    let tensors = [
+        SaveTensor { name: "w", dtype: Dtype::F32, shape: &[40, 100], data: &w },
+        SaveTensor { name: "n", dtype: Dtype::I64, shape: &[77], data: &n },
+    ];
+    let opts = SaveOptions { encryption: Some(turboio::crypt::Encryption::new(env_keys())), ..Default::default() };
+    turboio::save(&enc, &tensors, None, &opts).unwrap();
+    let out = run_python(&py, DECRYPT, &[enc.to_str().unwrap(), d.path().join("dec.safetensors").to_str().unwrap()]);
+    let got: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&out).unwrap();
+    assert_eq!(unhex(got["w"].as_str().unwrap()), w);
+    assert_eq!(unhex(got["n"].as_str().unwrap()), n);
+}

@@ -7,6 +7,7 @@ use anyhow::{Context, Result};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+use turboio::crypt::{Encryption, Keys};
 use turboio::device::{ArenaPool, FileMapping};
 use turboio::{Header, LoadMode, LoadOptions, SaveOptions};
 
@@ -46,6 +47,9 @@ enum Loader {
     TurboCopied,
     TurboCopiedHuge,
     TurboCopiedReuse,
+    TurboEncrypted,
+    CliCopied,
+    CliEncrypted,
     FsRead,
     MmapCopy,
     PopulateCeiling,
@@ -60,6 +64,9 @@ impl Loader {
             Loader::TurboCopied => "turboio copied",
             Loader::TurboCopiedHuge => "turboio copied, huge pages",
             Loader::TurboCopiedReuse => "turboio copied, arena reused",
+            Loader::TurboEncrypted => "turboio, AES-128-CTR encrypted file",
+            Loader::CliCopied => "CLI: turboio load --mode copied",
+            Loader::CliEncrypted => "CLI: turboio load --key-env (encrypted)",
             Loader::FsRead => "std::fs::read",
             Loader::MmapCopy => "mmap + copy each tensor",
             Loader::PopulateCeiling => "ceiling: mmap + MADV_POPULATE_READ",
@@ -67,12 +74,15 @@ impl Loader {
         }
     }
 
-    const HOT: [Loader; 8] = [
+    const HOT: [Loader; 11] = [
         Loader::TurboAuto,
         Loader::TurboMapped,
         Loader::TurboCopied,
         Loader::TurboCopiedHuge,
         Loader::TurboCopiedReuse,
+        Loader::TurboEncrypted,
+        Loader::CliCopied,
+        Loader::CliEncrypted,
         Loader::FsRead,
         Loader::MmapCopy,
         Loader::PopulateCeiling,
@@ -191,6 +201,59 @@ fn sample(dir: &Path, size: u64) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// The bench's key for encrypted rows (veTurboIO's test vectors), also handed to the CLI.
+const KEY_B64: &str = "YWJjZGVmZ2gxMjM0NTY3OA==";
+const IV_B64: &str = "MTIzNDU2Nzg4NzY1NDMyMQ==";
+
+fn bench_encryption() -> Result<Encryption> {
+    let key = turboio::crypt::Key::from_base64(KEY_B64)?;
+    let iv = turboio::crypt::Iv::from_base64(IV_B64)?;
+    Ok(Encryption::new(Keys::Fixed { key, iv }))
+}
+
+/// The encrypted twin of a sample (same tensors), made once.
+fn encrypted_twin(plain: &Path) -> Result<PathBuf> {
+    let path = plain.with_extension("enc.safetensors");
+    let fresh = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    if !(path.exists() && fresh(&path) >= fresh(plain)) {
+        eprintln!("encrypting {} ...", path.display());
+        turboio::crypt::encrypt_file(plain, &path, &bench_encryption()?, &SaveOptions::default())?;
+    }
+    Ok(path)
+}
+
+/// The `turboio` binary next to this one (built if needed).
+fn cli() -> Result<PathBuf> {
+    let status = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["build", "--release", "--quiet", "-p", "turboio", "--bin", "turboio"])
+        .current_dir(crate::test::root())
+        .status()?;
+    anyhow::ensure!(status.success(), "could not build the turboio binary");
+    Ok(crate::test::root().join("target/release/turboio"))
+}
+
+/// Runs `turboio load` and returns the load time it reports.
+fn run_cli(args: &[&str], file: &Path) -> Result<(f64, String)> {
+    let out = std::process::Command::new(cli()?)
+        .arg("load")
+        .arg(file)
+        .args(args)
+        .env("VETURBOIO_KEY", KEY_B64)
+        .env("VETURBOIO_IV", IV_B64)
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    anyhow::ensure!(out.status.success(), "turboio load failed: {}", String::from_utf8_lossy(&out.stderr));
+    // "run 1: N tensors, X GB in S s = G GB/s (how)"
+    let secs = text
+        .split(" in ")
+        .nth(1)
+        .and_then(|r| r.split(" s").next())
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .with_context(|| format!("unexpected output: {text}"))?;
+    let how = text.split('(').nth(1).and_then(|r| r.split(')').next()).unwrap_or("").to_string();
+    Ok((secs, format!("own process, time it reports: {how}")))
+}
+
 /// What a loader produced, kept alive while memory is measured and its pages are touched.
 enum Output {
     Loaded(Box<turboio::LoadedFile>),
@@ -245,6 +308,22 @@ fn run_one(loader: Loader, path: &Path, pool: &ArenaPool) -> Result<(f64, String
         Loader::TurboCopied => turbo(LoadMode::Copied, None, None),
         Loader::TurboCopiedHuge => turbo(LoadMode::Copied, None, Some(true)),
         Loader::TurboCopiedReuse => turbo(LoadMode::Copied, Some(pool.clone()), None),
+        Loader::TurboEncrypted => {
+            let enc = encrypted_twin(path)?;
+            let t = Instant::now();
+            let f = turboio::load(&enc, &LoadOptions { encryption: Some(bench_encryption()?), ..Default::default() })?;
+            let secs = t.elapsed().as_secs_f64();
+            let how = format!("{} via {}, decrypted by the readers", f.report().held, f.report().read.method);
+            Ok((secs, how, Output::Loaded(Box::new(f))))
+        }
+        Loader::CliCopied => {
+            let (secs, how) = run_cli(&["--mode", "copied"], path)?;
+            Ok((secs, how, Output::Nothing))
+        }
+        Loader::CliEncrypted => {
+            let (secs, how) = run_cli(&["--key-env"], &encrypted_twin(path)?)?;
+            Ok((secs, how, Output::Nothing))
+        }
         Loader::FsRead => {
             let t = Instant::now();
             let v = std::fs::read(path)?;
@@ -294,7 +373,10 @@ fn measure(rows: &mut [Row], loaders: &[Loader], path: &Path, runs: usize, cold:
             } else {
                 // Hot means the whole file is in the page cache when the run starts (the
                 // machines reclaim idle page cache in the background, so check every time).
-                warm(path)?;
+                match loaders[i] {
+                    Loader::TurboEncrypted | Loader::CliEncrypted => warm(&encrypted_twin(path)?)?,
+                    _ => warm(path)?,
+                }
                 if loaders[i] == Loader::TurboCopiedReuse && pool.free_arenas() == 0 {
                     // Give the reuse row its warm arena first (not timed).
                     drop(run_one(loaders[i], path, pool)?);
@@ -403,6 +485,8 @@ pub fn run(args: Args) -> Result<()> {
         add("auto vs std::fs::read", "hot", Loader::TurboAuto.name(), Loader::FsRead.name(), 3.0);
         add("copied vs std::fs::read", "hot", Loader::TurboCopied.name(), Loader::FsRead.name(), 1.5);
         add("copied vs mmap+copy", "hot", Loader::TurboCopied.name(), Loader::MmapCopy.name(), 1.5);
+        add("encrypted vs copied (plain)", "hot", Loader::TurboEncrypted.name(), Loader::TurboCopied.name(), 0.6);
+        add("CLI --key-env vs CLI --mode copied", "hot", Loader::CliEncrypted.name(), Loader::CliCopied.name(), 0.6);
         add("auto vs O_DIRECT QD32 ceiling", "cold", Loader::TurboAuto.name(), Loader::ODirectCeiling.name(), 0.8);
         add("auto vs std::fs::read", "cold", Loader::TurboAuto.name(), Loader::FsRead.name(), 1.0);
         add("turboio.load vs safetensors.torch.load_file", "hot", "turboio.load", "safetensors.torch.load_file", 3.0);

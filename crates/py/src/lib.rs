@@ -25,6 +25,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use turboio::crypt::{Encryption, Keys};
 use turboio::device::ArenaPool;
 use turboio::format::{FormatError, Header};
 use turboio::storage::StorageError;
@@ -36,7 +37,7 @@ fn to_py(e: Error) -> PyErr {
         Error::Storage(StorageError::NotFound { .. }) => PyFileNotFoundError::new_err(msg),
         Error::Storage(StorageError::PermissionDenied { .. }) => PyPermissionError::new_err(msg),
         Error::Storage(StorageError::Io { .. } | StorageError::ShortFile { .. }) => PyOSError::new_err(msg),
-        Error::Format { .. } | Error::Unsupported { .. } => PyValueError::new_err(msg),
+        Error::Format { .. } | Error::Unsupported { .. } | Error::Decrypted { .. } => PyValueError::new_err(msg),
         Error::Cancelled { .. } => PyKeyboardInterrupt::new_err(msg),
         _ => PyRuntimeError::new_err(msg),
     }
@@ -88,6 +89,11 @@ fn interruptible<T: Send>(
             (None, Err(_)) => Err(PyRuntimeError::new_err("turboio: internal error: a worker thread panicked")),
         }
     })
+}
+
+/// Encryption with veTurboIO's key chain (read from the environment now), when asked for.
+fn encryption(cipher: bool, header: bool) -> Option<Encryption> {
+    cipher.then(|| Encryption { keys: Keys::from_env(), header })
 }
 
 fn parse_direct(s: &str) -> PyResult<DirectIo> {
@@ -336,7 +342,7 @@ impl PyArenaPool {
 
 /// Loads every tensor of a safetensors file (GIL released, Ctrl-C cancels).
 #[pyfunction]
-#[pyo3(signature = (path, threads=0, direct="auto", mode="auto", pool=None, huge_pages=None, progress=None))]
+#[pyo3(signature = (path, threads=0, direct="auto", mode="auto", pool=None, huge_pages=None, progress=None, cipher=false))]
 #[allow(clippy::too_many_arguments)]
 fn load(
     py: Python<'_>,
@@ -347,6 +353,7 @@ fn load(
     pool: Option<&PyArenaPool>,
     huge_pages: Option<bool>,
     progress: Option<Bound<'_, PyAny>>,
+    cipher: bool,
 ) -> PyResult<PyLoaded> {
     let cancel = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
@@ -358,6 +365,7 @@ fn load(
         arenas: pool.map(|p| p.pool.clone()),
         huge_pages,
         cancel: Some(cancel.clone()),
+        encryption: encryption(cipher, false),
         ..Default::default()
     };
     let loaded = interruptible(py, &cancel, progress.as_ref().map(|cb| (cb, &*done)), || turboio::load(&path, &opts))?;
@@ -375,11 +383,51 @@ fn header_info(h: &Header) -> HeaderInfo {
     )
 }
 
-/// Reads and validates a file's header only: `(data_start, file_len, metadata, [(name, dtype, shape, begin, end)])`.
+/// Reads and validates a file's header only: `(data_start, file_len, metadata, [(name, dtype, shape, begin, end)])`
+/// (offsets of the plain file, when `cipher` decrypts it).
 #[pyfunction]
-fn read_header(py: Python<'_>, path: std::path::PathBuf) -> PyResult<HeaderInfo> {
-    let h = py.detach(|| turboio::read_header_of(&path, &LoadOptions::default())).map_err(to_py)?;
+#[pyo3(signature = (path, cipher=false))]
+fn read_header(py: Python<'_>, path: std::path::PathBuf, cipher: bool) -> PyResult<HeaderInfo> {
+    let opts = LoadOptions { encryption: encryption(cipher, false), ..Default::default() };
+    let h = py.detach(|| turboio::read_header_of(&path, &opts)).map_err(to_py)?;
     Ok(header_info(&h))
+}
+
+/// What the plain file (decrypted with `cipher`) is, by content: `"safetensors"` (a plausible
+/// header length followed by `{` after optional whitespace), `"torch"` (a zip archive or a
+/// pickle, as `torch.save` writes), or `"unknown"`.
+#[pyfunction]
+#[pyo3(signature = (path, cipher=false))]
+fn file_kind(py: Python<'_>, path: std::path::PathBuf, cipher: bool) -> PyResult<&'static str> {
+    let opts = LoadOptions { encryption: encryption(cipher, false), ..Default::default() };
+    let (prefix, len) = py.detach(|| turboio::read_prefix(&path, 4096, &opts)).map_err(to_py)?;
+    Ok(if looks_like_safetensors(&prefix, len) {
+        "safetensors"
+    } else if prefix.starts_with(b"PK\x03\x04") || prefix.first() == Some(&0x80) {
+        "torch"
+    } else {
+        "unknown"
+    })
+}
+
+/// The whole plain file (decrypted with `cipher`), e.g. an encrypted torch pickle.
+#[pyfunction]
+#[pyo3(signature = (path, cipher=false, threads=0))]
+fn read_all<'py>(
+    py: Python<'py>,
+    path: std::path::PathBuf,
+    cipher: bool,
+    threads: usize,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts = LoadOptions {
+        threads,
+        encryption: encryption(cipher, false),
+        cancel: Some(cancel.clone()),
+        ..Default::default()
+    };
+    let data = interruptible(py, &cancel, None, || turboio::read_all(&path, &opts))?;
+    Ok(PyBytes::new(py, &data))
 }
 
 /// Validates a whole safetensors file held in memory; same result as `read_header`.
@@ -394,20 +442,24 @@ fn parse_bytes(data: &[u8]) -> PyResult<HeaderInfo> {
 /// Private to the Python package, which passes only `data_ptr()`s of contiguous CPU tensors
 /// (or shared-memory buffers) it has checked and keeps referenced for the call.
 #[pyfunction]
-#[pyo3(signature = (path, requests, threads=0, direct="auto"))]
+#[pyo3(signature = (path, requests, threads=0, direct="auto", cipher=false))]
 fn _read_into(
     py: Python<'_>,
     path: std::path::PathBuf,
     requests: Vec<(u64, usize, usize)>,
     threads: usize,
     direct: &str,
+    cipher: bool,
 ) -> PyResult<()> {
-    let direct = parse_direct(direct)?;
     let cancel = Arc::new(AtomicBool::new(false));
-    let c = cancel.clone();
+    let opts = LoadOptions {
+        threads,
+        direct: parse_direct(direct)?,
+        encryption: encryption(cipher, false),
+        cancel: Some(cancel.clone()),
+        ..Default::default()
+    };
     interruptible(py, &cancel, None, move || {
-        let storage = turboio::posix::PosixStorage::new();
-        let file = storage.open_posix(&path)?;
         let reqs = requests
             .iter()
             .map(|&(offset, addr, len)| turboio::storage::ReadRequest {
@@ -417,12 +469,7 @@ fn _read_into(
                 dst: unsafe { dlpack::host_slice_mut(addr, len) },
             })
             .collect();
-        let io = turboio::storage::IoOptions { threads, direct, cancel: Some(&c), ..Default::default() };
-        file.read_ranges_report(reqs, &io).map_err(|e| match e {
-            StorageError::Cancelled => Error::Cancelled { path: path.clone() },
-            other => Error::Storage(other),
-        })?;
-        Ok(())
+        turboio::read_into(&path, reqs, &opts).map(|_| ())
     })
 }
 
@@ -456,19 +503,40 @@ fn specs_of(tensors: &[RawTensor]) -> PyResult<Vec<TensorSpec<'_>>> {
 /// Private to the Python package, which passes only `data_ptr()`s of contiguous CPU tensors it
 /// keeps referenced for the call.
 #[pyfunction]
-#[pyo3(signature = (path, tensors, metadata=None, threads=0))]
+#[pyo3(signature = (path, tensors, metadata=None, threads=0, cipher=false, cipher_header=false))]
 fn _save(
     py: Python<'_>,
     path: std::path::PathBuf,
     tensors: Vec<RawTensor>,
     metadata: Option<BTreeMap<String, String>>,
     threads: usize,
+    cipher: bool,
+    cipher_header: bool,
 ) -> PyResult<()> {
     let specs = specs_of(&tensors)?;
     let data = RawData(tensors.iter().map(|t| (t.3, t.4)).collect());
     let cancel = Arc::new(AtomicBool::new(false));
-    let opts = SaveOptions { threads, cancel: Some(cancel.clone()), ..Default::default() };
+    let opts = SaveOptions {
+        threads,
+        cancel: Some(cancel.clone()),
+        encryption: encryption(cipher, cipher_header),
+        ..Default::default()
+    };
     interruptible(py, &cancel, None, || turboio::save_with(&path, &specs, metadata.as_ref(), &data, &opts))
+}
+
+/// Writes `data` to `path` atomically, encrypted with `cipher` (e.g. a `torch.save` pickle).
+#[pyfunction]
+#[pyo3(signature = (path, data, cipher=false, cipher_header=false))]
+fn write_file(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    data: &[u8],
+    cipher: bool,
+    cipher_header: bool,
+) -> PyResult<()> {
+    let opts = SaveOptions { encryption: encryption(cipher, cipher_header), ..Default::default() };
+    py.detach(|| turboio::write_bytes(&path, data, &opts)).map_err(to_py)
 }
 
 /// Serializes tensors given by address into `bytes` (same layout as a saved file).
@@ -509,6 +577,9 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyArenaPool>()?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(read_header, m)?)?;
+    m.add_function(wrap_pyfunction!(file_kind, m)?)?;
+    m.add_function(wrap_pyfunction!(read_all, m)?)?;
+    m.add_function(wrap_pyfunction!(write_file, m)?)?;
     m.add_function(wrap_pyfunction!(parse_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(_read_into, m)?)?;
     m.add_function(wrap_pyfunction!(_save, m)?)?;

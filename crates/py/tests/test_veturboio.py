@@ -138,21 +138,15 @@ def test_load_to_shmem(tmp):
         shm.unlink()
 
 
-def test_not_yet_supported_is_clear(tmp, monkeypatch):
+def test_not_yet_supported_is_clear(tmp):
     path = str(tmp / "x.safetensors")
     veturboio.save_file({"a": torch.ones(2)}, path)
-    with pytest.raises(NotImplementedError, match="not supported yet"):
-        veturboio.load(path, use_cipher=True)
     with pytest.raises(NotImplementedError, match="not supported yet"):
         veturboio.load("sfcs://bucket/x.safetensors")
     with pytest.raises(NotImplementedError, match="not supported yet"):
         veturboio.load(path, map_location="cuda")
     with pytest.raises(NotImplementedError, match="not supported yet"):
-        veturboio.save_file({"a": torch.ones(2)}, path, use_cipher=True)
-    monkeypatch.setenv("VETURBOIO_USE_CIPHER", "1")
-    with pytest.raises(NotImplementedError, match="not supported yet"):
-        veturboio.load(path)
-    assert torch.equal(veturboio.load(path, use_cipher=False)["a"], torch.ones(2))
+        veturboio.save_file({"a": torch.ones(2)}, "sfcs://bucket/x.safetensors")
 
 
 def test_bad_files_raise_clear_errors(tmp):

@@ -178,25 +178,14 @@ impl WriteSource for OpenedSource<'_> {
 /// chunk as the writers go, never holding the whole file.
 pub fn encrypt_file(input: &Path, output: &Path, enc: &Encryption, opts: &crate::SaveOptions) -> Result<()> {
     let plain = crate::backend::Opened::open(opts.storage.as_ref(), input)?;
-    let (cipher, prefix) = for_write(output, enc)?;
-    let source = EncryptingSource { prefix, inner: &OpenedSource(&plain), cipher };
-    write(output, &source, opts)
+    let opts = crate::SaveOptions { encryption: Some(enc.clone()), ..opts.clone() };
+    crate::save::write_source(output, &OpenedSource(&plain), &opts)
 }
 
 /// Decrypts a file written in either of veTurboIO's layouts into `output`, atomically.
 pub fn decrypt_file(input: &Path, output: &Path, enc: &Encryption, opts: &crate::SaveOptions) -> Result<()> {
     let mut opened = crate::backend::Opened::open(opts.storage.as_ref(), input)?;
     opened.crypt = Some(for_read(opened.raw(), enc)?);
-    write(output, &OpenedSource(&opened), opts)
-}
-
-fn write(output: &Path, source: &dyn WriteSource, opts: &crate::SaveOptions) -> Result<()> {
-    let storage = crate::backend::write_storage(opts.storage.as_ref())?;
-    let io = turboio_storage::IoOptions {
-        threads: opts.threads,
-        progress: opts.progress.as_deref(),
-        cancel: opts.cancel.as_deref(),
-        ..Default::default()
-    };
-    storage.write_file(output, source, &io).map_err(|e| Error::storage(output, e))
+    let opts = crate::SaveOptions { encryption: None, ..opts.clone() };
+    crate::save::write_source(output, &OpenedSource(&opened), &opts)
 }

@@ -60,10 +60,10 @@ mod save;
 
 pub use backend::ReadInfo;
 pub use error::{Error, Result};
-pub use load::{load, read_all, read_header_of, read_prefix, MAPPED_THRESHOLD};
+pub use load::{load, read_all, read_header_of, read_into, read_prefix, MAPPED_THRESHOLD};
 pub use loaded::{Held, LoadReport, LoadedFile, TensorView};
 pub use options::{parse_direct, DirectIo, LoadMode, LoadOptions, SaveOptions};
-pub use save::{save, save_with, SaveTensor, TensorData};
+pub use save::{save, save_with, write_bytes, SaveTensor, TensorData};
 
 pub use turboio_device as device;
 pub use turboio_format as format;

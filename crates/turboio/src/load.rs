@@ -61,13 +61,13 @@ pub fn read_header_of(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Head
     read_header(&open(path.as_ref(), opts)?)
 }
 
-/// Reads the first `n` bytes of the plain file (decrypted when the options ask for it), e.g. to
-/// tell a safetensors file from a torch pickle.
-pub fn read_prefix(path: impl AsRef<Path>, n: usize, opts: &LoadOptions) -> Result<Vec<u8>> {
+/// Reads the first `n` bytes of the plain file (decrypted when the options ask for it) and
+/// gives the plain file's length, e.g. to tell a safetensors file from a torch pickle.
+pub fn read_prefix(path: impl AsRef<Path>, n: usize, opts: &LoadOptions) -> Result<(Vec<u8>, u64)> {
     let opened = open(path.as_ref(), opts)?;
     let mut buf = vec![0u8; (opened.len().min(n as u64)) as usize];
     opened.read_exact_at(0, &mut buf)?;
-    Ok(buf)
+    Ok((buf, opened.len()))
 }
 
 /// Reads the whole plain file into memory (decrypted when the options ask for it), e.g. an
@@ -299,4 +299,18 @@ fn load_staged(
     device.synchronize().map_err(|e| Error::device(path, e))?;
     let info = *info.lock().unwrap_or_else(|p| p.into_inner());
     Ok(info)
+}
+
+/// Reads plain ranges of a file (decrypted when the options ask for it) into the given
+/// buffers, in parallel: `(plain_offset, destination)` pairs.
+pub fn read_into(path: impl AsRef<Path>, requests: Vec<ReadRequest<'_>>, opts: &LoadOptions) -> Result<ReadInfo> {
+    let opened = open(path.as_ref(), opts)?;
+    let io = IoOptions {
+        threads: opts.threads,
+        direct: opts.direct,
+        progress: opts.progress.as_deref(),
+        cancel: opts.cancel.as_deref(),
+        ..Default::default()
+    };
+    opened.read(requests, &io)
 }

@@ -76,22 +76,32 @@ pub fn save_with(
 ) -> Result<()> {
     let path = path.as_ref();
     let layout = plan(specs, metadata).map_err(|e| Error::format(path, e))?;
-    let plain = FileSource::new(&layout, data);
+    write_source(path, &FileSource::new(&layout, data), opts)
+}
+
+/// Writes any bytes (a torch pickle, a file being converted) to `path` atomically, encrypted
+/// when the options ask for it.
+pub fn write_bytes(path: impl AsRef<Path>, data: &[u8], opts: &SaveOptions) -> Result<()> {
+    write_source(path.as_ref(), &turboio_storage::BytesSource(data), opts)
+}
+
+/// Writes a plain source through the storage, encrypting it on the way when asked.
+pub(crate) fn write_source(path: &Path, plain: &dyn WriteSource, opts: &SaveOptions) -> Result<()> {
     #[cfg(feature = "cipher")]
     let encrypted = match &opts.encryption {
         Some(enc) => {
             let (cipher, prefix) = crate::crypt::for_write(path, enc)?;
-            Some(crate::crypt::EncryptingSource { prefix, inner: &plain, cipher })
+            Some(crate::crypt::EncryptingSource { prefix, inner: plain, cipher })
         }
         None => None,
     };
     #[cfg(feature = "cipher")]
     let source: &dyn WriteSource = match &encrypted {
         Some(e) => e,
-        None => &plain,
+        None => plain,
     };
     #[cfg(not(feature = "cipher"))]
-    let source: &dyn WriteSource = &plain;
+    let source: &dyn WriteSource = plain;
     let storage = write_storage(opts.storage.as_ref())?;
     let io = IoOptions {
         threads: opts.threads,

@@ -15,7 +15,6 @@ copy; the memory is freed when the last tensor viewing it is garbage collected.
 import os
 import random
 import string
-import tempfile
 import warnings
 
 from . import _turboio
@@ -62,10 +61,18 @@ def _not_yet(what):
     return NotImplementedError(f"turboio: {what} is not supported yet")
 
 
-def _cipher_requested(use_cipher):
+def _cipher_for_load(use_cipher):
+    """veTurboIO's rule for loads: None means "as VETURBOIO_USE_CIPHER says"."""
     if use_cipher is None:
         return os.environ.get("VETURBOIO_USE_CIPHER", "0") == "1"
     return bool(use_cipher)
+
+
+def _cipher_for_save(use_cipher):
+    """veTurboIO's rule for saves: `use_cipher or VETURBOIO_USE_CIPHER == "1"`, with the 256 KiB
+    header (a fresh key wrapped by KMS) iff VETURBOIO_CIPHER_HEADER == "1"."""
+    cipher = bool(use_cipher) or os.environ.get("VETURBOIO_USE_CIPHER", "0") == "1"
+    return cipher, cipher and os.environ.get("VETURBOIO_CIPHER_HEADER", "0") == "1"
 
 
 def _local_path(file):
@@ -87,12 +94,22 @@ def _cpu_device(map_location):
         raise _not_yet(f"loading to {map_location} (map_location='cuda')")
 
 
-def is_safetensors(path):
-    """True if the file's content is a safetensors file (tells it from a torch pickle)."""
-    with open(path, "rb") as f:
-        prefix = f.read(4096)
-        size = os.fstat(f.fileno()).st_size
-    return _turboio.looks_like_safetensors(prefix, size)
+def is_safetensors(path, use_cipher=False):
+    """True if the file's content (decrypted with `use_cipher`) is a safetensors file, which
+    tells it from a torch pickle whatever its name."""
+    return _turboio.file_kind(os.fspath(path), cipher=bool(use_cipher)) == "safetensors"
+
+
+def _kind(path, cipher):
+    kind = _turboio.file_kind(path, cipher=cipher)
+    if kind == "unknown":
+        if cipher:
+            raise ValueError(
+                f"{path}: the decrypted file is neither a safetensors file nor a torch file; is the key right?"
+            )
+        # Let the safetensors parser say precisely what is wrong with it.
+        return "safetensors"
+    return kind
 
 
 def load(
@@ -120,27 +137,31 @@ def load(
     """
     import torch
 
+    import io
+
     path = _local_path(file)
-    if _cipher_requested(use_cipher):
-        raise _not_yet("encrypted checkpoints (use_cipher)")
+    cipher = _cipher_for_load(use_cipher)
     _cpu_device(map_location)
     direct = "on" if use_direct_io else "auto"
     n = _threads(num_thread)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
-    if not is_safetensors(path):
+    if _kind(path, cipher) == "torch":
+        if cipher:
+            data = _turboio.read_all(path, cipher=True, threads=n)
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         # A file object, not the path: recent torch guesses the format from the file name.
         with open(path, "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=True)
     if state_dict:
-        return _load_into(path, state_dict, n, direct)
+        return _load_into(path, state_dict, n, direct, cipher)
     pool = helper._pool if isinstance(helper, IOHelper) else None
-    loaded = _turboio.load(path, threads=n, direct=direct, pool=pool, progress=progress)
+    loaded = _turboio.load(path, threads=n, direct=direct, pool=pool, progress=progress, cipher=cipher)
     return tensors_of(loaded, aliases=enable_fast_mode)
 
 
-def _load_into(path, state_dict, num_thread, direct):
-    data_start, _, _, infos = _turboio.read_header(path)
+def _load_into(path, state_dict, num_thread, direct, cipher):
+    data_start, _, _, infos = _turboio.read_header(path, cipher=cipher)
     requests, resize = [], []
     for name, dtype, shape, begin, end in infos:
         t = state_dict[name]
@@ -155,7 +176,7 @@ def _load_into(path, state_dict, num_thread, direct):
         if end > begin:
             requests.append((data_start + begin, t.data_ptr(), end - begin))
         resize.append((t, shape))
-    _turboio._read_into(path, requests, threads=num_thread, direct=direct)
+    _turboio._read_into(path, requests, threads=num_thread, direct=direct, cipher=cipher)
     for t, shape in resize:
         if list(t.shape) != list(shape):
             t.resize_(shape)
@@ -169,17 +190,24 @@ def load_to_shmem(file, num_thread=32, helper=None, use_direct_io=False, use_cip
     from multiprocessing import shared_memory
 
     path = _local_path(file)
-    if _cipher_requested(use_cipher):
-        raise _not_yet("encrypted checkpoints (use_cipher)")
-    if is_safetensors(path):
-        _turboio.read_header(path)  # validate before copying, as veTurboIO does
-    size = os.path.getsize(path)
+    cipher = _cipher_for_load(use_cipher)
+    data = None
+    if _kind(path, cipher) == "safetensors":
+        _, size, _, _ = _turboio.read_header(path, cipher=cipher)  # validates before copying
+    elif cipher:
+        data = _turboio.read_all(path, cipher=True)
+        size = len(data)
+    else:
+        size = os.path.getsize(path)
     name = "".join(random.sample(string.ascii_letters, 10))
     shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
     try:
-        if size:
+        if data is not None:
+            shm.buf[:size] = data
+        elif size:
             addr = ctypes.addressof(ctypes.c_char.from_buffer(shm.buf))
-            _turboio._read_into(path, [(0, addr, size)], threads=_threads(num_thread), direct="on" if use_direct_io else "auto")
+            direct = "on" if use_direct_io else "auto"
+            _turboio._read_into(path, [(0, addr, size)], threads=_threads(num_thread), direct=direct, cipher=cipher)
     except BaseException:
         shm.close()
         shm.unlink()
@@ -205,8 +233,7 @@ def save_file(
     `force_clone_shared_tensor`), exactly as veTurboIO does.
     """
     path = _local_path(file)
-    if _cipher_requested(use_cipher):
-        raise _not_yet("encrypted checkpoints (use_cipher)")
+    cipher, header = _cipher_for_save(use_cipher)
     if force_clone_shared_tensor and not force_save_shared_tensor:
         warnings.warn("force_clone_shared_tensor has no effect without force_save_shared_tensor")
     if force_save_shared_tensor:
@@ -222,11 +249,9 @@ def save_file(
     tensors = state_dict
     if force_contiguous:
         tensors = {k: (v.contiguous() if hasattr(v, "contiguous") else v) for k, v in state_dict.items()}
-    records, keep = raw_tensors(tensors)
-    if metadata is not None:
-        metadata = {str(k): str(v) for k, v in metadata.items()}
-    _turboio._save(path, records, metadata)
-    del keep
+    from .torch import _write
+
+    _write(tensors, path, metadata, cipher=cipher, cipher_header=header)
 
 
 def save_model(model, file, use_cipher=False):
@@ -234,37 +259,18 @@ def save_model(model, file, use_cipher=False):
     from . import torch as st
 
     path = _local_path(file)
-    if _cipher_requested(use_cipher):
-        raise _not_yet("encrypted checkpoints (use_cipher)")
-    st.save_model(model, path)
+    cipher, header = _cipher_for_save(use_cipher)
+    st._save_model(model, path, cipher=cipher, cipher_header=header)
 
 
 def save_pt(state_dict, file, use_cipher=False):
-    """`torch.save` to a temporary file in the same directory, then an atomic rename."""
+    """`torch.save`, written atomically (and encrypted with `use_cipher`, as veTurboIO does)."""
+    import io
+
     import torch
 
     path = _local_path(file)
-    if _cipher_requested(use_cipher):
-        raise _not_yet("encrypted checkpoints (use_cipher)")
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".turboio-tmp", dir=directory)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state_dict, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    cipher, header = _cipher_for_save(use_cipher)
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    _turboio.write_file(path, buf.getvalue(), cipher=cipher, cipher_header=header)

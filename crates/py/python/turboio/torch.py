@@ -43,11 +43,15 @@ def load_file(filename, device="cpu"):
 
 def save_file(tensors, filename, metadata=None):
     """Saves a dict of tensors (atomically; byte-identical to safetensors' writer)."""
+    _write(tensors, filename, metadata)
+
+
+def _write(tensors, filename, metadata=None, cipher=False, cipher_header=False):
     records, keep = raw_tensors(tensors)
     if metadata is not None:
         metadata = {str(k): str(v) for k, v in metadata.items()}
     try:
-        _turboio._save(os.fspath(filename), records, metadata)
+        _turboio._save(os.fspath(filename), records, metadata, cipher=cipher, cipher_header=cipher_header)
     except ValueError as e:
         raise SafetensorError(f"Error while serializing: {e}") from None
     del keep
@@ -99,6 +103,10 @@ def _torch_shape(dtype, shape):
 
 def save_model(model, filename, metadata=None, force_contiguous=True):
     """Saves a model's state dict, storing shared tensors once (aliases go to `__metadata__`)."""
+    _save_model(model, filename, metadata, force_contiguous)
+
+
+def _save_model(model, filename, metadata=None, force_contiguous=True, cipher=False, cipher_header=False):
     state_dict = model.state_dict()
     for kept, removed in remove_duplicate_names(state_dict).items():
         for name in removed:
@@ -109,7 +117,7 @@ def save_model(model, filename, metadata=None, force_contiguous=True):
     if force_contiguous:
         state_dict = {k: v.contiguous() for k, v in state_dict.items()}
     try:
-        save_file(state_dict, filename, metadata=metadata)
+        _write(state_dict, filename, metadata, cipher=cipher, cipher_header=cipher_header)
     except ValueError as e:
         raise ValueError(f"{e}\nYou can try setting `force_contiguous=True` to fix this.") from None
 
