@@ -100,6 +100,7 @@ mod tests {
         std::fs::File::create(&path).unwrap().write_all(&data).unwrap();
         let file = File::open(&path).unwrap();
         let mut m = FileMapping::new(&file, data.len()).unwrap();
+        assert_eq!(m.as_slice().as_ptr() as usize % (2 << 20), 0, "mappings start on a huge-page boundary");
         m.populate(2).unwrap();
         assert!(m.as_slice() == &data[..]);
         m.as_mut_slice()[10] = 99;
