@@ -155,7 +155,7 @@ fn kind_of(v: &Value) -> &'static str {
 /// `ensure_ascii=True`) does: `"` and `\` escaped, `\n \r \t \b \f` by name, every other
 /// character outside `' '..='~'` as `\u00XX` (lowercase hex; UTF-16 surrogate pairs above
 /// U+FFFF).
-fn push_py_json_str(out: &mut String, text: &str) {
+pub(crate) fn push_py_json_str(out: &mut String, text: &str) {
     use std::fmt::Write as _;
     out.push('"');
     for c in text.chars() {

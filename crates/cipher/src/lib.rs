@@ -116,5 +116,15 @@ pub use aes_ctr::CtrCipher;
 pub use error::CipherError;
 pub use file::{crypt_in_place, decrypt_file_bytes, encrypt_file_bytes, DecryptingReader, EncryptingWriter};
 pub use header::{CipherHeader, Layout, HEADER_SIZE, MAGIC};
+
+/// A string as Python's `json.dumps` writes it (default `ensure_ascii=True`): quotes, `"` and `\`
+/// escaped, `\n \r \t \b \f` by name, everything outside printable ASCII as `\uXXXX`
+/// (UTF-16 surrogate pairs above U+FFFF). veTurboIO's headers and KMS bodies are written this
+/// way, and signatures cover the exact bytes.
+pub fn py_json_string(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    header::push_py_json_str(&mut out, text);
+    out
+}
 pub use key::{b64_decode, b64_encode, Iv, Key, Mode};
 pub use zeroize;

@@ -112,32 +112,7 @@ pub(crate) fn scrub(text: &str, secrets: &[&str]) -> String {
     out
 }
 
-/// A Python `json.dumps` string literal (default `ensure_ascii=True`): `"`, `\` and control
-/// characters escaped, everything outside ASCII as `\uXXXX` (UTF-16, surrogate pairs).
-pub(crate) fn py_json_str(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 || (c as u32) > 0x7e => {
-                let mut units = [0u16; 2];
-                for u in c.encode_utf16(&mut units) {
-                    out.push_str(&format!("\\u{u:04x}"));
-                }
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
+pub(crate) use turboio_cipher::py_json_string as py_json_str;
 
 #[cfg(test)]
 mod tests {

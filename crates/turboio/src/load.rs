@@ -79,14 +79,7 @@ pub fn read_all(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Vec<u8>> {
         message: "file too large for this address space".into(),
     })?;
     let mut buf = vec![0u8; len];
-    let io = IoOptions {
-        threads: opts.threads,
-        direct: opts.direct,
-        progress: opts.progress.as_deref(),
-        cancel: opts.cancel.as_deref(),
-        ..Default::default()
-    };
-    opened.read(vec![ReadRequest { offset: 0, dst: &mut buf }], &io)?;
+    opened.read(vec![ReadRequest { offset: 0, dst: &mut buf }], &io_options(opts))?;
     Ok(buf)
 }
 
@@ -203,14 +196,7 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
         message: "file too large for this address space".into(),
     })?;
     let data_base = (data_start - aligned_start) as usize;
-    let io = IoOptions {
-        threads,
-        direct: opts.direct,
-        chunk_size: 0,
-        hook: None,
-        progress: opts.progress.as_deref(),
-        cancel,
-    };
+    let io = IoOptions { threads, ..io_options(opts) };
 
     let pool_before = opts.arenas.as_ref().map(|p| p.free_arenas()).unwrap_or(0);
     let mut memory = device.alloc(span).map_err(|e| Error::device(path, e))?;
@@ -304,13 +290,16 @@ fn load_staged(
 /// Reads plain ranges of a file (decrypted when the options ask for it) into the given
 /// buffers, in parallel: `(plain_offset, destination)` pairs.
 pub fn read_into(path: impl AsRef<Path>, requests: Vec<ReadRequest<'_>>, opts: &LoadOptions) -> Result<ReadInfo> {
-    let opened = open(path.as_ref(), opts)?;
-    let io = IoOptions {
+    open(path.as_ref(), opts)?.read(requests, &io_options(opts))
+}
+
+/// The storage options of a load.
+fn io_options(opts: &LoadOptions) -> IoOptions<'_> {
+    IoOptions {
         threads: opts.threads,
         direct: opts.direct,
         progress: opts.progress.as_deref(),
         cancel: opts.cancel.as_deref(),
         ..Default::default()
-    };
-    opened.read(requests, &io)
+    }
 }
