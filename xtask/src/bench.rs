@@ -1,6 +1,6 @@
 //! `cargo xtask bench`: turboio's loads against baselines and ceilings, hot and cold, in one
-//! run with the order alternating run by run (the machines are noisy; only same-run ratios
-//! mean anything).
+//! run with the loaders in a different shuffled order each run (the machines are noisy; only
+//! same-run ratios mean anything).
 
 use crate::ceiling;
 use anyhow::{Context, Result};
@@ -356,10 +356,28 @@ fn run_one(loader: Loader, path: &Path, pool: &ArenaPool) -> Result<(f64, String
     }
 }
 
+/// The order of the loaders in run `r`: a fixed pseudo-random permutation per run, so that no
+/// loader always runs right after the same one. (On these VMs a load that follows one which
+/// freed gigabytes gets memory the host has not reclaimed yet and runs much faster; a plain
+/// rotation would hand that advantage to the same loader every run.)
+pub fn run_order(n: usize, r: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(r as u64 + 1);
+    for k in (1..n).rev() {
+        // splitmix64
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        order.swap(k, (z % (k as u64 + 1)) as usize);
+    }
+    order
+}
+
 fn measure(rows: &mut [Row], loaders: &[Loader], path: &Path, runs: usize, cold: bool, pool: &ArenaPool) -> Result<()> {
     for r in 0..runs {
-        for k in 0..loaders.len() {
-            let i = (k + r) % loaders.len();
+        for i in run_order(loaders.len(), r) {
             if rows[i].skipped.is_some() {
                 continue;
             }
@@ -576,7 +594,7 @@ fn status_line(file: &str, key: &str) -> String {
 fn render(rows: &[Row], checks: &[Check], runs: usize) -> String {
     let mut s = String::new();
     let _ =
-        writeln!(s, "turboio load benchmark, {} ({}), median of {runs} runs, loaders alternating. \"total\" is the load plus a first read of one byte of every 4 KiB page of the result (what lazily mapped or freshly faulted memory costs at first use); ratios use it.\n", date(), machine());
+        writeln!(s, "turboio load benchmark, {} ({}), median of {runs} runs, loaders in a shuffled order each run. \"total\" is the load plus a first read of one byte of every 4 KiB page of the result (what lazily mapped or freshly faulted memory costs at first use); ratios use it.\n", date(), machine());
     let mut keys: Vec<(u64, &str, &str)> = rows.iter().map(|r| (r.size, r.group, r.cache)).collect();
     keys.dedup();
     for (size, kind, cache) in keys {
@@ -622,4 +640,28 @@ fn render(rows: &[Row], checks: &[Check], runs: usize) -> String {
         }
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::run_order;
+
+    #[test]
+    fn run_orders_are_permutations_that_vary_the_predecessors() {
+        let n = 11;
+        let mut follows = std::collections::HashSet::new();
+        for r in 0..5 {
+            let order = run_order(n, r);
+            let mut sorted = order.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "run {r}: {order:?}");
+            // Which loader runs right before loader 5 (the encrypted row's slot).
+            let at = order.iter().position(|&i| i == 5).unwrap();
+            follows.insert(if at == 0 { None } else { Some(order[at - 1]) });
+        }
+        assert!(follows.len() >= 3, "loader 5 followed the same loaders every run: {follows:?}");
+        assert_eq!(run_order(n, 3), run_order(n, 3), "orders are reproducible");
+        assert_eq!(run_order(1, 0), vec![0]);
+        assert!(run_order(0, 0).is_empty());
+    }
 }

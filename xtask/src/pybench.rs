@@ -55,14 +55,13 @@ fn run_child(python: &Path, loader: &str, file: &Path) -> Result<(f64, f64, u64)
     Ok((f("load_s"), f("touch_s"), v["peak_rss"].as_u64().unwrap_or(0)))
 }
 
-/// Measures every Python loader `runs` times, alternating, hot or cold.
+/// Measures every Python loader `runs` times, in a shuffled order each run, hot or cold.
 pub fn measure(python: &Path, file: &Path, pt: &Path, len: u64, runs: usize, cold: bool) -> Result<Vec<Row>> {
     let cache = if cold { "cold" } else { "hot" };
     let mut rows: Vec<Row> =
         LOADERS.iter().map(|l| Row { size: len, cache, loader: l, group: "python", ..Default::default() }).collect();
     for r in 0..runs {
-        for k in 0..LOADERS.len() {
-            let i = (k + r) % LOADERS.len();
+        for i in crate::bench::run_order(LOADERS.len(), r) {
             if rows[i].skipped.is_some() {
                 continue;
             }
