@@ -75,6 +75,16 @@ def sample_dict(seed=0):
     return out
 
 
+class TiedLinears(torch.nn.Module):
+    """Two linear layers sharing one weight (tied weights): `b.weight` is `a.weight`."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+
 def rss_bytes():
     with open("/proc/self/status") as f:
         for line in f:

@@ -14,7 +14,7 @@ import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 import turboio as veturboio
-from conftest import same, sample_dict
+from conftest import TiedLinears, same, sample_dict
 
 KEY, IV = b"abcdefgh12345678", b"1234567887654321"
 MAGIC = b"Byte3ncryptM0del"
@@ -99,14 +99,7 @@ def test_pt_files(tmp, env_key):
 def test_env_switch_and_save_model(tmp, env_key, monkeypatch):
     monkeypatch.setenv("VETURBOIO_USE_CIPHER", "1")
 
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = torch.nn.Linear(3, 3)
-            self.b = torch.nn.Linear(3, 3)
-            self.b.weight = self.a.weight
-
-    m = M()
+    m = TiedLinears()
     path = str(tmp / "m.safetensors")
     veturboio.save_model(m, path)
     with pytest.raises(Exception):

@@ -9,7 +9,7 @@ import safetensors.torch as st
 import torch
 
 import turboio.torch as tt
-from conftest import TORCH_DTYPES, make, same, sample_dict
+from conftest import TORCH_DTYPES, TiedLinears, make, same, sample_dict
 
 
 def test_files_written_by_safetensors_load_identically(tmp):
@@ -122,21 +122,14 @@ def test_slice_reads_only_its_bytes(tmp):
 
 
 def test_save_model_and_load_model_with_tied_weights(tmp):
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = torch.nn.Linear(4, 4)
-            self.b = torch.nn.Linear(4, 4)
-            self.b.weight = self.a.weight
-
-    m = M()
+    m = TiedLinears()
     path = tmp / "m.safetensors"
     tt.save_model(m, path)
     # The official loader agrees.
-    m2 = M()
+    m2 = TiedLinears()
     missing, unexpected = st.load_model(m2, path)
     assert not missing and not unexpected
-    m3 = M()
+    m3 = TiedLinears()
     missing, unexpected = tt.load_model(m3, path)
     assert not missing and not unexpected
     assert torch.equal(m3.a.weight, m.a.weight) and torch.equal(m3.b.bias, m.b.bias)

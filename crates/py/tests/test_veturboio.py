@@ -9,7 +9,7 @@ import safetensors.torch as st
 import torch
 
 import turboio as veturboio
-from conftest import same, sample_dict
+from conftest import TiedLinears, same, sample_dict
 
 
 def test_readme_example(tmp):
@@ -74,21 +74,14 @@ def test_shared_tensors_and_aliases(tmp):
 
 
 def test_save_model(tmp):
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear2 = torch.nn.Linear(4, 4)
-            self.linear3 = torch.nn.Linear(4, 4)
-            self.linear3.weight = self.linear2.weight
-
-    m = M()
+    m = TiedLinears()
     path = str(tmp / "model.safetensors")
     veturboio.save_model(m, path)
     out = veturboio.load(path)
-    assert out["linear3.weight"] is out["linear2.weight"]
-    m2 = M()
+    assert out["b.weight"] is out["a.weight"]
+    m2 = TiedLinears()
     m2.load_state_dict(out)
-    assert torch.equal(m2.linear3.weight, m.linear2.weight)
+    assert torch.equal(m2.b.weight, m.a.weight)
 
 
 def test_non_contiguous(tmp):

@@ -17,7 +17,8 @@
 //!    - **mapped** (CPU, file mostly cached): a private writable mapping populated with
 //!      `MADV_POPULATE_READ`. No byte is copied; memory is shared with the page cache; a page is
 //!      copied only if written. About 40 GB/s on the build machine.
-//!    - **copied** (CPU, cold file, or forced): one huge-page arena, filled by parallel readers:
+//!    - **copied** (CPU, cold file, or forced): one arena (4 KiB pages unless huge pages are
+//!      asked for, [`LoadOptions::huge_pages`]), filled by parallel readers:
 //!      io_uring with `O_DIRECT` and a deep queue when the file is cold, threaded `pread` when it
 //!      is cached. Arenas can be pooled and reused ([`LoadOptions::arenas`]).
 //!    - **staged** (devices the CPU cannot address): readers fill host staging buffers that the

@@ -86,7 +86,7 @@ pub fn read_all(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Vec<u8>> {
 /// Loads every tensor of a safetensors file.
 ///
 /// The header is read and validated first (a few KiB); then the data section is brought into
-/// memory in one pass: mapped from the page cache, copied into a huge-page arena (with
+/// memory in one pass: mapped from the page cache, copied into an arena (with
 /// `O_DIRECT` for cold files), or staged into device memory, as [`LoadOptions`] and the file's
 /// page-cache residency decide. Nothing partial is ever returned: on any error the memory is
 /// released and the error names the file.

@@ -225,17 +225,7 @@ impl MockKms {
         let addr = listener.local_addr().unwrap();
         let state = Arc::new(Mutex::new(KmsState::default()));
         let stop = Arc::new(AtomicBool::new(false));
-        let (st, sp) = (state.clone(), stop.clone());
-        thread::spawn(move || {
-            for conn in listener.incoming() {
-                if sp.load(Ordering::SeqCst) {
-                    break;
-                }
-                let Ok(conn) = conn else { continue };
-                let st = st.clone();
-                thread::spawn(move || serve_kms(conn, &st));
-            }
-        });
+        accept_loop(move || listener.accept().map(|(c, _)| c), stop.clone(), state.clone(), serve_kms);
         MockKms { addr, state, stop }
     }
 
@@ -259,6 +249,25 @@ impl MockKms {
     pub fn requests(&self) -> Vec<Request> {
         self.state.lock().unwrap().requests.clone()
     }
+}
+
+/// Accepts connections on a background thread and serves each on its own thread, until `stop`
+/// is set (the owner then makes one more connection to wake the loop up).
+fn accept_loop<C: Send + 'static, S: Send + 'static>(
+    mut accept: impl FnMut() -> std::io::Result<C> + Send + 'static,
+    stop: Arc<AtomicBool>,
+    state: Arc<Mutex<S>>,
+    serve: fn(C, &Mutex<S>),
+) {
+    thread::spawn(move || loop {
+        let conn = accept();
+        if stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let Ok(conn) = conn else { continue };
+        let state = state.clone();
+        thread::spawn(move || serve(conn, &state));
+    });
 }
 
 impl Drop for MockKms {
@@ -376,17 +385,7 @@ impl MockDatapipe {
         let listener = UnixListener::bind(&path).unwrap();
         let state = Arc::new(Mutex::new(DpState { pong: "pong".into(), ..DpState::default() }));
         let stop = Arc::new(AtomicBool::new(false));
-        let (st, sp) = (state.clone(), stop.clone());
-        thread::spawn(move || {
-            for conn in listener.incoming() {
-                if sp.load(Ordering::SeqCst) {
-                    break;
-                }
-                let Ok(conn) = conn else { continue };
-                let st = st.clone();
-                thread::spawn(move || serve_dp(conn, &st));
-            }
-        });
+        accept_loop(move || listener.accept().map(|(c, _)| c), stop.clone(), state.clone(), serve_dp);
         MockDatapipe { path, state, stop, _dir: dir }
     }
 

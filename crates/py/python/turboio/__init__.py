@@ -20,7 +20,7 @@ import warnings
 from . import _turboio
 from ._turboio import __version__
 from ._dtypes import torch_dtype
-from ._torch import raw_tensors, remove_duplicate_names, tensors_of, threads as _threads
+from ._torch import alias_shared, raw_tensors, tensors_of, threads as _threads
 from .fastsafetensors import SafeTensorsFileLoader, SingleGroup, fastsafe_open
 
 __all__ = [
@@ -237,15 +237,7 @@ def save_file(
     if force_clone_shared_tensor and not force_save_shared_tensor:
         warnings.warn("force_clone_shared_tensor has no effect without force_save_shared_tensor")
     if force_save_shared_tensor:
-        for kept, removed in remove_duplicate_names(state_dict).items():
-            for name in removed:
-                if metadata is None:
-                    metadata = {}
-                metadata.setdefault(name, kept)
-                if force_clone_shared_tensor:
-                    state_dict[name] = state_dict[name].clone()
-                else:
-                    del state_dict[name]
+        metadata = alias_shared(state_dict, metadata, clone=force_clone_shared_tensor)
     tensors = state_dict
     if force_contiguous:
         tensors = {k: (v.contiguous() if hasattr(v, "contiguous") else v) for k, v in state_dict.items()}

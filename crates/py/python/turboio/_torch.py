@@ -96,6 +96,22 @@ def remove_duplicate_names(state_dict, preferred_names=None, discard_names=None)
     return result
 
 
+def alias_shared(state_dict, metadata, clone=False):
+    """Stores each group of shared tensors once: every other name of the group is recorded in
+    `metadata` as an alias of the kept one and removed from `state_dict` (replaced by a clone
+    with `clone`). Returns the metadata (a new dict if it was None and aliases were found)."""
+    for kept, removed in remove_duplicate_names(state_dict).items():
+        for name in removed:
+            if metadata is None:
+                metadata = {}
+            metadata.setdefault(name, kept)
+            if clone:
+                state_dict[name] = state_dict[name].clone()
+            else:
+                del state_dict[name]
+    return metadata
+
+
 def raw_tensors(tensors, what="tensors"):
     """Checks a `{name: tensor}` dict the way safetensors does and returns the records the
     extension writes from, plus the tensors to keep alive while it does."""

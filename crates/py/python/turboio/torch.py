@@ -9,7 +9,7 @@ import struct
 
 from . import _turboio
 from ._dtypes import torch_dtype
-from ._torch import raw_tensors, remove_duplicate_names, tensor_from, tensors_of
+from ._torch import alias_shared, raw_tensors, remove_duplicate_names, tensor_from, tensors_of
 
 __all__ = ["load_file", "save_file", "load", "save", "save_model", "load_model", "safe_open", "SafetensorError"]
 
@@ -108,12 +108,7 @@ def save_model(model, filename, metadata=None, force_contiguous=True):
 
 def _save_model(model, filename, metadata=None, force_contiguous=True, cipher=False, cipher_header=False):
     state_dict = model.state_dict()
-    for kept, removed in remove_duplicate_names(state_dict).items():
-        for name in removed:
-            if metadata is None:
-                metadata = {}
-            metadata.setdefault(name, kept)
-            del state_dict[name]
+    metadata = alias_shared(state_dict, metadata)
     if force_contiguous:
         state_dict = {k: v.contiguous() for k, v in state_dict.items()}
     try:
