@@ -83,31 +83,60 @@ impl RawMap {
     /// with a huge-page boundary of the mapping and can be mapped by one page-table entry
     /// instead of 512 (populating a cached 4 GiB file took 3-8 ms aligned against 250-500 ms
     /// at an arbitrary address, measured here).
+    ///
+    /// How it gets the aligned address without ever unmapping memory it does not own: it
+    /// reserves an over-sized anonymous range to find a free aligned address, gives the whole
+    /// reservation back, and maps the file there with `MAP_FIXED_NOREPLACE`, which fails
+    /// (`EEXIST`) instead of replacing anything another thread may have mapped in between; it
+    /// then tries again with a new reservation, and after a few lost races maps the file at an
+    /// address of the kernel's choosing (correct, only slower to populate). A plain `MAP_FIXED`
+    /// over a reservation would be shorter, but on some kernels a failed `MAP_FIXED` has already
+    /// unmapped the range, and dropping the reservation would then unmap whatever another thread
+    /// mapped there.
     pub(crate) fn file_private(file: &File, len: usize) -> io::Result<RawMap> {
         if len == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "cannot map an empty file"));
         }
-        let reserve = RawMap::anonymous(len, HUGE_PAGE)?;
-        // SAFETY: MAP_FIXED replaces exactly the pages of `reserve` (both cover `len` rounded up
-        // to pages, from the same address), which this function owns and nothing references.
-        // MAP_PRIVATE means writes through the mapping never reach the file; the fd only needs
-        // to be valid for the call. On failure `reserve` still owns its range and unmaps it.
-        let p = unsafe {
-            libc::mmap(
-                reserve.ptr.as_ptr() as *mut libc::c_void,
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_FIXED,
-                file.as_raw_fd(),
-                0,
-            )
+        let map_at = |addr: usize, flags: libc::c_int| {
+            // SAFETY: either the kernel picks the address (no flags), or MAP_FIXED_NOREPLACE
+            // asks for `addr` and fails rather than replace an existing mapping: no memory
+            // anyone owns is affected. MAP_PRIVATE means writes through the mapping never
+            // reach the file; the fd only needs to be valid for the call.
+            let p = unsafe {
+                libc::mmap(
+                    addr as *mut libc::c_void,
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | flags,
+                    file.as_raw_fd(),
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(p as usize)
+            }
         };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
+        for _ in 0..4 {
+            // Find a free aligned range, then give it back (dropping the reservation unmaps
+            // exactly what it mapped: it owns that range until then).
+            let aligned = RawMap::anonymous(len, HUGE_PAGE)?.addr();
+            match map_at(aligned, libc::MAP_FIXED_NOREPLACE) {
+                // (A kernel older than 4.17 takes the flag as a hint and may map elsewhere:
+                // that mapping is ours too, only unaligned.)
+                Ok(p) => return RawMap::owning(p, len),
+                // Another thread mapped something into the range meanwhile: try again.
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => continue,
+                Err(e) => return Err(e),
+            }
         }
-        // The range now belongs to the file mapping returned below.
-        std::mem::forget(reserve);
-        Ok(RawMap { ptr: NonNull::new(p as *mut u8).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?, len })
+        RawMap::owning(map_at(0, 0)?, len)
+    }
+
+    /// Takes ownership of the mapping `[addr, addr + len)` just returned by `mmap`.
+    fn owning(addr: usize, len: usize) -> io::Result<RawMap> {
+        Ok(RawMap { ptr: NonNull::new(addr as *mut u8).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?, len })
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -138,7 +167,7 @@ impl RawMap {
             return Ok(());
         }
         // SAFETY: the range lies inside our mapping. The advice values used by this crate
-        // (HUGEPAGE, POPULATE_READ, POPULATE_WRITE) never change the contents visible to Rust:
+        // (HUGEPAGE, WILLNEED, POPULATE_READ, POPULATE_WRITE) never change the contents visible to Rust:
         // they only change how and when pages are faulted in.
         let r = unsafe { libc::madvise((self.addr() + start) as *mut libc::c_void, end - start, advice) };
         if r == 0 {
