@@ -67,6 +67,38 @@ impl Ring {
         Ok(())
     }
 
+    /// Queues a write of `len` bytes from `buf` at `offset` of `fd`, like
+    /// [`push_read`](Self::push_read).
+    ///
+    /// # Safety
+    ///
+    /// `buf` must be valid for reads of `len` bytes, and nothing may write those bytes, until
+    /// `reap` has returned the completion tagged `user_data`. `fd` must stay open until then.
+    pub(crate) unsafe fn push_write(
+        &mut self,
+        fd: RawFd,
+        buf: *const u8,
+        len: u32,
+        offset: u64,
+        user_data: u64,
+    ) -> io::Result<()> {
+        if self.in_flight >= self.depth {
+            return Err(io::Error::other("io_uring queue is full"));
+        }
+        let entry = opcode::Write::new(types::Fd(fd), buf, len).offset(offset).build().user_data(user_data);
+        // SAFETY: the caller guarantees that the buffer outlives the request; the entry is
+        // copied into the submission ring.
+        let pushed = unsafe { self.ring.submission().push(&entry) };
+        if pushed.is_err() {
+            self.ring.submit()?;
+            // SAFETY: as above.
+            unsafe { self.ring.submission().push(&entry) }
+                .map_err(|_| io::Error::other("io_uring submission queue is full"))?;
+        }
+        self.in_flight += 1;
+        Ok(())
+    }
+
     /// Submits what is queued and waits for at least one completion (when anything is in
     /// flight). Interrupted waits are retried.
     pub(crate) fn submit_and_wait(&mut self) -> io::Result<()> {

@@ -1,26 +1,37 @@
-//! Atomic saves: a temporary file in the target's directory, filled in parallel, synced, and
-//! renamed over the target.
+//! Atomic saves: a temporary file in the target's directory, filled in parallel, synced, given
+//! the old file's owner and mode, and renamed over the target.
+//!
+//! This is the one implementation of atomic replacement in turboio: every save (safetensors,
+//! encrypted files, torch pickles written by the Python layer, conversions) comes here.
 
 use crate::plan::{aligned_size, ALIGN};
 use crate::sys::{self, AlignedBuf};
+use crate::uring::Ring;
 use crate::PosixConfig;
 use std::collections::hash_map::RandomState;
-use std::ffi::OsString;
-use std::fs::{self, File, OpenOptions};
+use std::ffi::{OsStr, OsString};
+use std::fs::{self, File, Metadata, OpenOptions};
 use std::hash::{BuildHasher, Hasher};
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use turboio_storage::{run_workers, IoOptions, StorageError, WriteSource};
+use turboio_storage::{run_workers, DirectIo, IoOptions, StorageError, WriteSource};
 
 /// Default bytes per chunk of a save.
 const DEFAULT_CHUNK: usize = 8 << 20;
-/// Largest chunk (one buffer of this size per worker).
+/// Largest chunk (a few buffers of this size per worker).
 const MAX_CHUNK: usize = 256 << 20;
+/// Chunks each io_uring writer keeps in flight (one reusable buffer each).
+const URING_DEPTH: usize = 4;
 /// Longest file-name prefix kept in temporary names (names are limited to 255 bytes).
 const MAX_NAME_PREFIX: usize = 200;
+/// Symbolic links followed at the target before giving up (as the kernel's `ELOOP` limit).
+const MAX_LINKS: usize = 40;
+/// What temporary names contain after the target's name.
+const TEMP_MARK: &str = ".turboio-tmp.";
 
 /// Removes the temporary file unless the save went through.
 struct TempGuard {
@@ -40,8 +51,31 @@ fn io_err(path: &Path, op: &'static str, source: io::Error) -> StorageError {
     StorageError::io(path, op, source)
 }
 
+/// Where a save to `path` really goes: a symbolic link at the target (the Hugging Face cache
+/// links `model.safetensors` to a blob) is followed, so the file it points to is replaced, in
+/// its own directory, and the link stays a link, as `open(path, "w")` would behave. A dangling
+/// link is followed too (its target is created).
+fn resolve_target(path: &Path) -> Result<PathBuf, StorageError> {
+    let mut p = path.to_owned();
+    for _ in 0..MAX_LINKS {
+        match fs::symlink_metadata(&p) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let link = fs::read_link(&p).map_err(|e| io_err(path, "read link", e))?;
+                p = match p.parent() {
+                    Some(dir) if link.is_relative() => dir.join(link),
+                    _ => link,
+                };
+            }
+            Ok(_) => return Ok(p),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(p),
+            Err(e) => return Err(io_err(path, "stat", e)),
+        }
+    }
+    Err(io_err(path, "resolve", io::Error::from_raw_os_error(libc::ELOOP)))
+}
+
 /// A fresh name `.{file_name}.turboio-tmp.{pid}.{random}` in `dir`.
-fn temp_name(dir: &Path, name: &std::ffi::OsStr, attempt: u32) -> PathBuf {
+fn temp_name(dir: &Path, name: &OsStr, attempt: u32) -> PathBuf {
     let mut h = RandomState::new().build_hasher();
     h.write_u32(attempt);
     if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
@@ -52,20 +86,67 @@ fn temp_name(dir: &Path, name: &std::ffi::OsStr, attempt: u32) -> PathBuf {
     let mut tmp = Vec::with_capacity(prefix.len() + 48);
     tmp.push(b'.');
     tmp.extend_from_slice(prefix);
-    tmp.extend_from_slice(format!(".turboio-tmp.{}.{:016x}", std::process::id(), h.finish()).as_bytes());
+    tmp.extend_from_slice(format!("{TEMP_MARK}{}.{:016x}", std::process::id(), h.finish()).as_bytes());
     dir.join(OsString::from_vec(tmp))
 }
 
-/// Creates the temporary file with `O_EXCL`, mode 0644 (less the umask).
-fn create_temp(target: &Path, dir: &Path, name: &std::ffi::OsStr) -> Result<(PathBuf, File), StorageError> {
+/// Creates the temporary file with `O_EXCL`. Replacing a file: mode 0600 (less the umask), so
+/// the temporary file is never more open than the final one, whose mode is set just before the
+/// rename. A new file: 0666 less the umask, what `open(path, O_CREAT)` gives.
+fn create_temp(
+    target: &Path,
+    dir: &Path,
+    name: &OsStr,
+    existing: Option<&Metadata>,
+) -> Result<(PathBuf, File), StorageError> {
+    let mode = if existing.is_some() { 0o600 } else { 0o666 };
     let mut attempt = 0;
     loop {
         let tmp = temp_name(dir, name, attempt);
-        match OpenOptions::new().write(true).create_new(true).mode(0o644).open(&tmp) {
+        match OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp) {
             Ok(f) => return Ok((tmp, f)),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt < 16 => attempt += 1,
             // ENOENT here means the directory is missing: reported for the target path.
             Err(e) => return Err(io_err(target, "create", e)),
+        }
+    }
+}
+
+/// Gives the new file the owner (where the OS permits) and the mode of the file it replaces.
+fn match_old_file(file: &File, old: &Metadata, path: &Path) -> Result<(), StorageError> {
+    let new = file.metadata().map_err(|e| io_err(path, "stat", e))?;
+    if new.uid() != old.uid() || new.gid() != old.gid() {
+        // Owner first (chown clears set-id bits, chmod restores them). Only root may give a
+        // file away; a member of the old file's group may still keep the group.
+        let fd = file.as_raw_fd();
+        // SAFETY: plain syscalls on a descriptor we own; no memory is passed.
+        if unsafe { libc::fchown(fd, old.uid(), old.gid()) } != 0 {
+            // SAFETY: as above.
+            unsafe { libc::fchown(fd, u32::MAX, old.gid()) };
+        }
+    }
+    file.set_permissions(fs::Permissions::from_mode(old.mode() & 0o7777)).map_err(|e| io_err(path, "chmod", e))
+}
+
+/// Removes temporary files of earlier saves of `name` in `dir` whose writer is gone (killed
+/// before it could clean up): names with another process's id, when that process no longer
+/// exists. Best effort: a save never fails because of it.
+fn remove_stale_temps(dir: &Path, name: &OsStr) {
+    let bytes = name.as_bytes();
+    let mut prefix = Vec::with_capacity(bytes.len() + TEMP_MARK.len() + 1);
+    prefix.push(b'.');
+    prefix.extend_from_slice(&bytes[..bytes.len().min(MAX_NAME_PREFIX)]);
+    prefix.extend_from_slice(TEMP_MARK.as_bytes());
+    let Ok(entries) = fs::read_dir(dir) else { return };
+    let me = std::process::id();
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let Some(rest) = file_name.as_bytes().strip_prefix(prefix.as_slice()) else { continue };
+        let Some(pid) = std::str::from_utf8(rest).ok().and_then(|r| r.split('.').next()?.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid != me && !sys::process_exists(pid) {
+            let _ = fs::remove_file(entry.path());
         }
     }
 }
@@ -77,94 +158,315 @@ pub(crate) fn write_file(
     source: &dyn WriteSource,
     opts: &IoOptions<'_>,
 ) -> Result<(), StorageError> {
-    let Some(name) = path.file_name() else {
+    let target = resolve_target(path)?;
+    let Some(name) = target.file_name() else {
         return Err(io_err(path, "write", io::Error::new(io::ErrorKind::InvalidInput, "the path names no file")));
     };
-    let dir = match path.parent() {
+    let dir = match target.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    match fs::metadata(path) {
+    let existing = match fs::metadata(&target) {
         Ok(m) if m.is_dir() => return Err(io_err(path, "write", io::Error::from_raw_os_error(libc::EISDIR))),
-        Ok(_) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Ok(m) => Some(m),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
         Err(e) => return Err(io_err(path, "stat", e)),
-    }
+    };
     opts.check_cancel()?;
-    let (tmp, file) = create_temp(path, dir, name)?;
+    let (tmp, file) = create_temp(path, dir, name, existing.as_ref())?;
     let mut guard = TempGuard { path: tmp, armed: true };
     let len = source.len();
+    cfg.faults.check(Step::Allocate).map_err(|e| io_err(path, "allocate", e))?;
     sys::allocate(&file, len).map_err(|e| io_err(path, "allocate", e))?;
-    let direct = if cfg.direct_writes && len >= ALIGN {
+    let want_direct = match opts.direct {
+        DirectIo::On => true,
+        DirectIo::Off => false,
+        DirectIo::Auto => cfg.direct_writes,
+    };
+    let direct = if want_direct && len >= ALIGN {
         sys::reopen_direct(&file, &guard.path, true).map_err(|e| io_err(path, "open (O_DIRECT)", e))?
     } else {
         None
     };
-    write_chunks(path, &file, direct.as_ref(), source, opts)?;
+    let w =
+        Writer { cfg, path, file: &file, direct: direct.as_ref(), source, opts, direct_failed: AtomicBool::new(false) };
+    w.write_all()?;
     drop(direct);
     if cfg.fsync {
+        cfg.faults.check(Step::Fsync).map_err(|e| io_err(path, "fsync", e))?;
         file.sync_all().map_err(|e| io_err(path, "fsync", e))?;
+    }
+    if let Some(old) = &existing {
+        match_old_file(&file, old, path)?;
     }
     drop(file);
     opts.check_cancel()?;
-    fs::rename(&guard.path, path).map_err(|e| io_err(path, "rename", e))?;
+    cfg.faults.check(Step::Rename).map_err(|e| io_err(path, "rename", e))?;
+    fs::rename(&guard.path, &target).map_err(|e| io_err(path, "rename", e))?;
     guard.armed = false;
     if cfg.fsync {
         // The new name must be durable too. (If this fails the new file is already in place.)
         File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io_err(path, "fsync directory", e))?;
     }
+    remove_stale_temps(dir, name);
     Ok(())
 }
 
-/// Fills and writes the file in chunks, spread over `opts.worker_count` threads, each with its
-/// own reusable aligned buffer.
-fn write_chunks(
-    path: &Path,
-    file: &File,
-    direct: Option<&File>,
-    source: &dyn WriteSource,
-    opts: &IoOptions<'_>,
-) -> Result<(), StorageError> {
-    let len = source.len();
-    if len == 0 {
-        return opts.check_cancel();
-    }
-    let chunk = aligned_size(if opts.chunk_size == 0 { DEFAULT_CHUNK } else { opts.chunk_size }, MAX_CHUNK);
-    let chunks = len.div_ceil(chunk as u64);
-    let workers = opts.worker_count(len, chunk);
-    let next = AtomicU64::new(0);
-    let direct_failed = AtomicBool::new(false);
+/// One save's chunks being filled and written.
+struct Writer<'a, 'o> {
+    cfg: &'a PosixConfig,
+    path: &'a Path,
+    /// The temporary file, buffered.
+    file: &'a File,
+    /// Its `O_DIRECT` description, where the file system allows one.
+    direct: Option<&'a File>,
+    source: &'a dyn WriteSource,
+    opts: &'a IoOptions<'o>,
+    /// The file system refused an `O_DIRECT` write: everything goes through the page cache.
+    direct_failed: AtomicBool,
+}
 
-    run_workers(vec![(); workers], |(), failed| -> Result<(), StorageError> {
-        let mut buf = AlignedBuf::new(chunk.min(usize::try_from(len).unwrap_or(chunk)));
-        loop {
-            if failed.load(Ordering::Relaxed) {
-                return Ok(());
-            }
-            opts.check_cancel()?;
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            if i >= chunks {
-                return Ok(());
-            }
-            let offset = i * chunk as u64;
-            let n = (len - offset).min(chunk as u64) as usize;
+impl Writer<'_, '_> {
+    fn chunk(&self) -> usize {
+        aligned_size(if self.opts.chunk_size == 0 { DEFAULT_CHUNK } else { self.opts.chunk_size }, MAX_CHUNK)
+    }
+
+    /// Fills and writes every chunk, spread over `opts.worker_count` threads: each fills its
+    /// own reusable aligned buffers from the source and writes them, through a ring of its own
+    /// (several chunks in flight) when the file is written with `O_DIRECT` and io_uring works,
+    /// else with `pwrite`.
+    fn write_all(&self) -> Result<(), StorageError> {
+        let len = self.source.len();
+        if len == 0 {
+            return self.opts.check_cancel();
+        }
+        let chunk = self.chunk();
+        let chunks = len.div_ceil(chunk as u64);
+        let workers = self.opts.worker_count(len, chunk);
+        let next = AtomicU64::new(0);
+        let buf_len = chunk.min(usize::try_from(len).unwrap_or(chunk));
+        let rings: Vec<Option<Ring>> = (0..workers)
+            .map(|_| {
+                let threads_only = self.cfg.method == crate::ReadMethod::Threads;
+                if self.direct.is_some() && !threads_only && crate::io_uring_available() {
+                    Ring::new(URING_DEPTH as u32).ok()
+                } else {
+                    None
+                }
+            })
+            .collect();
+        run_workers(rings, |ring, failed| match ring {
+            Some(ring) => UringWriter::new(self, ring, buf_len).run(&next, chunks, failed),
+            None => self.run_sync(&next, chunks, buf_len, failed),
+        })
+    }
+
+    /// The next chunk to write, `(offset, len)`, or `None` when all are taken or the save
+    /// stopped.
+    fn claim(&self, next: &AtomicU64, chunks: u64, failed: &AtomicBool) -> Result<Option<(u64, usize)>, StorageError> {
+        if failed.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        self.opts.check_cancel()?;
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= chunks {
+            return Ok(None);
+        }
+        let chunk = self.chunk() as u64;
+        let offset = i * chunk;
+        Ok(Some((offset, (self.source.len() - offset).min(chunk) as usize)))
+    }
+
+    fn fill(&self, offset: u64, dst: &mut [u8]) -> Result<(), StorageError> {
+        self.source.fill(offset, dst).map_err(|message| StorageError::Source { path: self.path.to_owned(), message })
+    }
+
+    /// `pwrite`s all of `data` at `offset` through the page cache.
+    fn write_buffered(&self, data: &[u8], offset: u64) -> Result<(), StorageError> {
+        self.cfg.faults.check_write(offset, data.len()).map_err(|e| io_err(self.path, "write", e))?;
+        self.file.write_all_at(data, offset).map_err(|e| io_err(self.path, "write", e))
+    }
+
+    /// The synchronous path: fill, then `pwrite` the whole blocks with `O_DIRECT` where allowed
+    /// and the rest (the file's last partial block) through the page cache.
+    fn run_sync(&self, next: &AtomicU64, chunks: u64, buf_len: usize, failed: &AtomicBool) -> Result<(), StorageError> {
+        let mut buf = AlignedBuf::new(buf_len);
+        while let Some((offset, n)) = self.claim(next, chunks, failed)? {
             let data = &mut buf.as_mut_slice()[..n];
-            source.fill(offset, data).map_err(|message| StorageError::Source { path: path.to_owned(), message })?;
-            // Whole blocks with O_DIRECT where allowed; the rest (the file's last partial
-            // block) through the page cache.
+            self.fill(offset, data)?;
             let mut done = 0usize;
-            if let Some(d) = direct.filter(|_| !direct_failed.load(Ordering::Relaxed)) {
+            if let Some(d) = self.direct.filter(|_| !self.direct_failed.load(Ordering::Relaxed)) {
                 let aligned = n & !(ALIGN as usize - 1);
+                self.cfg.faults.check_write(offset, aligned).map_err(|e| io_err(self.path, "write", e))?;
                 match d.write_all_at(&data[..aligned], offset) {
                     Ok(()) => done = aligned,
                     Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                        direct_failed.store(true, Ordering::Relaxed);
+                        self.direct_failed.store(true, Ordering::Relaxed)
                     }
-                    Err(e) => return Err(io_err(path, "write", e)),
+                    Err(e) => return Err(io_err(self.path, "write", e)),
                 }
             }
-            file.write_all_at(&data[done..], offset + done as u64).map_err(|e| io_err(path, "write", e))?;
-            opts.add_progress(n as u64);
+            self.write_buffered(&data[done..], offset + done as u64)?;
+            self.opts.add_progress(n as u64);
         }
-    })
+        Ok(())
+    }
+}
+
+/// A chunk whose `O_DIRECT` write is in flight.
+struct Pending {
+    buf: usize,
+    offset: u64,
+    /// Bytes of the chunk.
+    len: usize,
+    /// Bytes handed to the ring (the whole blocks).
+    aligned: usize,
+}
+
+/// One worker's ring and the buffers the kernel reads from. The ring is drained before the
+/// buffers are freed, also on errors and unwinding (`Drop`).
+struct UringWriter<'w, 'a, 'o> {
+    w: &'w Writer<'a, 'o>,
+    ring: Ring,
+    bufs: Vec<AlignedBuf>,
+    free: Vec<usize>,
+    pending: Vec<Option<Pending>>,
+}
+
+impl Drop for UringWriter<'_, '_, '_> {
+    fn drop(&mut self) {
+        self.ring.drain();
+    }
+}
+
+impl<'w, 'a, 'o> UringWriter<'w, 'a, 'o> {
+    fn new(w: &'w Writer<'a, 'o>, ring: Ring, buf_len: usize) -> Self {
+        let depth = ring.depth();
+        UringWriter {
+            w,
+            ring,
+            bufs: (0..depth).map(|_| AlignedBuf::new(buf_len)).collect(),
+            free: (0..depth).collect(),
+            pending: (0..depth).map(|_| None).collect(),
+        }
+    }
+
+    fn run(mut self, next: &AtomicU64, chunks: u64, failed: &AtomicBool) -> Result<(), StorageError> {
+        let result = self.pump(next, chunks, failed);
+        // Whatever happened, nothing may stay in flight once this returns (the buffers go).
+        self.ring.drain();
+        result
+    }
+
+    fn pump(&mut self, next: &AtomicU64, chunks: u64, failed: &AtomicBool) -> Result<(), StorageError> {
+        let mut done = Vec::new();
+        let mut exhausted = false;
+        loop {
+            while !exhausted && !self.free.is_empty() {
+                match self.w.claim(next, chunks, failed)? {
+                    Some((offset, len)) => self.start(offset, len)?,
+                    None => exhausted = true,
+                }
+            }
+            if self.ring.in_flight() == 0 {
+                return Ok(());
+            }
+            self.ring.submit_and_wait().map_err(|e| io_err(self.w.path, "write (io_uring)", e))?;
+            self.ring.reap(&mut done);
+            for (id, res) in done.drain(..) {
+                self.finish(id as usize, res)?;
+            }
+        }
+    }
+
+    /// Fills a free buffer with the chunk at `offset` and queues its whole blocks; the tail is
+    /// written through the page cache right away.
+    fn start(&mut self, offset: u64, len: usize) -> Result<(), StorageError> {
+        let Some(b) = self.free.pop() else { return Ok(()) };
+        let data = &mut self.bufs[b].as_mut_slice()[..len];
+        self.w.fill(offset, data)?;
+        let direct = self.w.direct.filter(|_| !self.w.direct_failed.load(Ordering::Relaxed));
+        let aligned = if direct.is_some() { len & !(ALIGN as usize - 1) } else { 0 };
+        self.w.write_buffered(&data[aligned..], offset + aligned as u64)?;
+        let Some(d) = direct.filter(|_| aligned > 0) else {
+            self.free.push(b);
+            self.w.opts.add_progress(len as u64);
+            return Ok(());
+        };
+        self.w.cfg.faults.check_write(offset, aligned).map_err(|e| io_err(self.w.path, "write", e))?;
+        let n = u32::try_from(aligned)
+            .map_err(|_| io_err(self.w.path, "write", io::Error::from_raw_os_error(libc::EINVAL)))?;
+        let ptr = self.bufs[b].as_mut_ptr();
+        // SAFETY: buffer `b` is off the free list, so nothing else reads or writes it until its
+        // completion is reaped (`finish` puts it back); `self` owns it and drains the ring
+        // before dropping it. The descriptor belongs to the save, which outlives this writer.
+        let pushed = unsafe { self.ring.push_write(d.as_raw_fd(), ptr, n, offset, b as u64) };
+        if let Err(e) = pushed {
+            self.free.push(b);
+            return Err(io_err(self.w.path, "write (io_uring)", e));
+        }
+        self.pending[b] = Some(Pending { buf: b, offset, len, aligned });
+        Ok(())
+    }
+
+    /// Handles the completion of buffer `b`'s write: short writes are completed, a refusal of
+    /// `O_DIRECT` switches the save to buffered writes, other errors fail it.
+    fn finish(&mut self, b: usize, res: i32) -> Result<(), StorageError> {
+        let Some(p) = self.pending.get_mut(b).and_then(Option::take) else { return Ok(()) };
+        let data = &self.bufs[p.buf].as_slice()[..p.aligned];
+        let written = match usize::try_from(res) {
+            Ok(n) => n.min(p.aligned),
+            Err(_) if -res == libc::EINVAL => {
+                self.w.direct_failed.store(true, Ordering::Relaxed);
+                0
+            }
+            Err(_) => return Err(io_err(self.w.path, "write", io::Error::from_raw_os_error(-res))),
+        };
+        let result = self.w.write_buffered(&data[written..], p.offset + written as u64);
+        self.free.push(p.buf);
+        result?;
+        self.w.opts.add_progress(p.len as u64);
+        Ok(())
+    }
+}
+
+/// A step of a save where a test can make the OS fail ([`Faults`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    Allocate,
+    Fsync,
+    Rename,
+}
+
+/// Errors a test asks a save to meet, as if the OS had returned them: at the write that
+/// reaches byte `write.0` of the file, at `fsync`, at `rename` or at `fallocate`. Every field
+/// is `None` in normal use (the checks are a few comparisons per chunk).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// `(file offset, errno)`: the write covering that offset fails.
+    pub write: Option<(u64, i32)>,
+    /// `fsync` of the file fails with this errno.
+    pub fsync: Option<i32>,
+    /// The rename over the target fails with this errno.
+    pub rename: Option<i32>,
+    /// Reserving the space fails with this errno.
+    pub allocate: Option<i32>,
+}
+
+impl Faults {
+    fn check(&self, step: Step) -> io::Result<()> {
+        let errno = match step {
+            Step::Allocate => self.allocate,
+            Step::Fsync => self.fsync,
+            Step::Rename => self.rename,
+        };
+        errno.map_or(Ok(()), |e| Err(io::Error::from_raw_os_error(e)))
+    }
+
+    fn check_write(&self, offset: u64, len: usize) -> io::Result<()> {
+        match self.write {
+            Some((at, errno)) if offset <= at && at < offset + len as u64 => Err(io::Error::from_raw_os_error(errno)),
+            _ => Ok(()),
+        }
+    }
 }

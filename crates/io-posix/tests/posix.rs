@@ -542,21 +542,190 @@ fn save_details() {
     assert!(err.to_string().contains("a-directory"), "{err}");
 }
 
-/// The temporary file is created with mode 0644 less the umask.
+fn umask() -> u32 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    status.lines().find_map(|l| l.strip_prefix("Umask:")).map(|m| u32::from_str_radix(m.trim(), 8).unwrap()).unwrap()
+}
+
+fn mode_of(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o7777
+}
+
+/// A new file gets 0666 less the umask, as `open(O_CREAT)` gives; a replaced file keeps its
+/// mode (a private checkpoint stays private), on every write path.
 #[test]
-fn saved_file_mode() {
+fn saved_file_modes() {
     use std::os::unix::fs::PermissionsExt;
     let dir = scratch_in(&local_dir());
-    let path = dir.path().join("mode.bin");
-    PosixStorage::new().write_file(&path, &BytesSource(b"abc"), &IoOptions::default()).unwrap();
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let mask = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Umask:"))
-        .map(|m| u32::from_str_radix(m.trim(), 8).unwrap())
-        .unwrap();
-    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
-    assert_eq!(mode, 0o644 & !mask);
+    for direct_writes in [false, true] {
+        let st = PosixStorage::with_config(PosixConfig { direct_writes, ..PosixConfig::default() });
+        let path = dir.path().join(format!("mode-{direct_writes}.bin"));
+        st.write_file(&path, &BytesSource(b"abc"), &IoOptions::default()).unwrap();
+        assert_eq!(mode_of(&path), 0o666 & !umask());
+        for mode in [0o600, 0o640, 0o755, 0o400] {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            let data = pattern(3 << 20, u64::from(mode));
+            st.write_file(&path, &BytesSource(&data), &IoOptions::default()).unwrap();
+            assert_eq!(mode_of(&path), mode, "direct_writes={direct_writes}");
+            assert!(std::fs::read(&path).unwrap() == data);
+        }
+    }
+}
+
+/// While a replacing save runs, its temporary file is never readable by others (0600).
+#[test]
+fn temporary_file_of_a_private_file_is_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = scratch_in(&local_dir());
+    let path = dir.path().join("private.bin");
+    std::fs::write(&path, b"secret").unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    struct Peek<'a>(&'a Path);
+    impl turboio_storage::WriteSource for Peek<'_> {
+        fn len(&self) -> u64 {
+            4
+        }
+        fn fill(&self, _: u64, dst: &mut [u8]) -> Result<(), String> {
+            for e in std::fs::read_dir(self.0.parent().unwrap()).unwrap() {
+                let e = e.unwrap();
+                if e.file_name().to_string_lossy().contains("turboio-tmp") {
+                    let mode = mode_of(&e.path());
+                    if mode & 0o077 != 0 {
+                        return Err(format!("temporary file has mode {mode:o}"));
+                    }
+                }
+            }
+            dst.copy_from_slice(b"next");
+            Ok(())
+        }
+    }
+    PosixStorage::new().write_file(&path, &Peek(&path), &IoOptions::default()).unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), b"next");
+    assert_eq!(mode_of(&path), 0o600);
+}
+
+/// A symbolic link at the target (the Hugging Face cache layout) is written through: the blob
+/// it points to is replaced, the link stays a link; relative, absolute, chained and dangling.
+#[test]
+fn saves_write_through_symbolic_links() {
+    let dir = scratch_in(&local_dir());
+    let blobs = dir.path().join("blobs");
+    let snap = dir.path().join("snapshots/abc");
+    std::fs::create_dir_all(&blobs).unwrap();
+    std::fs::create_dir_all(&snap).unwrap();
+    let blob = blobs.join("sha");
+    std::fs::write(&blob, b"old").unwrap();
+    let link = snap.join("model.safetensors");
+    std::os::unix::fs::symlink("../../blobs/sha", &link).unwrap();
+    let st = PosixStorage::new();
+    st.write_file(&link, &BytesSource(b"new contents"), &IoOptions::default()).unwrap();
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link stays a link");
+    assert_eq!(std::fs::read(&blob).unwrap(), b"new contents", "the blob is updated");
+    let leftovers: Vec<_> = std::fs::read_dir(&snap).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(leftovers.len(), 1, "nothing but the link in the snapshot dir: {leftovers:?}");
+    // A chain of links, the first absolute.
+    let chain = dir.path().join("chain");
+    std::os::unix::fs::symlink(&link, &chain).unwrap();
+    st.write_file(&chain, &BytesSource(b"third"), &IoOptions::default()).unwrap();
+    assert_eq!(std::fs::read(&blob).unwrap(), b"third");
+    // A dangling link: its target is created.
+    let dangling = dir.path().join("dangling");
+    std::os::unix::fs::symlink("blobs/new-blob", &dangling).unwrap();
+    st.write_file(&dangling, &BytesSource(b"created"), &IoOptions::default()).unwrap();
+    assert_eq!(std::fs::read(blobs.join("new-blob")).unwrap(), b"created");
+    // A loop is a clear error, not a hang.
+    let a = dir.path().join("loop-a");
+    std::os::unix::fs::symlink("loop-b", &a).unwrap();
+    std::os::unix::fs::symlink("loop-a", dir.path().join("loop-b")).unwrap();
+    let err = st.write_file(&a, &BytesSource(b"x"), &IoOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("loop-a"), "{err}");
+}
+
+/// ENOSPC, EIO and EDQUOT met at write, fsync, rename or allocation leave the old file intact,
+/// no temporary file, and a clear error naming the file and the step; on every write path.
+#[test]
+fn injected_os_errors_leave_the_old_file_intact() {
+    use turboio_io_posix::Faults;
+    let dir = scratch_in(&local_dir());
+    let path = dir.path().join("target.bin");
+    let old = pattern(5 << 20, 1);
+    PosixStorage::new().write_file(&path, &BytesSource(&old), &IoOptions::default()).unwrap();
+    let new = pattern((9 << 20) + 123, 2);
+    for errno in [libc::ENOSPC, libc::EIO, libc::EDQUOT] {
+        let cases: Vec<(&str, Faults)> = vec![
+            ("write", Faults { write: Some((0, errno)), ..Default::default() }),
+            ("write", Faults { write: Some((8 << 20, errno)), ..Default::default() }),
+            ("write", Faults { write: Some(((9 << 20) + 100, errno)), ..Default::default() }),
+            ("fsync", Faults { fsync: Some(errno), ..Default::default() }),
+            ("rename", Faults { rename: Some(errno), ..Default::default() }),
+            ("allocate", Faults { allocate: Some(errno), ..Default::default() }),
+        ];
+        for (step, faults) in cases {
+            for (method, direct_writes) in
+                [(ReadMethod::Auto, true), (ReadMethod::Auto, false), (ReadMethod::Threads, true)]
+            {
+                let cfg = PosixConfig { method, direct_writes, faults: faults.clone(), ..PosixConfig::default() };
+                let label = format!("{step} errno {errno} direct_writes={direct_writes} {faults:?}");
+                let opts = IoOptions { threads: 2, chunk_size: 1 << 20, ..Default::default() };
+                let err = PosixStorage::with_config(cfg).write_file(&path, &BytesSource(&new), &opts).unwrap_err();
+                let msg = err.to_string();
+                assert!(msg.contains("target.bin") && msg.contains(step), "{label}: {msg}");
+                assert!(msg.contains(&std::io::Error::from_raw_os_error(errno).to_string()), "{label}: {msg}");
+                assert!(std::fs::read(&path).unwrap() == old, "{label}: the old file changed");
+                let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+                assert_eq!(names.len(), 1, "{label}: left behind {names:?}");
+            }
+        }
+    }
+}
+
+/// Temporary files of writers that were killed are removed by the next save of that name;
+/// those of live processes and of other names are left alone.
+#[test]
+fn stale_temporaries_are_removed_by_the_next_save() {
+    let dir = scratch_in(&local_dir());
+    let path = dir.path().join("m.safetensors");
+    // A pid that is certainly gone: a child that has exited and been reaped.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let stale = dir.path().join(format!(".m.safetensors.turboio-tmp.{dead}.00000000deadbeef"));
+    let live = dir.path().join(format!(".m.safetensors.turboio-tmp.{}.0000000000000001", std::process::id()));
+    let other = dir.path().join(format!(".n.safetensors.turboio-tmp.{dead}.00000000deadbeef"));
+    for p in [&stale, &live, &other] {
+        std::fs::write(p, b"partial").unwrap();
+    }
+    PosixStorage::new().write_file(&path, &BytesSource(b"complete"), &IoOptions::default()).unwrap();
+    assert!(!stale.exists(), "a dead writer's temporary file is removed");
+    assert!(live.exists(), "a live process's temporary file is left");
+    assert!(other.exists(), "another name's temporary file is left");
+}
+
+/// io_uring writes, pwrite and buffered writes produce the same file, for lengths around the
+/// block and chunk boundaries.
+#[test]
+fn every_write_path_writes_the_same_bytes() {
+    let dir = scratch_in(&local_dir());
+    let path = dir.path().join("w.bin");
+    for len in [0usize, 1, 4095, 4096, 4097, (1 << 20) - 1, 1 << 20, (3 << 20) + 17, (8 << 20) + 4096] {
+        let data = pattern(len, len as u64);
+        for (method, direct_writes) in
+            [(ReadMethod::Auto, true), (ReadMethod::Threads, true), (ReadMethod::Auto, false)]
+        {
+            for threads in [1, 3] {
+                let st = PosixStorage::with_config(PosixConfig { method, direct_writes, ..PosixConfig::default() });
+                let progress = AtomicU64::new(0);
+                let opts = IoOptions { threads, chunk_size: 1 << 20, progress: Some(&progress), ..Default::default() };
+                st.write_file(&path, &BytesSource(&data), &opts).unwrap();
+                assert!(
+                    std::fs::read(&path).unwrap() == data,
+                    "len {len} {method:?} direct={direct_writes} t={threads}"
+                );
+                assert_eq!(progress.load(Ordering::Relaxed), len as u64);
+            }
+        }
+    }
 }
 
 /// The residency probe is cheap and within bounds.
