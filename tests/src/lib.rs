@@ -46,3 +46,60 @@ pub fn run_python(python: &Path, code: &str, args: &[&str]) -> String {
     assert!(out.status.success(), "python failed: {}\n{}", String::from_utf8_lossy(&out.stderr), code);
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// The test model of the crash tests: a few tensors whose bytes are all derived from a version
+/// number, so that any reader can tell a complete version from a torn file.
+pub mod crash {
+    use turboio::{Dtype, LoadedFile, TensorData, TensorSpec};
+
+    /// Bytes per chunk of the crash saver (small, so a save has many points to be killed at).
+    pub const CHUNK: usize = 64 << 10;
+    const SIZES: [usize; 3] = [8, 700_001, 300_000];
+
+    /// The bytes of version `v`.
+    #[derive(Clone, Debug)]
+    pub struct ModelData {
+        /// One buffer per tensor.
+        pub tensors: Vec<Vec<u8>>,
+        shapes: Vec<[usize; 1]>,
+    }
+
+    impl ModelData {
+        /// Version `v`: tensor 0 holds `v` (u64), the others bytes seeded by it.
+        pub fn new(v: u64) -> ModelData {
+            let tensors =
+                vec![v.to_le_bytes().to_vec(), super::bytes(SIZES[1], v * 2 + 1), super::bytes(SIZES[2], v * 2 + 2)];
+            ModelData { shapes: tensors.iter().map(|t| [t.len()]).collect(), tensors }
+        }
+    }
+
+    impl TensorData for ModelData {
+        fn fill(&self, index: usize, offset: usize, dst: &mut [u8]) -> Result<(), String> {
+            let src = self.tensors.get(index).and_then(|t| t.get(offset..offset + dst.len())).ok_or("out of range")?;
+            dst.copy_from_slice(src);
+            Ok(())
+        }
+    }
+
+    /// The specs of a version's tensors.
+    pub fn model_specs(d: &ModelData) -> Vec<TensorSpec<'_>> {
+        ["version", "a", "b"]
+            .iter()
+            .zip(&d.shapes)
+            .map(|(name, shape)| TensorSpec { name, dtype: Dtype::U8, shape, data_len: shape[0] })
+            .collect()
+    }
+
+    /// Checks a load is one complete version; returns it.
+    pub fn check_model(f: &LoadedFile) -> Result<u64, String> {
+        let get = |name: &str| f.to_host(name).map_err(|e| e.to_string());
+        let v = u64::from_le_bytes(get("version")?.try_into().map_err(|_| "version tensor is not 8 bytes")?);
+        let want = ModelData::new(v);
+        for (i, name) in ["a", "b"].iter().enumerate() {
+            if get(name)? != want.tensors[i + 1] {
+                return Err(format!("torn file: tensor {name} is not version {v}'s"));
+            }
+        }
+        Ok(v)
+    }
+}

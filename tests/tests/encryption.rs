@@ -11,7 +11,7 @@ use support::MockKms;
 use turboio::crypt::{Encryption, Iv, Key, KeyResolver, Keys};
 use turboio::device::testing::OpaqueDevice;
 use turboio::device::Device;
-use turboio::{DirectIo, Error, Held, LoadMode, LoadOptions, SaveOptions};
+use turboio::{CachePolicy, Error, Held, LoadMode, LoadOptions, SaveOptions};
 use turboio_cipher::{CipherHeader, HEADER_SIZE, MAGIC};
 use turboio_kms::{KmsConfig, RetryPolicy, Secret};
 use turboio_tests::disk_dir;
@@ -64,11 +64,11 @@ fn headerless_files_on_every_path() {
         ("auto", LoadOptions::default()),
         (
             "copied direct",
-            LoadOptions { mode: LoadMode::Copied, direct: DirectIo::On, threads: 2, ..Default::default() },
+            LoadOptions { mode: LoadMode::Copied, cache: CachePolicy::Bypass, threads: 2, ..Default::default() },
         ),
         (
             "copied buffered",
-            LoadOptions { mode: LoadMode::Copied, direct: DirectIo::Off, threads: 3, ..Default::default() },
+            LoadOptions { mode: LoadMode::Copied, cache: CachePolicy::Keep, threads: 3, ..Default::default() },
         ),
         (
             "staged odd chunks",

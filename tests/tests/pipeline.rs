@@ -6,7 +6,9 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use turboio::device::testing::OpaqueDevice;
 use turboio::device::{ArenaPool, Device};
-use turboio::{DirectIo, Dtype, Error, Held, LoadMode, LoadOptions, SaveOptions, SaveTensor, TensorData, TensorSpec};
+use turboio::{
+    CachePolicy, Dtype, Error, Held, LoadMode, LoadOptions, SaveOptions, SaveTensor, TensorData, TensorSpec,
+};
 use turboio_tests::{bytes, disk_dir};
 
 fn sample(dir: &Path, size: u64) -> std::path::PathBuf {
@@ -34,22 +36,26 @@ fn cpu_paths_load_identical_bytes() {
     drop(std::fs::read(&path).unwrap());
     let pool = ArenaPool::new(1);
     for mode in [LoadMode::Auto, LoadMode::Mapped, LoadMode::Copied, LoadMode::Lazy] {
-        for direct in [DirectIo::Auto, DirectIo::On, DirectIo::Off] {
+        for cache in [CachePolicy::Auto, CachePolicy::Keep, CachePolicy::Bypass] {
             for threads in [1, 2, 3] {
                 for arenas in [None, Some(pool.clone())] {
-                    let label = format!("{mode} direct={direct:?} threads={threads} pooled={}", arenas.is_some());
-                    let opts = LoadOptions { mode, direct, threads, arenas, ..Default::default() };
-                    let loaded = turboio::load(&path, &opts).unwrap_or_else(|e| panic!("{label}: {e}"));
-                    let expect_held = match (mode, direct) {
+                    let label = format!("{mode} cache={cache} threads={threads} pooled={}", arenas.is_some());
+                    let opts = LoadOptions { mode, cache, threads, arenas, ..Default::default() };
+                    let result = turboio::load(&path, &opts);
+                    if matches!(mode, LoadMode::Mapped | LoadMode::Lazy) && cache == CachePolicy::Bypass {
+                        let err = result.expect_err(&label).to_string();
+                        assert!(err.contains("cannot bypass") && err.contains("sample.safetensors"), "{label}: {err}");
+                        continue;
+                    }
+                    let loaded = result.unwrap_or_else(|e| panic!("{label}: {e}"));
+                    let expect_held = match (mode, cache) {
                         (LoadMode::Mapped | LoadMode::Lazy, _) => Held::Mapped,
-                        (LoadMode::Copied, _) | (LoadMode::Auto, DirectIo::On) => Held::Copied,
-                        // Read just before: the file is in the page cache.
+                        (LoadMode::Copied, _) | (LoadMode::Auto, CachePolicy::Bypass) => Held::Copied,
                         (LoadMode::Auto, _) => Held::Mapped,
                     };
                     assert_eq!(loaded.report().held, expect_held, "{label}");
-                    if loaded.report().held == Held::Copied && direct == DirectIo::On {
-                        assert!(loaded.report().read.direct, "{label}: O_DIRECT on ext4");
-                    }
+                    assert_eq!(loaded.report().cache.kept, cache != CachePolicy::Bypass, "{label}");
+                    assert_eq!(loaded.report().read.direct, cache == CachePolicy::Bypass, "{label}: O_DIRECT on ext4");
                     assert_matches_plain_read(&loaded, &label);
                 }
             }
@@ -57,26 +63,74 @@ fn cpu_paths_load_identical_bytes() {
     }
 }
 
-#[test]
-fn auto_maps_hot_files_and_copies_cold_ones() {
-    let dir = disk_dir();
-    let path = sample(dir.path(), 16 << 20);
-    drop(std::fs::read(&path).unwrap());
-    let hot = turboio::load(&path, &LoadOptions::default()).unwrap();
-    assert_eq!(hot.report().held, Held::Mapped);
-    assert!(hot.report().cached_fraction.unwrap() >= turboio::MAPPED_THRESHOLD);
-    drop(hot);
-    let file = turboio::posix::PosixStorage::new().open_posix(&path).unwrap();
+/// The page-cache residency of `path` (mincore on a file we own sees the page cache).
+fn cached(path: &Path) -> f64 {
+    let file = turboio::posix::PosixStorage::new().open_posix(path).unwrap();
+    turboio::storage::StorageFile::cached_fraction(&file).unwrap()
+}
+
+/// Drops `path` from the page cache; false if the kernel kept it (then the test cannot tell).
+fn evict(path: &Path) -> bool {
+    let file = turboio::posix::PosixStorage::new().open_posix(path).unwrap();
     file.evict_cache().unwrap();
     let after = turboio::storage::StorageFile::cached_fraction(&file).unwrap();
-    if after >= turboio::MAPPED_THRESHOLD {
+    if after > 0.05 {
         eprintln!("skipped: the page cache kept {after:.2} of the file after POSIX_FADV_DONTNEED");
-        return;
+        return false;
     }
-    let cold = turboio::load(&path, &LoadOptions::default()).unwrap();
-    assert_eq!(cold.report().held, Held::Copied);
-    assert!(cold.report().read.direct, "cold files are read with O_DIRECT");
-    assert_matches_plain_read(&cold, "cold auto");
+    true
+}
+
+#[test]
+fn default_loads_leave_the_file_in_the_page_cache() {
+    let dir = disk_dir();
+    let path = sample(dir.path(), 16 << 20);
+    for (label, opts) in [
+        ("auto", LoadOptions::default()),
+        ("copied", LoadOptions { mode: LoadMode::Copied, ..Default::default() }),
+        ("copied, 3 threads", LoadOptions { mode: LoadMode::Copied, threads: 3, ..Default::default() }),
+        ("copied, keep", LoadOptions { mode: LoadMode::Copied, cache: CachePolicy::Keep, ..Default::default() }),
+    ] {
+        if !evict(&path) {
+            return;
+        }
+        let cold = turboio::load(&path, &opts).unwrap();
+        assert!(cold.report().cache.kept, "{label}");
+        assert!(!cold.report().read.direct, "{label}");
+        let reason = if opts.cache == CachePolicy::Keep { "asked for" } else { "default" };
+        assert_eq!(cold.report().cache.reason, reason, "{label}");
+        assert_matches_plain_read(&cold, label);
+        drop(cold);
+        let after = cached(&path);
+        assert!(after > 0.99, "{label}: only {after:.2} of the file is cached after a cold load");
+        let hot = turboio::load(&path, &opts).unwrap();
+        assert!(hot.report().cached_fraction.unwrap() > 0.99, "{label}");
+    }
+}
+
+#[test]
+fn bypass_leaves_the_page_cache_as_it_was() {
+    let dir = disk_dir();
+    let path = sample(dir.path(), 16 << 20);
+    for mode in [LoadMode::Auto, LoadMode::Copied] {
+        if !evict(&path) {
+            return;
+        }
+        let opts = LoadOptions { mode, cache: CachePolicy::Bypass, ..Default::default() };
+        let loaded = turboio::load(&path, &opts).unwrap();
+        assert_eq!(loaded.report().held, Held::Copied);
+        assert!(!loaded.report().cache.kept);
+        assert_eq!(loaded.report().cache.reason, "asked for");
+        assert!(loaded.report().read.direct, "O_DIRECT on ext4");
+        assert_matches_plain_read(&loaded, "bypass");
+        // The check above read the file through the cache: evict it again and load once more.
+        drop(loaded);
+        if !evict(&path) {
+            return;
+        }
+        drop(turboio::load(&path, &opts).unwrap());
+        assert_eq!(cached(&path), 0.0, "{mode}: a bypassing load (header included) cached part of the file");
+    }
 }
 
 #[test]

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 use turboio::device::testing::OpaqueDevice;
-use turboio::{DirectIo, Dtype, LoadMode, LoadOptions, SaveOptions, SaveTensor};
+use turboio::{CachePolicy, Dtype, LoadMode, LoadOptions, SaveOptions, SaveTensor};
 use turboio_tests::{bytes, disk_dir};
 
 type Corpus = Vec<(String, Dtype, Vec<usize>, Vec<u8>)>;
@@ -47,10 +47,10 @@ fn all_paths() -> Vec<(&'static str, LoadOptions)> {
     vec![
         ("auto", LoadOptions::default()),
         ("mapped", LoadOptions { mode: LoadMode::Mapped, ..Default::default() }),
-        ("copied", LoadOptions { mode: LoadMode::Copied, direct: DirectIo::Off, threads: 2, ..Default::default() }),
+        ("copied", LoadOptions { mode: LoadMode::Copied, cache: CachePolicy::Keep, threads: 2, ..Default::default() }),
         (
             "copied O_DIRECT",
-            LoadOptions { mode: LoadMode::Copied, direct: DirectIo::On, threads: 2, ..Default::default() },
+            LoadOptions { mode: LoadMode::Copied, cache: CachePolicy::Bypass, threads: 2, ..Default::default() },
         ),
         ("staged", LoadOptions { device: Some(opaque), staging_chunk: 4096, ..Default::default() }),
     ]

@@ -38,6 +38,9 @@ pub struct Args {
     /// the turboio wheel).
     #[arg(long)]
     pub no_python: bool,
+    /// Skip the save rows.
+    #[arg(long)]
+    pub no_save: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -202,8 +205,8 @@ fn sample(dir: &Path, size: u64) -> Result<PathBuf> {
 }
 
 /// The bench's key for encrypted rows (veTurboIO's test vectors), also handed to the CLI.
-const KEY_B64: &str = "YWJjZGVmZ2gxMjM0NTY3OA==";
-const IV_B64: &str = "MTIzNDU2Nzg4NzY1NDMyMQ==";
+pub const KEY_B64: &str = "YWJjZGVmZ2gxMjM0NTY3OA==";
+pub const IV_B64: &str = "MTIzNDU2Nzg4NzY1NDMyMQ==";
 
 fn bench_encryption() -> Result<Encryption> {
     let key = turboio::crypt::Key::from_base64(KEY_B64)?;
@@ -448,6 +451,8 @@ pub fn run(args: Args) -> Result<()> {
     let pool = ArenaPool::with_huge_pages(1, false);
     let python = if args.no_python { None } else { Some(crate::pybench::setup()?) };
     let mut all: Vec<Row> = Vec::new();
+    let mut cache_tables: Vec<(u64, Vec<crate::cachebench::CacheRow>)> = Vec::new();
+    let mut save_tables: Vec<(u64, Vec<crate::savebench::SaveRow>)> = Vec::new();
     for &size in &sizes {
         let path = sample(&args.dir, size)?;
         let len = std::fs::metadata(&path)?.len();
@@ -461,6 +466,12 @@ pub fn run(args: Args) -> Result<()> {
             }
             if args.clean {
                 std::fs::remove_file(&pt)?;
+            }
+            if !args.no_cold {
+                eprintln!("{}: page cache across processes, {runs} runs ...", size_name(size));
+                let enc = encrypted_twin(&path)?;
+                let rows = crate::cachebench::measure(py, &path, &enc, runs)?;
+                cache_tables.push((len, rows));
             }
         }
         let mut hot: Vec<Row> = Loader::HOT
@@ -484,6 +495,10 @@ pub fn run(args: Args) -> Result<()> {
             measure(&mut cold, &Loader::COLD, &path, runs, true, &pool)?;
         }
         all.extend(cold);
+        if !args.no_save {
+            eprintln!("{}: saves, {runs} runs ...", size_name(size));
+            save_tables.push((len, crate::savebench::measure(python.as_deref(), &path, runs)?));
+        }
         if args.clean {
             std::fs::remove_file(&path)?;
         }
@@ -512,7 +527,53 @@ pub fn run(args: Args) -> Result<()> {
         add("turboio.load vs torch.load", "hot", "turboio.load", "torch.load", 8.0);
     }
 
-    let report = render(&all, &checks, runs);
+    for (len, rows) in &cache_tables {
+        let find = |name: &str| rows.iter().find(|r| r.loader == name && r.skipped.is_none());
+        let label = size_name(*len - *len % (64 << 20));
+        let mut add = |what: &str, ratio: Option<f64>, need: f64| {
+            if let Some(ratio) = ratio {
+                checks.push(Check { what: format!("{label} page cache: {what}"), ratio, need });
+            }
+        };
+        let auto = find("turboio auto");
+        let best_forced = [find("turboio mapped"), find("turboio copied, cache bypass")]
+            .into_iter()
+            .flatten()
+            .filter_map(|r| r.cold())
+            .reduce(f64::min);
+        add(
+            "default cold vs faster of mapped and O_DIRECT copied",
+            auto.and_then(|a| Some(best_forced? / a.cold()?)),
+            0.9,
+        );
+        add("default: cold / next process", auto.and_then(|a| Some(a.cold()? / a.next()?)), 10.0);
+        add("default: one cold / 4 at once", auto.and_then(|a| Some(a.cold()? / a.together()?)), 1.0 / 1.3);
+        let disk = auto.and_then(|a| {
+            let mut d = a.disk_together.clone();
+            d.sort_unstable();
+            d.get(d.len() / 2).copied()
+        });
+        add("default: file size / disk read by 4 at once", disk.map(|d| *len as f64 / d.max(1) as f64), 1.0 / 1.1);
+        let enc = find("turboio auto, encrypted");
+        add("encrypted default: cold / next process", enc.and_then(|e| Some(e.cold()? / e.next()?)), 3.0);
+    }
+
+    for (len, rows) in &save_tables {
+        let label = size_name(*len - *len % (64 << 20));
+        for (what, ratio, need) in crate::savebench::checks(rows) {
+            checks.push(Check { what: format!("{label} save: {what}"), ratio, need });
+        }
+    }
+
+    let mut report = render(&all, &checks, runs);
+    for (len, rows) in &save_tables {
+        report.push('\n');
+        report.push_str(&crate::savebench::render(rows, *len, runs));
+    }
+    for (len, rows) in &cache_tables {
+        report.push('\n');
+        report.push_str(&crate::cachebench::render(rows, *len, runs));
+    }
     println!("{report}");
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(args.out.join("load.md"), &report)?;

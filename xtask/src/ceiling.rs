@@ -75,3 +75,62 @@ pub fn map_populate(path: &Path) -> Result<FileMapping> {
     m.populate(1)?;
     Ok(m)
 }
+
+/// Writes `len` bytes (rounded up to 4 KiB) to a new file with O_DIRECT, `depth` requests of
+/// `block` bytes in flight from one reused buffer, then `fsync`s it: the disk's write ceiling.
+pub fn odirect_write(path: &Path, len: u64, depth: usize, block: usize) -> Result<u64> {
+    let file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .with_context(|| format!("{}: open with O_DIRECT", path.display()))?;
+    let len = len.next_multiple_of(4096);
+    let mut buf = Arena::new(depth * block, false)?;
+    buf.as_mut_slice().iter_mut().enumerate().for_each(|(i, b)| *b = (i % 251) as u8);
+    let base = buf.as_mut_slice().as_mut_ptr();
+    let mut ring: IoUring = IoUring::new(depth as u32 * 2)?;
+    let fd = types::Fd(file.as_raw_fd());
+    let (mut next, mut inflight, mut done) = (0u64, 0usize, 0u64);
+    let submit = |ring: &mut IoUring, slot: usize, next: &mut u64| -> Result<bool> {
+        if *next >= len {
+            return Ok(false);
+        }
+        let n = (block as u64).min(len - *next) as u32;
+        // SAFETY: slot < depth, so the block lies inside `buf`, which outlives every request:
+        // this function reaps all in-flight requests before returning.
+        let ptr = unsafe { base.add(slot * block) };
+        let e = opcode::Write::new(fd, ptr, n).offset(*next).build().user_data(slot as u64);
+        // SAFETY: the entry points at memory valid until its completion is reaped (see above).
+        unsafe { ring.submission().push(&e) }.map_err(|_| anyhow::anyhow!("submission queue full"))?;
+        *next += u64::from(n);
+        Ok(true)
+    };
+    for slot in 0..depth {
+        if submit(&mut ring, slot, &mut next)? {
+            inflight += 1;
+        }
+    }
+    let mut error = None;
+    while inflight > 0 {
+        ring.submit_and_wait(1)?;
+        let completed: Vec<(u64, i32)> = ring.completion().map(|c| (c.user_data(), c.result())).collect();
+        for (slot, res) in completed {
+            inflight -= 1;
+            if res < 0 {
+                error.get_or_insert(std::io::Error::from_raw_os_error(-res));
+                continue;
+            }
+            done += res as u64;
+            if error.is_none() && submit(&mut ring, slot as usize, &mut next)? {
+                inflight += 1;
+            }
+        }
+    }
+    if let Some(e) = error {
+        bail!("{}: O_DIRECT write failed: {e}", path.display());
+    }
+    file.sync_all()?;
+    Ok(done)
+}

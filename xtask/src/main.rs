@@ -6,8 +6,10 @@
 //!   Python interop in a venv it creates, a bench smoke run).
 
 mod bench;
+mod cachebench;
 mod ceiling;
 mod pybench;
+mod savebench;
 mod test;
 
 use clap::{Parser, Subcommand};

@@ -45,7 +45,7 @@ mod sys;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use cpu::{default_huge_pages, Arena, ArenaPool, CpuDevice, FileMapping, PooledArena};
+pub use cpu::{available_memory, default_huge_pages, Arena, ArenaPool, CpuDevice, FileMapping, PooledArena};
 pub use error::DeviceError;
 
 use std::any::Any;

@@ -2,29 +2,32 @@
 //! [`Storage`] contract for files on local file systems, reading as
 //! fast as the page cache or the disk allows and saving atomically.
 //!
-//! # Two read paths, chosen per call
+//! # Read paths, chosen per call
 //!
-//! **Hot files (mostly in the page cache): threads doing buffered `pread`.** The data is already
-//! in memory; a read is a copy from the page cache into the destination, and its cost is the
-//! copy plus the page faults of fresh destination memory. Spreading chunks (8 MiB by default)
-//! over one thread per core spreads both. `O_DIRECT` would be wrong here: it ignores the cache
-//! and reads the disk again.
+//! **Through the page cache: threads doing buffered `pread`.** A cached file costs a copy from
+//! the page cache into the destination plus the page faults of fresh destination memory;
+//! spreading chunks (8 MiB by default) over one thread per core spreads both. When the file is
+//! mostly *not* cached, one more thread walks ahead of the readers asking the kernel for the
+//! chunks they will read next (`POSIX_FADV_WILLNEED`, 64 MiB at a time): a blocked `pread` on
+//! its own keeps only a few small reads in flight, the read-ahead thread keeps the disk's queue
+//! full. The file stays in the page cache for the next reader, and readers in other processes
+//! wait for pages being read instead of reading them again.
 //!
-//! **Cold files: io_uring with `O_DIRECT`.** Buffered reads of a cold file go through
-//! readahead, which on this class of machine tops out well below the disk (about 3.3 GB/s
-//! against 5 GB/s with a deep queue of direct reads), and they copy every byte twice (disk →
-//! page cache → destination) while filling the cache with a file that is usually read once.
-//! Each worker thread owns a ring and keeps it full ([`PosixConfig::queue_depth`] requests of
+//! **Bypassing it: io_uring with `O_DIRECT`.** For a cold file that should not stay cached
+//! (the caller says so: [`DirectIo::On`](turboio_storage::DirectIo::On)). Each worker thread
+//! owns a ring and keeps it full ([`PosixConfig::queue_depth`] requests of
 //! [`PosixConfig::block_size`] bytes), reaping completions and resubmitting, so the disk sees a
-//! deep queue while the threads mostly sleep. The kernel writes straight into the destination.
+//! deep queue while the threads mostly sleep. The kernel writes straight into the destination
+//! and the page cache is left as it was.
 //!
 //! [`ReadMethod::Auto`] with [`DirectIo::Auto`](turboio_storage::DirectIo::Auto) decides with
-//! [`StorageFile::cached_fraction`]: at or above
-//! [`PosixConfig::cached_threshold`] the threads, below it io_uring with `O_DIRECT`.
-//! `DirectIo::On` and `Off` force the cache bypass on or off, and [`PosixConfig::method`] forces
-//! the method; every combination works (threads with `O_DIRECT`, io_uring through the cache).
-//! Where io_uring cannot be set up (an old kernel, seccomp, a container policy), the threads
-//! take over silently; [`io_uring_available`] says which.
+//! [`StorageFile::cached_fraction`]: at or above [`PosixConfig::cached_threshold`] the threads,
+//! below it io_uring with `O_DIRECT`. (turboio's loader decides the cache policy itself and
+//! passes `On` or `Off`.) `DirectIo::On` and `Off` force the cache bypass on or off, and
+//! [`PosixConfig::method`] forces the method; every combination works (threads with
+//! `O_DIRECT`, io_uring through the cache). Where io_uring cannot be set up (an old kernel,
+//! seccomp, a container policy), the threads take over silently; [`io_uring_available`] says
+//! which.
 //!
 //! # The residency probe
 //!
@@ -70,17 +73,32 @@
 //!
 //! # Atomic saves
 //!
-//! [`Storage::write_file`] creates
-//! `.{name}.turboio-tmp.{pid}.{random}` in the target's directory with `O_EXCL` (mode 0644 less
-//! the umask), reserves the final size with `fallocate` (so a full disk fails before any byte is
-//! written), writes chunks in parallel (each worker fills its own reusable aligned buffer from
-//! the source and `pwrite`s it, with `O_DIRECT` if [`PosixConfig::direct_writes`]), `fsync`s the
-//! file, renames it over the target, and `fsync`s the directory. On any error before the rename
-//! (the source fails, the disk is full, the caller cancels) the temporary file is removed and
-//! the old target is untouched; readers see the old file or the complete new one. Because the
-//! target is replaced, not rewritten, existing mappings of the old file stay valid. Nothing of
-//! the old file is preserved: not its permissions, owner, extended attributes or hard links (a
-//! symbolic link at the target is replaced by the new file, not followed).
+//! [`Storage::write_file`] is the one atomic-replace implementation of turboio:
+//!
+//! 1. A symbolic link at the target is followed (the Hugging Face cache links
+//!    `model.safetensors` to a blob): the file it points to is replaced, in its own directory,
+//!    and the link stays.
+//! 2. `.{name}.turboio-tmp.{pid}.{random}` is created next to the target with `O_EXCL`: mode
+//!    0600 when a file is being replaced (never more open than the final file), 0666 less the
+//!    umask for a new file (what `open` gives).
+//! 3. The final size is reserved with `fallocate` (a full disk fails before any byte is
+//!    written).
+//! 4. Chunks are filled from the source into reusable aligned buffers by one worker per core
+//!    and written with `O_DIRECT` (whole blocks; the file's last partial block through the
+//!    page cache), each worker keeping several chunks in flight on an io_uring of its own;
+//!    with `pwrite` where io_uring is unavailable, and through the page cache where the file
+//!    system refuses `O_DIRECT` or the caller asks ([`DirectIo::Off`](turboio_storage::DirectIo::Off):
+//!    the file then stays in the page cache, for a load right after).
+//! 5. The file is `fsync`ed, given the replaced file's owner (where permitted) and mode, and
+//!    renamed over the target; the directory is `fsync`ed.
+//! 6. Temporary files of earlier saves of the same name whose process is gone (a writer killed
+//!    mid-save) are removed.
+//!
+//! On any error before the rename (the source fails, the disk is full, the caller cancels) the
+//! temporary file is removed and the old target is untouched; readers see the old file or the
+//! complete new one. Because the target is replaced, not rewritten, existing mappings of the old
+//! file stay valid. Hard links to the old file keep the old contents; extended attributes and
+//! ACLs are not copied.
 //!
 //! # Measured (4 GiB file, this 2-vCPU VM, medians of 5 shuffled runs; `examples/readbench.rs`)
 //!
@@ -100,11 +118,12 @@ mod uring;
 mod write;
 
 pub use read::PosixFile;
+pub use write::Faults;
 
 use std::path::Path;
 use turboio_storage::{IoOptions, Storage, StorageError, StorageFile, WriteSource};
 
-/// How bulk reads are issued.
+/// How bulk reads are issued (and saves: `Threads` makes them `pwrite` instead of io_uring).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ReadMethod {
     /// Threads for cached files, io_uring for cold ones (see the crate docs).
@@ -135,6 +154,8 @@ pub struct PosixConfig {
     /// `DirectIo::Auto` bypasses the page cache when less than this fraction of the file is
     /// cached.
     pub cached_threshold: f64,
+    /// For tests: OS errors a save meets on purpose (none by default).
+    pub faults: Faults,
 }
 
 impl Default for PosixConfig {
@@ -146,6 +167,7 @@ impl Default for PosixConfig {
             fsync: true,
             direct_writes: true,
             cached_threshold: 0.5,
+            faults: Faults::default(),
         }
     }
 }

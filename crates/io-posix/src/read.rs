@@ -20,6 +20,8 @@ use turboio_storage::{
 
 /// Default bytes per chunk handed to a worker.
 const DEFAULT_CHUNK: usize = 8 << 20;
+/// Bytes asked for per `POSIX_FADV_WILLNEED` call when reading a cold file through the cache.
+const READ_AHEAD_STEP: u64 = 64 << 20;
 /// Largest block a single request may read (io_uring takes a `u32` length).
 const MAX_BLOCK: usize = 64 << 20;
 
@@ -82,12 +84,21 @@ impl PosixFile {
         for r in &requests {
             self.check_range(r.offset, r.dst.len())?;
         }
-        let (method, want_direct) = self.choose(opts);
+        // Asked only when the choice depends on it (a probe costs a few system calls).
+        let cold = std::cell::OnceCell::new();
+        let is_cold = || *cold.get_or_init(|| self.cached_fraction().is_some_and(|f| f < self.cfg.cached_threshold));
+        let (method, want_direct) = self.choose(opts, &is_cold);
         let direct_fd =
             if want_direct && !self.refused_at_read.load(Ordering::Relaxed) { self.direct_file()? } else { None };
         let refused_before = want_direct && direct_fd.is_none();
-        let run =
-            Run { file: self, opts, direct_fd: direct_fd.map(AsRawFd::as_raw_fd), refused: AtomicBool::new(false) };
+        let read_ahead = direct_fd.is_none() && method != ReadMethod::IoUring && is_cold();
+        let run = Run {
+            file: self,
+            opts,
+            direct_fd: direct_fd.map(AsRawFd::as_raw_fd),
+            refused: AtomicBool::new(false),
+            read_ahead,
+        };
         let method = match method {
             ReadMethod::IoUring => run.uring(requests)?,
             _ => {
@@ -103,11 +114,11 @@ impl PosixFile {
     }
 
     /// Which method, and whether to bypass the cache.
-    fn choose(&self, opts: &IoOptions<'_>) -> (ReadMethod, bool) {
+    fn choose(&self, opts: &IoOptions<'_>, is_cold: &dyn Fn() -> bool) -> (ReadMethod, bool) {
         let direct = match opts.direct {
             DirectIo::Off => false,
             DirectIo::On => true,
-            DirectIo::Auto => self.cached_fraction().is_some_and(|f| f < self.cfg.cached_threshold),
+            DirectIo::Auto => is_cold(),
         };
         let method = match self.cfg.method {
             ReadMethod::Auto if direct => ReadMethod::IoUring,
@@ -188,6 +199,8 @@ struct Run<'f, 'o, 'h> {
     direct_fd: Option<RawFd>,
     /// The file system refused an `O_DIRECT` read (`EINVAL`) during this call.
     refused: AtomicBool,
+    /// Buffered reads of a file mostly not in the page cache: read ahead of the readers.
+    read_ahead: bool,
 }
 
 impl Run<'_, '_, '_> {
@@ -245,7 +258,20 @@ impl Run<'_, '_, '_> {
         let chunk = PosixFile::chunk_size(self.opts);
         let Some(dfd) = self.direct_fd else {
             let chunks = split_requests(requests, chunk);
-            return for_each_chunk(chunks, self.opts, || Ok(()), |_, c| self.file.read_buffered(c.dst, c.offset));
+            if !self.read_ahead {
+                return for_each_chunk(chunks, self.opts, || Ok(()), |_, c| self.file.read_buffered(c.dst, c.offset));
+            }
+            // A cold file read through the cache: one more thread walks ahead of the readers
+            // asking for the chunks they will read next, so the disk sees every read at once
+            // instead of the few small ones each blocked `pread` triggers.
+            let ranges: Vec<(u64, u64)> = chunks.iter().map(|c| (c.offset, c.dst.len() as u64)).collect();
+            let done = AtomicBool::new(false);
+            return std::thread::scope(|s| {
+                s.spawn(|| self.read_ahead_ranges(&ranges, &done));
+                let r = for_each_chunk(chunks, self.opts, || Ok(()), |_, c| self.file.read_buffered(c.dst, c.offset));
+                done.store(true, Ordering::Relaxed);
+                r
+            });
         };
         let block = self.file.block_size();
         let chunks = split_aligned(requests, chunk);
@@ -256,6 +282,23 @@ impl Run<'_, '_, '_> {
             || Ok(None::<AlignedBuf>),
             |bounce, c| self.threads_direct_chunk(&direct, bounce, block, c),
         )
+    }
+
+    /// Asks the kernel to read `ranges` into the page cache, in order, a step at a time,
+    /// until they are all asked for or `done` is set (the readers finished or failed).
+    fn read_ahead_ranges(&self, ranges: &[(u64, u64)], done: &AtomicBool) {
+        for &(offset, len) in ranges {
+            let mut at = offset;
+            while at < offset + len {
+                if done.load(Ordering::Relaxed) || self.opts.check_cancel().is_err() {
+                    return;
+                }
+                let n = READ_AHEAD_STEP.min(offset + len - at);
+                // Advisory: if the kernel refuses, the readers read the pages themselves.
+                let _ = sys::will_need(&self.file.file, at, n);
+                at += n;
+            }
+        }
     }
 
     fn threads_direct_chunk(
@@ -659,7 +702,13 @@ mod tests {
     fn einval_at_read_falls_back_to_buffered() {
         let (_dir, f, data) = fixture();
         let opts = IoOptions::default();
-        let run = Run { file: &f, opts: &opts, direct_fd: Some(f.file.as_raw_fd()), refused: AtomicBool::new(false) };
+        let run = Run {
+            file: &f,
+            opts: &opts,
+            direct_fd: Some(f.file.as_raw_fd()),
+            refused: AtomicBool::new(false),
+            read_ahead: false,
+        };
         let piece = Piece::Direct { offset: 4096, dst_off: 0, len: 4096 };
         let mut target = vec![0u8; 4096];
         let einval = Err(io::Error::from_raw_os_error(libc::EINVAL));
@@ -674,7 +723,7 @@ mod tests {
     fn short_reads_complete_and_errors_name_the_file() {
         let (_dir, f, data) = fixture();
         let opts = IoOptions::default();
-        let run = Run { file: &f, opts: &opts, direct_fd: None, refused: AtomicBool::new(false) };
+        let run = Run { file: &f, opts: &opts, direct_fd: None, refused: AtomicBool::new(false), read_ahead: false };
         // A direct piece that got only its first 100 bytes.
         let piece = Piece::Direct { offset: 8192, dst_off: 0, len: 8192 };
         let mut target = vec![0u8; 8192];

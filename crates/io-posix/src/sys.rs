@@ -117,6 +117,30 @@ pub(crate) fn allocate(file: &File, len: u64) -> io::Result<()> {
     }
 }
 
+/// Asks the kernel to start reading `[offset, offset + len)` of `file` into the page cache
+/// (`POSIX_FADV_WILLNEED`). It queues the reads of every page not cached yet and returns once
+/// they are submitted (it may block while the device's queue is full), without waiting for them.
+pub(crate) fn will_need(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    let (Ok(off), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    };
+    // SAFETY: plain syscall on a descriptor we own; no memory is passed.
+    let ret = unsafe { libc::posix_fadvise(file.as_raw_fd(), off, len, libc::POSIX_FADV_WILLNEED) };
+    if ret != 0 {
+        return Err(io::Error::from_raw_os_error(ret));
+    }
+    Ok(())
+}
+
+/// True if a process with this id exists (`kill(pid, 0)`: permission denied still means it
+/// exists).
+pub(crate) fn process_exists(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
+    // SAFETY: signal 0 sends nothing; it only checks that the process exists.
+    let ret = unsafe { libc::kill(pid, 0) };
+    ret == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
 /// Tells the kernel to drop the clean cached pages of `file` (`POSIX_FADV_DONTNEED`).
 pub(crate) fn drop_cache(file: &File) -> io::Result<()> {
     // SAFETY: plain syscall on a descriptor we own; no memory is passed.

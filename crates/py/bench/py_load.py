@@ -7,6 +7,7 @@ actually read the file.
 
 import argparse
 import json
+import sys
 import time
 
 
@@ -32,22 +33,47 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--loader", required=True)
     p.add_argument("--file", required=True)
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help='print {"ready": true} once imports are done, then load when a line arrives on stdin',
+    )
     a = p.parse_args()
     import torch  # imported before timing: every loader needs it
 
-    if a.loader == "turboio.load":
+    if a.loader.startswith("turboio"):
+        import turboio
+        import turboio.torch
+        from turboio._torch import tensors_of
+    elif a.loader == "safetensors.torch.load_file":
+        import safetensors.torch
+    elif a.loader == "fastsafetensors":
+        import fastsafetensors  # noqa: F401
+    if a.wait:
+        print(json.dumps({"ready": True}), flush=True)
+        sys.stdin.readline()
+
+    report = None
+    if a.loader.startswith("turboio ") or a.loader.startswith("turboio,"):
+        # The page-cache rows: turboio.load's default and each forced mode / cache policy,
+        # "turboio MODE[, cache POLICY][, encrypted]" (encrypted files take the key from
+        # VETURBOIO_KEY / VETURBOIO_IV).
+        words = [w.strip() for w in a.loader[len("turboio"):].replace(",", " ").split()]
+        mode = words[0] if words and words[0] in ("auto", "mapped", "copied") else "auto"
+        cache = words[words.index("cache") + 1] if "cache" in words else "auto"
+        t0 = time.perf_counter()
+        loaded = turboio._turboio.load(a.file, mode=mode, cache=cache, cipher="encrypted" in words)
+        sd = tensors_of(loaded)
+        report = loaded.report()
+    elif a.loader == "turboio.load":
         import turboio
 
         t0 = time.perf_counter()
         sd = turboio.load(a.file)
     elif a.loader == "turboio.torch.load_file":
-        import turboio.torch
-
         t0 = time.perf_counter()
         sd = turboio.torch.load_file(a.file)
     elif a.loader == "safetensors.torch.load_file":
-        import safetensors.torch
-
         t0 = time.perf_counter()
         sd = safetensors.torch.load_file(a.file)
     elif a.loader == "torch.load":
@@ -66,7 +92,10 @@ def main():
     t1 = time.perf_counter()
     touch(sd.values())
     t2 = time.perf_counter()
-    print(json.dumps({"load_s": t1 - t0, "touch_s": t2 - t1, "tensors": len(sd), "peak_rss": peak_rss()}))
+    out = {"load_s": t1 - t0, "touch_s": t2 - t1, "tensors": len(sd), "peak_rss": peak_rss()}
+    if report is not None:
+        out["how"] = f"{report['held']} via {report['method']}, cache {report['cache']} ({report['cache_reason']})"
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

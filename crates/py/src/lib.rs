@@ -29,7 +29,7 @@ use turboio::crypt::{Encryption, Keys};
 use turboio::device::ArenaPool;
 use turboio::format::{FormatError, Header};
 use turboio::storage::StorageError;
-use turboio::{DirectIo, Dtype, Error, LoadMode, LoadOptions, LoadedFile, SaveOptions, TensorSpec};
+use turboio::{CachePolicy, Dtype, Error, LoadMode, LoadOptions, LoadedFile, SaveOptions, TensorSpec};
 
 fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
@@ -96,8 +96,8 @@ fn encryption(cipher: bool, header: bool) -> Option<Encryption> {
     cipher.then(|| Encryption { keys: Keys::from_env(), header })
 }
 
-fn parse_direct(s: &str) -> PyResult<DirectIo> {
-    turboio::parse_direct(s).map_err(PyValueError::new_err)
+fn parse_cache(s: &str) -> PyResult<CachePolicy> {
+    s.parse().map_err(PyValueError::new_err)
 }
 
 fn parse_mode(s: &str) -> PyResult<LoadMode> {
@@ -295,7 +295,8 @@ impl PyLoaded {
             .collect()
     }
 
-    /// What the load did: held ("mapped"/"copied"), method, direct, cached_fraction, bytes, seconds.
+    /// What the load did: held ("mapped"/"copied"), method, direct, cached_fraction, cache
+    /// ("kept"/"bypassed") and cache_reason, bytes, seconds.
     fn report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let r = self.inner.report();
         let d = PyDict::new(py);
@@ -303,6 +304,8 @@ impl PyLoaded {
         d.set_item("method", r.read.method)?;
         d.set_item("direct", r.read.direct)?;
         d.set_item("cached_fraction", r.cached_fraction)?;
+        d.set_item("cache", if r.cache.kept { "kept" } else { "bypassed" })?;
+        d.set_item("cache_reason", r.cache.reason)?;
         d.set_item("bytes", r.bytes)?;
         d.set_item("seconds", r.elapsed.as_secs_f64())?;
         d.set_item("arena_reused", r.arena_reused)?;
@@ -342,13 +345,13 @@ impl PyArenaPool {
 
 /// Loads every tensor of a safetensors file (GIL released, Ctrl-C cancels).
 #[pyfunction]
-#[pyo3(signature = (path, threads=0, direct="auto", mode="auto", pool=None, huge_pages=None, progress=None, cipher=false))]
+#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", pool=None, huge_pages=None, progress=None, cipher=false))]
 #[allow(clippy::too_many_arguments)]
 fn load(
     py: Python<'_>,
     path: std::path::PathBuf,
     threads: usize,
-    direct: &str,
+    cache: &str,
     mode: &str,
     pool: Option<&PyArenaPool>,
     huge_pages: Option<bool>,
@@ -360,7 +363,7 @@ fn load(
     let opts = LoadOptions {
         progress: Some(done.clone()),
         threads,
-        direct: parse_direct(direct)?,
+        cache: parse_cache(cache)?,
         mode: parse_mode(mode)?,
         arenas: pool.map(|p| p.pool.clone()),
         huge_pages,
@@ -442,19 +445,19 @@ fn parse_bytes(data: &[u8]) -> PyResult<HeaderInfo> {
 /// Private to the Python package, which passes only `data_ptr()`s of contiguous CPU tensors
 /// (or shared-memory buffers) it has checked and keeps referenced for the call.
 #[pyfunction]
-#[pyo3(signature = (path, requests, threads=0, direct="auto", cipher=false))]
+#[pyo3(signature = (path, requests, threads=0, cache="auto", cipher=false))]
 fn _read_into(
     py: Python<'_>,
     path: std::path::PathBuf,
     requests: Vec<(u64, usize, usize)>,
     threads: usize,
-    direct: &str,
+    cache: &str,
     cipher: bool,
 ) -> PyResult<()> {
     let cancel = Arc::new(AtomicBool::new(false));
     let opts = LoadOptions {
         threads,
-        direct: parse_direct(direct)?,
+        cache: parse_cache(cache)?,
         encryption: encryption(cipher, false),
         cancel: Some(cancel.clone()),
         ..Default::default()

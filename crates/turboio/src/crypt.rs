@@ -91,12 +91,16 @@ fn key_error(path: &Path, message: impl fmt::Display) -> Error {
     Error::Key { path: path.to_owned(), message: message.to_string() }
 }
 
-/// Finds the layout and the key of an encrypted file.
-pub(crate) fn for_read(file: &dyn StorageFile, enc: &Encryption) -> Result<Crypt> {
+/// Finds the layout and the key of an encrypted file (reading its first bytes with `O_DIRECT`
+/// when `bypass`, so that a load bypassing the page cache leaves it as it was).
+pub(crate) fn for_read(file: &dyn StorageFile, enc: &Encryption, bypass: bool) -> Result<Crypt> {
     let path = file.path();
     let len = file.len();
     let mut first = vec![0u8; len.min(HEADER_SIZE) as usize];
-    file.read_exact_at(0, &mut first).map_err(|e| Error::storage(path, e))?;
+    let direct = if bypass { turboio_storage::DirectIo::On } else { turboio_storage::DirectIo::Off };
+    let io = turboio_storage::IoOptions { threads: 1, direct, ..Default::default() };
+    file.read_ranges(vec![turboio_storage::ReadRequest { offset: 0, dst: &mut first }], &io)
+        .map_err(|e| Error::storage(path, e))?;
     let header = CipherHeader::parse(&first, len).map_err(|e| key_error(path, format!("bad cipher header: {e}")))?;
     let offset = if header.is_some() { HEADER_SIZE } else { 0 };
     let (key, iv, source) = match &enc.keys {
@@ -185,7 +189,7 @@ pub fn encrypt_file(input: &Path, output: &Path, enc: &Encryption, opts: &crate:
 /// Decrypts a file written in either of veTurboIO's layouts into `output`, atomically.
 pub fn decrypt_file(input: &Path, output: &Path, enc: &Encryption, opts: &crate::SaveOptions) -> Result<()> {
     let mut opened = crate::backend::Opened::open(opts.storage.as_ref(), input)?;
-    opened.crypt = Some(for_read(opened.raw(), enc)?);
+    opened.crypt = Some(for_read(opened.raw(), enc, false)?);
     let opts = crate::SaveOptions { encryption: None, ..opts.clone() };
     crate::save::write_source(output, &OpenedSource(&opened), &opts)
 }

@@ -14,15 +14,23 @@
 //!    ([`turboio_format`]); the data section is never read to validate.
 //! 2. The file's page-cache residency is probed (a `mincore` sample, well under a millisecond).
 //! 3. The bytes are brought in one pass, one of three ways:
-//!    - **mapped** (CPU, file mostly cached): a private writable mapping populated with
-//!      `MADV_POPULATE_READ`. No byte is copied; memory is shared with the page cache; a page is
-//!      copied only if written. About 40 GB/s on the build machine.
-//!    - **copied** (CPU, cold file, or forced): one arena (4 KiB pages unless huge pages are
-//!      asked for, [`LoadOptions::huge_pages`]), filled by parallel readers:
-//!      io_uring with `O_DIRECT` and a deep queue when the file is cold, threaded `pread` when it
-//!      is cached. Arenas can be pooled and reused ([`LoadOptions::arenas`]).
+//!    - **mapped** (CPU, the default for local unencrypted files): a private writable mapping
+//!      populated with `MADV_POPULATE_READ`. Hot, no byte is copied (about 40 GB/s on the
+//!      build machine); cold, the whole range is asked for first (`MADV_WILLNEED`) so the disk
+//!      sees a deep queue, and the file ends up in the page cache for the next process. A page
+//!      is copied only if written.
+//!    - **copied** (CPU, asked for, encrypted files, or a bypassed cache): one arena (4 KiB
+//!      pages unless huge pages are asked for, [`LoadOptions::huge_pages`]) filled by parallel
+//!      readers: buffered `pread`s with the kernel asked to read ahead of them when the page
+//!      cache is kept, io_uring with `O_DIRECT` and a deep queue when it is bypassed. Arenas
+//!      can be pooled and reused ([`LoadOptions::arenas`]).
 //!    - **staged** (devices the CPU cannot address): readers fill host staging buffers that the
 //!      device copies asynchronously while the next chunk is read.
+//!
+//!    Whether the page cache is kept is [`CachePolicy`]: by default it is (the next load of the
+//!    file, in any process, is then hot, and processes loading it at the same time read it from
+//!    the disk once), unless a copy and the file do not both fit in available memory.
+//!    [`LoadReport::cache`] says what was done and why.
 //! 4. Tensors are views into that one allocation ([`LoadedFile::tensors`]); aliases recorded in
 //!    `__metadata__` resolve to their targets ([`LoadedFile::tensor`]).
 //!
@@ -50,6 +58,7 @@
 #![deny(missing_docs)]
 
 mod backend;
+mod background;
 #[cfg(feature = "cipher")]
 pub mod crypt;
 mod error;
@@ -60,10 +69,11 @@ pub mod sample;
 mod save;
 
 pub use backend::ReadInfo;
+pub use background::{default_snapshot_pool, save_async, wait_for_saves, SaveHandle};
 pub use error::{Error, Result};
-pub use load::{load, read_all, read_header_of, read_into, read_prefix, MAPPED_THRESHOLD};
-pub use loaded::{Held, LoadReport, LoadedFile, TensorView};
-pub use options::{parse_direct, DirectIo, LoadMode, LoadOptions, SaveOptions};
+pub use load::{load, read_all, read_header_of, read_into, read_prefix};
+pub use loaded::{CacheUse, Held, LoadReport, LoadedFile, TensorView};
+pub use options::{parse_direct, CachePolicy, DirectIo, LoadMode, LoadOptions, SaveOptions};
 pub use save::{save, save_with, write_bytes, SaveTensor, TensorData};
 
 pub use turboio_device as device;

@@ -1,8 +1,8 @@
 //! The load pipeline.
 
 use crate::backend::{Opened, ReadInfo};
-use crate::loaded::{Held, LoadReport, LoadedFile};
-use crate::options::{DirectIo, LoadMode, LoadOptions};
+use crate::loaded::{CacheUse, Held, LoadReport, LoadedFile};
+use crate::options::{CachePolicy, DirectIo, LoadMode, LoadOptions};
 use crate::{Error, Result};
 use std::collections::VecDeque;
 use std::path::Path;
@@ -13,8 +13,8 @@ use turboio_device::{Allocation, CpuDevice, Device, DeviceKind, FileMapping, Tra
 use turboio_format::{read_header_len, Header, N_LEN};
 use turboio_storage::{IoOptions, ReadRequest};
 
-/// Files at least this much in the page cache are mapped rather than copied (auto mode).
-pub const MAPPED_THRESHOLD: f64 = 0.5;
+/// Files less than this much in the page cache are read ahead as a whole when mapped.
+const COLD_THRESHOLD: f64 = 0.5;
 
 /// O_DIRECT alignment; copied loads start at the data section rounded down to it.
 const ALIGN: u64 = 4096;
@@ -22,12 +22,22 @@ const ALIGN: u64 = 4096;
 /// The first read of a file: enough for the headers of nearly all checkpoints.
 const FIRST_READ: u64 = 1 << 20;
 
-/// Reads and validates the header of an open file (only the first `8 + N` bytes are read).
-fn read_header(file: &Opened) -> Result<Header> {
+/// Reads and validates the header of an open file (only the first `8 + N` bytes are read),
+/// with `O_DIRECT` when the load bypasses the page cache (so that even the header leaves the
+/// cache as it was).
+fn read_header(file: &Opened, bypass: bool) -> Result<Header> {
     let path = file.path();
     let len = file.len();
+    let read = |offset: u64, dst: &mut [u8]| -> Result<()> {
+        if bypass {
+            let io = IoOptions { threads: 1, direct: DirectIo::On, ..Default::default() };
+            file.read(vec![ReadRequest { offset, dst }], &io).map(drop)
+        } else {
+            file.read_exact_at(offset, dst)
+        }
+    };
     let mut prefix = vec![0u8; len.min(FIRST_READ) as usize];
-    file.read_exact_at(0, &mut prefix)?;
+    read(0, &mut prefix)?;
     let format_error = |e| {
         #[cfg(feature = "cipher")]
         if let Some(c) = &file.crypt {
@@ -40,7 +50,7 @@ fn read_header(file: &Opened) -> Result<Header> {
     if prefix.len() < end {
         let have = prefix.len();
         prefix.resize(end, 0);
-        file.read_exact_at(have as u64, &mut prefix[have..])?;
+        read(have as u64, &mut prefix[have..])?;
     }
     Header::parse(&prefix, len).map_err(format_error)
 }
@@ -51,14 +61,14 @@ fn open(path: &Path, opts: &LoadOptions) -> Result<Opened> {
     let mut opened = Opened::open(opts.storage.as_ref(), path)?;
     #[cfg(feature = "cipher")]
     if let Some(enc) = &opts.encryption {
-        opened.crypt = Some(crate::crypt::for_read(opened.raw(), enc)?);
+        opened.crypt = Some(crate::crypt::for_read(opened.raw(), enc, opts.cache == CachePolicy::Bypass)?);
     }
     Ok(opened)
 }
 
 /// Reads only the header of a safetensors file (decrypting it when the options ask for it).
 pub fn read_header_of(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Header> {
-    read_header(&open(path.as_ref(), opts)?)
+    read_header(&open(path.as_ref(), opts)?, opts.cache == CachePolicy::Bypass)
 }
 
 /// Reads the first `n` bytes of the plain file (decrypted when the options ask for it) and
@@ -94,7 +104,7 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
     let path = path.as_ref();
     let start = Instant::now();
     let opened = open(path, opts)?;
-    let header = read_header(&opened)?;
+    let header = read_header(&opened, opts.cache == CachePolicy::Bypass)?;
     let file_len = opened.len();
     let data_start = header.data_start();
     let threads = if opts.threads == 0 { turboio_storage::default_threads() } else { opts.threads };
@@ -116,7 +126,14 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
     };
     let on_cpu = device.id().kind == DeviceKind::Cpu;
     let local = opened.local_file();
-    let cached_fraction = if on_cpu { opened.raw().cached_fraction() } else { None };
+    let cached_fraction = opened.raw().cached_fraction();
+    // Copied and staged loads bring in [aligned_start, file_len): the data section, widened at
+    // the front to the O_DIRECT alignment so that memory and file offsets are congruent.
+    let aligned_start = data_start - data_start % ALIGN;
+    let span = usize::try_from(file_len - aligned_start).map_err(|_| Error::Unsupported {
+        path: path.to_owned(),
+        message: "file too large for this address space".into(),
+    })?;
 
     let mapped = on_cpu
         && match opts.mode {
@@ -129,13 +146,25 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
                     };
                     return Err(Error::Unsupported { path: path.to_owned(), message: message.into() });
                 }
+                if opts.cache == CachePolicy::Bypass {
+                    return Err(Error::Unsupported {
+                        path: path.to_owned(),
+                        message:
+                            "a mapping is the page cache and cannot bypass it; use copied mode to bypass the cache"
+                                .into(),
+                    });
+                }
                 true
             }
             LoadMode::Copied => false,
-            LoadMode::Auto => {
-                opts.direct != DirectIo::On && local.is_some() && cached_fraction.is_some_and(|f| f >= MAPPED_THRESHOLD)
-            }
+            LoadMode::Auto => local.is_some() && opts.cache != CachePolicy::Bypass,
         };
+    let cache = if mapped {
+        CacheUse { kept: true, reason: if opts.mode == LoadMode::Auto { "default" } else { "mapped loads share it" } }
+    } else {
+        let dest = if on_cpu { span as u64 } else { 0 };
+        copy_cache_use(opts.cache, file_len, cached_fraction, dest, turboio_device::available_memory())
+    };
 
     let cancel = opts.cancel.as_deref();
     let check_cancel = || {
@@ -161,7 +190,12 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
     if let Some(mapping) = mapping {
         let lazy = opts.mode == LoadMode::Lazy;
         if !lazy {
-            mapping.populate(threads).map_err(|e| Error::device(path, e))?;
+            if cached_fraction.is_some_and(|f| f >= COLD_THRESHOLD) {
+                mapping.populate(threads)
+            } else {
+                mapping.populate_cold(threads)
+            }
+            .map_err(|e| Error::device(path, e))?;
         }
         if let (Some(p), false) = (&opts.progress, lazy) {
             p.fetch_add(file_len, Ordering::Relaxed);
@@ -181,6 +215,7 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
                     direct_refused: false,
                 },
                 cached_fraction,
+                cache,
                 bytes: if lazy { 0 } else { file_len },
                 arena_reused: false,
                 elapsed: start.elapsed(),
@@ -188,15 +223,9 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
         });
     }
 
-    // Copied and staged loads bring in [aligned_start, file_len): the data section, widened at
-    // the front to the O_DIRECT alignment so that memory and file offsets are congruent.
-    let aligned_start = data_start - data_start % ALIGN;
-    let span = usize::try_from(file_len - aligned_start).map_err(|_| Error::Unsupported {
-        path: path.to_owned(),
-        message: "file too large for this address space".into(),
-    })?;
     let data_base = (data_start - aligned_start) as usize;
-    let io = IoOptions { threads, ..io_options(opts) };
+    let direct = if cache.kept { DirectIo::Off } else { DirectIo::On };
+    let io = IoOptions { threads, direct, ..io_options(opts) };
 
     let pool_before = opts.arenas.as_ref().map(|p| p.free_arenas()).unwrap_or(0);
     let mut memory = device.alloc(span).map_err(|e| Error::device(path, e))?;
@@ -220,7 +249,15 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
         memory,
         data_base,
         device: opts.device.clone(),
-        report: LoadReport { held, read, cached_fraction, bytes: span as u64, arena_reused, elapsed: start.elapsed() },
+        report: LoadReport {
+            held,
+            read,
+            cached_fraction,
+            cache,
+            bytes: span as u64,
+            arena_reused,
+            elapsed: start.elapsed(),
+        },
     })
 }
 
@@ -293,13 +330,66 @@ pub fn read_into(path: impl AsRef<Path>, requests: Vec<ReadRequest<'_>>, opts: &
     open(path.as_ref(), opts)?.read(requests, &io_options(opts))
 }
 
-/// The storage options of a load.
+/// Whether a copied or staged load keeps the page cache: as asked, or by default unless the
+/// part of the file not cached yet and the host memory the copy needs (`dest_bytes`) do not
+/// both fit in the memory available; then caching the file would push out the copy being made
+/// (or whatever else the host holds), and `O_DIRECT` wins.
+fn copy_cache_use(
+    policy: CachePolicy,
+    file_len: u64,
+    cached: Option<f64>,
+    dest_bytes: u64,
+    available: Option<u64>,
+) -> CacheUse {
+    match policy {
+        CachePolicy::Keep => CacheUse { kept: true, reason: "asked for" },
+        CachePolicy::Bypass => CacheUse { kept: false, reason: "asked for" },
+        CachePolicy::Auto => {
+            let uncached = (file_len as f64 * (1.0 - cached.unwrap_or(0.0).clamp(0.0, 1.0))) as u64;
+            let need = uncached.saturating_add(dest_bytes);
+            match available {
+                Some(avail) if need > avail => {
+                    CacheUse { kept: false, reason: "the file and its copy do not both fit in available memory" }
+                }
+                _ => CacheUse { kept: true, reason: "default" },
+            }
+        }
+    }
+}
+
+/// The storage options of a load (without the cache choice, which needs the file).
 fn io_options(opts: &LoadOptions) -> IoOptions<'_> {
     IoOptions {
         threads: opts.threads,
-        direct: opts.direct,
+        direct: match opts.cache {
+            CachePolicy::Auto | CachePolicy::Keep => DirectIo::Off,
+            CachePolicy::Bypass => DirectIo::On,
+        },
         progress: opts.progress.as_deref(),
         cancel: opts.cancel.as_deref(),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_keep_the_cache_unless_file_and_copy_do_not_fit() {
+        let gb = 1u64 << 30;
+        let keep = |c: CacheUse| c.kept;
+        // Asked for: whatever the memory says.
+        assert!(keep(copy_cache_use(CachePolicy::Keep, 8 * gb, None, 8 * gb, Some(gb))));
+        assert!(!keep(copy_cache_use(CachePolicy::Bypass, gb, None, gb, Some(100 * gb))));
+        // Default: 4 GiB cold file + 4 GiB copy fit in 10 GiB, not in 6.
+        assert!(keep(copy_cache_use(CachePolicy::Auto, 4 * gb, Some(0.0), 4 * gb, Some(10 * gb))));
+        let c = copy_cache_use(CachePolicy::Auto, 4 * gb, Some(0.0), 4 * gb, Some(6 * gb));
+        assert!(!c.kept && c.reason.contains("do not both fit"), "{c}");
+        // Already cached: only the copy needs room.
+        assert!(keep(copy_cache_use(CachePolicy::Auto, 4 * gb, Some(1.0), 4 * gb, Some(6 * gb))));
+        // Staged loads (no host copy) and an unknown memory size keep it.
+        assert!(keep(copy_cache_use(CachePolicy::Auto, 4 * gb, Some(0.0), 0, Some(6 * gb))));
+        assert!(keep(copy_cache_use(CachePolicy::Auto, 64 * gb, None, 64 * gb, None)));
     }
 }

@@ -30,6 +30,24 @@ impl std::fmt::Display for Held {
     }
 }
 
+/// Whether a load read through the page cache, and why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheUse {
+    /// True if the file was read through the page cache (and so stays there); false if it was
+    /// read with `O_DIRECT` (see [`ReadInfo::direct_refused`] for a file system that refused).
+    pub kept: bool,
+    /// Why, in a few words ("default", "asked for", "the file and its copy do not both fit in
+    /// memory: 3.1 GB available", ...).
+    pub reason: &'static str,
+}
+
+impl std::fmt::Display for CacheUse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = if self.kept { "page cache kept" } else { "page cache bypassed" };
+        write!(f, "{what} ({})", self.reason)
+    }
+}
+
 /// What a load did and how long it took.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadReport {
@@ -39,6 +57,8 @@ pub struct LoadReport {
     pub read: ReadInfo,
     /// The page-cache residency measured before choosing, when the backend could tell.
     pub cached_fraction: Option<f64>,
+    /// Whether the page cache was used, and why.
+    pub cache: CacheUse,
     /// Bytes brought into memory.
     pub bytes: u64,
     /// Whether the arena came from a pool (already faulted in).

@@ -12,15 +12,11 @@ pub use turboio_storage::DirectIo;
 /// How a load holds the file's bytes in CPU memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LoadMode {
-    /// Mapped when the file is mostly in the page cache ([`MAPPED_THRESHOLD`](crate::MAPPED_THRESHOLD)),
-    /// copied otherwise (with `O_DIRECT` when the backend does that for cold files), and
-    /// always copied when direct I/O is forced on or the backend has no local file.
-    ///
-    /// Why not map cold files too: populating a mapping of a cold file reads it into the page
-    /// cache quickly, but on virtual machines the first CPU access to each freshly filled page
-    /// then costs a second trap, which the load hands to the first use of the tensors. Counting
-    /// that first touch, copies with `O_DIRECT` measured 1.3x faster (`cargo xtask bench`, 4 GiB,
-    /// 2.96 s against 3.83 s); without it the mapping looked 1.3x faster.
+    /// Mapped whenever the file is kept in the page cache ([`CachePolicy`]) and can be mapped
+    /// (a local, unencrypted file): hot, that copies nothing; cold, the populate reads the file
+    /// into the page cache with the whole range asked for at once, which measured faster than
+    /// `O_DIRECT` copies into fresh memory and leaves the file cached and shared. Copied
+    /// otherwise (with `O_DIRECT` when the cache is bypassed).
     #[default]
     Auto,
     /// A private, writable mapping of the file populated from the page cache: zero copy.
@@ -58,6 +54,60 @@ impl fmt::Display for LoadMode {
     }
 }
 
+/// Whether a load leaves the file in the page cache for the next reader.
+///
+/// The page cache is what makes the second load of a checkpoint (a restarted server, the next
+/// rank on the same node, a notebook cell run again) a memory copy or a mapping instead of a
+/// disk read, and what lets several processes loading the same file at once read it from the
+/// disk once. Bypassing it (`O_DIRECT`) only wins when the file cannot stay cached anyway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CachePolicy {
+    /// Keep, unless a copied load's destination and the part of the file not yet cached do not
+    /// both fit in the memory available (`MemAvailable`): then bypass, so that caching the file
+    /// does not push out the copy being made (or anything else).
+    #[default]
+    Auto,
+    /// Read through the page cache (mapped loads always do): the file stays cached.
+    Keep,
+    /// Read with `O_DIRECT` where the file system allows it: the page cache is left as it was
+    /// (copied loads only; a mapping is the page cache).
+    Bypass,
+}
+
+impl FromStr for CachePolicy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(CachePolicy::Auto),
+            "keep" => Ok(CachePolicy::Keep),
+            "bypass" => Ok(CachePolicy::Bypass),
+            other => Err(format!("unknown cache policy `{other}` (expected auto, keep or bypass)")),
+        }
+    }
+}
+
+impl fmt::Display for CachePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CachePolicy::Auto => "auto",
+            CachePolicy::Keep => "keep",
+            CachePolicy::Bypass => "bypass",
+        })
+    }
+}
+
+impl From<DirectIo> for CachePolicy {
+    /// The older spelling: `O_DIRECT` on is bypass, off is keep.
+    fn from(d: DirectIo) -> Self {
+        match d {
+            DirectIo::Auto => CachePolicy::Auto,
+            DirectIo::On => CachePolicy::Bypass,
+            DirectIo::Off => CachePolicy::Keep,
+        }
+    }
+}
+
 /// Parses `auto`, `on`/`true`/`1`, `off`/`false`/`0`.
 pub fn parse_direct(s: &str) -> Result<DirectIo, String> {
     match s {
@@ -73,8 +123,9 @@ pub fn parse_direct(s: &str) -> Result<DirectIo, String> {
 pub struct LoadOptions {
     /// Reader threads; 0 (the default) means one per core.
     pub threads: usize,
-    /// Page-cache bypass for copied loads. `Auto` uses `O_DIRECT` for files not in the page cache.
-    pub direct: DirectIo,
+    /// Whether the file stays in the page cache ([`CachePolicy`]; default: keep it unless it
+    /// cannot fit beside its copy).
+    pub cache: CachePolicy,
     /// Mapped or copied (CPU only).
     pub mode: LoadMode,
     /// Keep and reuse arenas across loads (veTurboIO's `init_io_helper`). Without it every copied
@@ -104,7 +155,7 @@ impl fmt::Debug for LoadOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LoadOptions")
             .field("threads", &self.threads)
-            .field("direct", &self.direct)
+            .field("cache", &self.cache)
             .field("mode", &self.mode)
             .field("arenas", &self.arenas.is_some())
             .field("huge_pages", &self.huge_pages)
@@ -125,6 +176,16 @@ pub struct SaveOptions {
     pub progress: Option<Arc<AtomicU64>>,
     /// Set to abort the save; the previous file is then left as it was.
     pub cancel: Option<Arc<AtomicBool>>,
+    /// Whether the written file stays in the page cache: `Keep` writes through it (a load
+    /// right after, on this machine, is then hot), `Bypass` writes with `O_DIRECT` (faster
+    /// here, and it does not push other data out of the cache), `Auto` is the backend's
+    /// default (`O_DIRECT` for local files).
+    pub cache: CachePolicy,
+    /// Bytes per chunk handed to a writer thread; 0 means the backend's default (8 MiB).
+    pub chunk_size: usize,
+    /// Where [`save_async`](crate::save_async) keeps its snapshots; a process-wide pool of two
+    /// arenas when `None`.
+    pub snapshots: Option<ArenaPool>,
     /// Encrypt the file (veTurboIO's AES-CTR formats).
     #[cfg(feature = "cipher")]
     pub encryption: Option<crate::crypt::Encryption>,
@@ -134,6 +195,7 @@ impl fmt::Debug for SaveOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SaveOptions")
             .field("threads", &self.threads)
+            .field("cache", &self.cache)
             .field("storage", &self.storage.as_ref().map(|s| s.name()))
             .finish_non_exhaustive()
     }

@@ -105,6 +105,12 @@ pub(crate) fn write_source(path: &Path, plain: &dyn WriteSource, opts: &SaveOpti
     let storage = write_storage(opts.storage.as_ref())?;
     let io = IoOptions {
         threads: opts.threads,
+        direct: match opts.cache {
+            crate::CachePolicy::Auto => turboio_storage::DirectIo::Auto,
+            crate::CachePolicy::Keep => turboio_storage::DirectIo::Off,
+            crate::CachePolicy::Bypass => turboio_storage::DirectIo::On,
+        },
+        chunk_size: opts.chunk_size,
         progress: opts.progress.as_deref(),
         cancel: opts.cancel.as_deref(),
         ..Default::default()

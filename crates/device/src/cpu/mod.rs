@@ -45,6 +45,16 @@ pub fn default_huge_pages() -> bool {
     }
 }
 
+/// Bytes of host memory the kernel estimates are available for new allocations without
+/// swapping (`MemAvailable` in `/proc/meminfo`: free memory plus the page cache and slabs it
+/// can reclaim), or `None` where it cannot be read.
+pub fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: u64 =
+        info.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// Host memory as a device.
 ///
 /// Loads go straight into its allocations (they are host memory), so [`Device::upload`] is
@@ -124,5 +134,14 @@ impl Device for CpuDevice {
 
     fn synchronize(&self) -> Result<()> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn available_memory_is_read_from_meminfo() {
+        let bytes = super::available_memory().expect("/proc/meminfo has MemAvailable on Linux >= 3.14");
+        assert!(bytes > 0 && bytes % 1024 == 0, "{bytes}");
     }
 }

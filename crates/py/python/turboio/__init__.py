@@ -94,6 +94,15 @@ def _cpu_device(map_location):
         raise _not_yet(f"loading to {map_location} (map_location='cuda')")
 
 
+def _cache_policy(use_direct_io, cache):
+    """veTurboIO's `use_direct_io=True` means bypass the page cache; `cache` says it directly."""
+    if cache is None:
+        return "bypass" if use_direct_io else "auto"
+    if use_direct_io and cache != "bypass":
+        raise ValueError(f"use_direct_io=True bypasses the page cache, but cache={cache!r} was given")
+    return cache
+
+
 def is_safetensors(path, use_cipher=False):
     """True if the file's content (decrypted with `use_cipher`) is a safetensors file, which
     tells it from a torch pickle whatever its name."""
@@ -123,6 +132,7 @@ def load(
     use_cipher=None,
     state_dict=None,
     progress=None,
+    cache=None,
 ):
     """Loads a safetensors or torch `.pt` file (detected by content) into a dict of tensors.
 
@@ -131,6 +141,10 @@ def load(
     files go through `torch.load(weights_only=True)`. With `state_dict`, the file is read
     straight into those pre-allocated tensors (which must be contiguous, of the same dtype and
     large enough) and the same dict is returned.
+
+    `cache` (a turboio extension): "auto" (default: the file stays in the page cache for the
+    next load unless it cannot fit beside its copy), "keep", or "bypass" (O_DIRECT, copied
+    loads; what `use_direct_io=True` asks for).
 
     `progress` (a turboio extension) is called as `progress(bytes_done)` about every 50 ms
     from the calling thread; an exception it raises aborts the load. Ctrl-C aborts it too.
@@ -142,7 +156,7 @@ def load(
     path = _local_path(file)
     cipher = _cipher_for_load(use_cipher)
     _cpu_device(map_location)
-    direct = "on" if use_direct_io else "auto"
+    cache = _cache_policy(use_direct_io, cache)
     n = _threads(num_thread)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
@@ -154,13 +168,13 @@ def load(
         with open(path, "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=True)
     if state_dict:
-        return _load_into(path, state_dict, n, direct, cipher)
+        return _load_into(path, state_dict, n, cache, cipher)
     pool = helper._pool if isinstance(helper, IOHelper) else None
-    loaded = _turboio.load(path, threads=n, direct=direct, pool=pool, progress=progress, cipher=cipher)
+    loaded = _turboio.load(path, threads=n, cache=cache, pool=pool, progress=progress, cipher=cipher)
     return tensors_of(loaded, aliases=enable_fast_mode)
 
 
-def _load_into(path, state_dict, num_thread, direct, cipher):
+def _load_into(path, state_dict, num_thread, cache, cipher):
     data_start, _, _, infos = _turboio.read_header(path, cipher=cipher)
     requests, resize = [], []
     for name, dtype, shape, begin, end in infos:
@@ -176,14 +190,14 @@ def _load_into(path, state_dict, num_thread, direct, cipher):
         if end > begin:
             requests.append((data_start + begin, t.data_ptr(), end - begin))
         resize.append((t, shape))
-    _turboio._read_into(path, requests, threads=num_thread, direct=direct, cipher=cipher)
+    _turboio._read_into(path, requests, threads=num_thread, cache=cache, cipher=cipher)
     for t, shape in resize:
         if list(t.shape) != list(shape):
             t.resize_(shape)
     return state_dict
 
 
-def load_to_shmem(file, num_thread=32, helper=None, use_direct_io=False, use_cipher=None):
+def load_to_shmem(file, num_thread=32, helper=None, use_direct_io=False, use_cipher=None, cache=None):
     """Copies a file into a new `multiprocessing.shared_memory.SharedMemory` (named with 10
     random letters); the caller must `close()` and `unlink()` it."""
     import ctypes
@@ -206,8 +220,8 @@ def load_to_shmem(file, num_thread=32, helper=None, use_direct_io=False, use_cip
             shm.buf[:size] = data
         elif size:
             addr = ctypes.addressof(ctypes.c_char.from_buffer(shm.buf))
-            direct = "on" if use_direct_io else "auto"
-            _turboio._read_into(path, [(0, addr, size)], threads=_threads(num_thread), direct=direct, cipher=cipher)
+            policy = _cache_policy(use_direct_io, cache)
+            _turboio._read_into(path, [(0, addr, size)], threads=_threads(num_thread), cache=policy, cipher=cipher)
     except BaseException:
         shm.close()
         shm.unlink()

@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
-use turboio::{parse_direct, DirectIo, LoadMode, LoadOptions, LoadedFile, SaveOptions};
+use turboio::{parse_direct, CachePolicy, DirectIo, LoadMode, LoadOptions, LoadedFile, SaveOptions};
 
 /// Load and save safetensors checkpoints as fast as the storage and memory allow.
 #[derive(Parser, Debug)]
@@ -35,9 +35,14 @@ enum Command {
         /// Reader threads (0 = one per core).
         #[arg(long, default_value_t = 0)]
         threads: usize,
-        /// Page-cache bypass: auto (O_DIRECT when the file is not cached), on, off.
-        #[arg(long, default_value = "auto", value_parser = parse_direct)]
-        direct: DirectIo,
+        /// Page cache: keep (read through it, so the next load of the file is hot), bypass
+        /// (O_DIRECT; copied loads only; the cache is left as it was), auto (keep unless the
+        /// file and its copy do not both fit in available memory).
+        #[arg(long, default_value = "auto")]
+        cache: CachePolicy,
+        /// Older spelling of --cache: on = bypass, off = keep, auto = auto.
+        #[arg(long, hide = true, value_parser = parse_direct, conflicts_with = "cache")]
+        direct: Option<DirectIo>,
         /// How to hold the bytes: auto, mapped (zero copy from the page cache), copied (a private arena).
         #[arg(long, default_value = "auto")]
         mode: LoadMode,
@@ -105,9 +110,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect { file, json } => inspect(&file, json),
-        Command::Load { file, threads, direct, mode, huge_pages, repeat, reuse_arena, check, cipher } => {
+        Command::Load { file, threads, cache, direct, mode, huge_pages, repeat, reuse_arena, check, cipher } => {
             cipher.encryption().map_err(Into::into).and_then(|encryption| {
-                let opts = LoadOptions { threads, direct, mode, huge_pages, encryption, ..Default::default() };
+                let cache = direct.map_or(cache, CachePolicy::from);
+                let opts = LoadOptions { threads, cache, mode, huge_pages, encryption, ..Default::default() };
                 load(&file, opts, repeat, reuse_arena, check)
             })
         }
@@ -227,7 +233,7 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
             ""
         };
         println!(
-            "run {run}: {} tensors, {} in {:.3} s = {:.2} GB/s ({}, {}{}{}{})",
+            "run {run}: {} tensors, {} in {:.3} s = {:.2} GB/s ({}, {}{}{}{}; {})",
             loaded.len(),
             gb(file_len),
             r.elapsed.as_secs_f64(),
@@ -237,6 +243,7 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
             direct,
             if r.arena_reused { ", arena reused" } else { "" },
             cached,
+            r.cache,
         );
         if check {
             check_against_plain_read(&loaded, &opts)?;
@@ -255,7 +262,7 @@ fn check_against_plain_read(loaded: &LoadedFile, opts: &LoadOptions) -> CliResul
         // The reference for an encrypted file: the whole file decrypted in one plain pass.
         Some(enc) => turboio::read_all(
             loaded.path(),
-            &LoadOptions { encryption: Some(enc.clone()), direct: DirectIo::Off, ..Default::default() },
+            &LoadOptions { encryption: Some(enc.clone()), cache: CachePolicy::Keep, ..Default::default() },
         )?,
         None => {
             std::fs::read(loaded.path()).map_err(|e| format!("{}: plain read failed: {e}", loaded.path().display()))?

@@ -1,0 +1,73 @@
+"""One save by one Python saver, timed, for `cargo xtask bench` (each run in its own process).
+
+The tensors of --file are loaded and copied into ordinary process memory first (not timed),
+as a training loop holds them. The timed part is the save plus, for savers that do not make
+the file durable themselves, an `fsync` of the file and its directory, so every row ends with
+the data on disk. Prints one JSON line: {"save_s", "blocked_s", "fsync_s"}.
+"""
+
+import argparse
+import json
+import os
+import time
+
+
+def fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    d = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(d)
+    finally:
+        os.close(d)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--saver", required=True)
+    p.add_argument("--file", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    import safetensors.torch
+    import torch
+
+    sd = {k: v.clone() for k, v in safetensors.torch.load_file(a.file).items()}
+    blocked = None
+    durable_itself = a.saver.startswith("turboio")
+    if a.saver == "turboio.save_file":
+        import turboio
+
+        t0 = time.perf_counter()
+        turboio.save_file(sd, a.out)
+    elif a.saver == "turboio.torch.save_file":
+        import turboio.torch
+
+        t0 = time.perf_counter()
+        turboio.torch.save_file(sd, a.out)
+    elif a.saver == "turboio.save_file(blocking=False)":
+        import turboio
+
+        t0 = time.perf_counter()
+        h = turboio.save_file(sd, a.out, blocking=False)
+        blocked = time.perf_counter() - t0
+        h.wait()
+    elif a.saver == "safetensors.torch.save_file":
+        t0 = time.perf_counter()
+        safetensors.torch.save_file(sd, a.out)
+    elif a.saver == "torch.save":
+        t0 = time.perf_counter()
+        torch.save(sd, a.out)
+    else:
+        raise SystemExit(f"unknown saver {a.saver}")
+    t1 = time.perf_counter()
+    if not durable_itself:
+        fsync(a.out)
+    t2 = time.perf_counter()
+    print(json.dumps({"save_s": t2 - t0, "blocked_s": blocked if blocked is not None else t2 - t0, "fsync_s": t2 - t1}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+//! Saves in the background, for training loops: [`save_async`] copies the tensors into host
+//! buffers kept for reuse (a snapshot: the caller may modify or free its tensors as soon as it
+//! returns) and writes the file on a thread of its own, through the same atomic writer as
+//! [`save`](crate::save).
+//!
+//! The snapshot is one memory copy, spread over the cores, into an arena from a pool: after
+//! the first checkpoint the arena is already faulted in, so the caller is blocked for about
+//! the time of a `memcpy` of the checkpoint (tens of GB/s), while the write runs at the disk's
+//! speed behind it. Two arenas are kept by default, so that a snapshot can be taken while the
+//! previous checkpoint is still being written.
+//!
+//! At most one save per target path is pending at a time: a later save of the same path waits
+//! (in its own background thread, not in the caller) for the earlier one to finish, so the
+//! file on disk always ends up as the last save asked for.
+
+use crate::save::{save_with, SaveTensor, TensorData};
+use crate::{Error, Result, SaveOptions};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use turboio_device::{Allocation, ArenaPool, PooledArena};
+use turboio_format::{plan, TensorSpec};
+
+/// Bytes per piece of the snapshot copy handed to a thread.
+const COPY_PIECE: usize = 16 << 20;
+
+/// The pool snapshots come from when [`SaveOptions::snapshots`] is `None`.
+pub fn default_snapshot_pool() -> &'static ArenaPool {
+    static POOL: OnceLock<ArenaPool> = OnceLock::new();
+    POOL.get_or_init(|| ArenaPool::new(2))
+}
+
+#[derive(Debug)]
+struct Shared {
+    path: PathBuf,
+    total: u64,
+    written: Arc<AtomicU64>,
+    result: Mutex<Option<std::result::Result<(), Arc<Error>>>>,
+    finished: Condvar,
+}
+
+impl Shared {
+    fn wait(&self) -> std::result::Result<(), Arc<Error>> {
+        let mut r = self.result.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(r) = r.as_ref() {
+                return r.clone();
+            }
+            r = self.finished.wait(r).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn finish(&self, result: Result<()>) {
+        *self.result.lock().unwrap_or_else(|p| p.into_inner()) = Some(result.map_err(Arc::new));
+        self.finished.notify_all();
+    }
+}
+
+/// A save running in the background ([`save_async`]). Dropping the handle does not stop the
+/// save; [`wait_for_saves`] waits for every save of the process.
+#[derive(Debug, Clone)]
+pub struct SaveHandle {
+    shared: Arc<Shared>,
+}
+
+impl SaveHandle {
+    /// The file being written.
+    pub fn path(&self) -> &Path {
+        &self.shared.path
+    }
+
+    /// True once the save has finished, successfully or not.
+    pub fn done(&self) -> bool {
+        self.shared.result.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    /// Waits for the save to finish; its error, if it failed (the previous file is then
+    /// intact). Can be called any number of times.
+    pub fn wait(&self) -> std::result::Result<(), Arc<Error>> {
+        self.shared.wait()
+    }
+
+    /// Bytes written so far, and the file's size.
+    pub fn progress(&self) -> (u64, u64) {
+        (self.shared.written.load(Ordering::Relaxed), self.shared.total)
+    }
+}
+
+/// Saves pending or running, by target path (made absolute).
+fn pending() -> &'static Mutex<HashMap<PathBuf, Arc<Shared>>> {
+    static PENDING: OnceLock<Mutex<HashMap<PathBuf, Arc<Shared>>>> = OnceLock::new();
+    PENDING.get_or_init(Default::default)
+}
+
+/// Waits for every background save of this process to finish (e.g. before exiting: a save
+/// cut short by the process ending leaves the previous file, not the new one).
+pub fn wait_for_saves() {
+    loop {
+        let next = pending().lock().unwrap_or_else(|p| p.into_inner()).values().next().cloned();
+        match next {
+            Some(s) => {
+                let _ = s.wait();
+                // The writer removes itself once finished; make sure the loop moves on.
+                let mut map = pending().lock().unwrap_or_else(|p| p.into_inner());
+                map.retain(|_, v| !Arc::ptr_eq(v, &s));
+            }
+            None => return,
+        }
+    }
+}
+
+/// The snapshot: every tensor's bytes, one after the other, in one pooled arena.
+struct Snapshot {
+    arena: PooledArena,
+    /// `(start, len)` of each tensor in the arena, in the order given.
+    spans: Vec<(usize, usize)>,
+}
+
+impl TensorData for Snapshot {
+    fn fill(&self, index: usize, offset: usize, dst: &mut [u8]) -> std::result::Result<(), String> {
+        let &(start, len) = self.spans.get(index).ok_or_else(|| format!("no tensor #{index}"))?;
+        let bytes = self.arena.host().ok_or("snapshot is not in host memory")?;
+        let src = offset
+            .checked_add(dst.len())
+            .filter(|&end| end <= len)
+            .and_then(|end| bytes.get(start + offset..start + end))
+            .ok_or_else(|| format!("tensor #{index}: bytes {offset}+{} are outside its {len}", dst.len()))?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+/// Copies `tensors` into one arena from `pool`, in parallel.
+fn snapshot(path: &Path, tensors: &[SaveTensor<'_>], pool: &ArenaPool, threads: usize) -> Result<Snapshot> {
+    let mut spans = Vec::with_capacity(tensors.len());
+    let mut total = 0usize;
+    for t in tensors {
+        spans.push((total, t.data.len()));
+        total += t.data.len();
+    }
+    let mut arena = pool.take(total).map_err(|e| Error::device(path, e))?;
+    {
+        let mut dst: &mut [u8] = arena.arena_mut().as_mut_slice();
+        let mut pieces: Vec<(&[u8], &mut [u8])> = Vec::new();
+        for t in tensors {
+            let (mine, rest) = std::mem::take(&mut dst).split_at_mut(t.data.len());
+            dst = rest;
+            for (s, d) in t.data.chunks(COPY_PIECE).zip(mine.chunks_mut(COPY_PIECE)) {
+                pieces.push((s, d));
+            }
+        }
+        let workers = if threads == 0 { turboio_storage::default_threads() } else { threads };
+        let queue = Mutex::new(pieces.into_iter());
+        turboio_storage::run_workers(vec![(); workers.max(1)], |(), _| -> std::result::Result<(), ()> {
+            loop {
+                let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
+                let Some((s, d)) = next else { return Ok(()) };
+                d.copy_from_slice(s);
+            }
+        })
+        .ok();
+    }
+    Ok(Snapshot { arena, spans })
+}
+
+/// Saves tensors atomically in the background, like [`save`](crate::save): the tensors are
+/// copied before this returns (the caller may then change or drop them), and the file is
+/// written by a thread of its own. Errors in the tensors or metadata are returned right away;
+/// errors of the write come from [`SaveHandle::wait`], and leave the previous file intact.
+///
+/// A save of a path that has a save pending waits for it before writing, so saves of one path
+/// land in the order they were asked for.
+pub fn save_async(
+    path: impl AsRef<Path>,
+    tensors: &[SaveTensor<'_>],
+    metadata: Option<&BTreeMap<String, String>>,
+    opts: &SaveOptions,
+) -> Result<SaveHandle> {
+    let path = path.as_ref().to_owned();
+    let specs: Vec<TensorSpec<'_>> = tensors
+        .iter()
+        .map(|t| TensorSpec { name: t.name, dtype: t.dtype, shape: t.shape, data_len: t.data.len() })
+        .collect();
+    // Validate now, in the caller: the background thread should fail only on I/O.
+    let layout = plan(&specs, metadata).map_err(|e| Error::format(&path, e))?;
+    let pool = opts.snapshots.clone().unwrap_or_else(|| default_snapshot_pool().clone());
+    let snap = snapshot(&path, tensors, &pool, opts.threads)?;
+
+    let owned: Vec<(String, turboio_format::Dtype, Vec<usize>, usize)> =
+        tensors.iter().map(|t| (t.name.to_owned(), t.dtype, t.shape.to_vec(), t.data.len())).collect();
+    let metadata = metadata.cloned();
+    let written = opts.progress.clone().unwrap_or_default();
+    let shared = Arc::new(Shared {
+        path: path.clone(),
+        total: layout.file_len(),
+        written: written.clone(),
+        result: Mutex::new(None),
+        finished: Condvar::new(),
+    });
+    let key = std::path::absolute(&path).unwrap_or_else(|_| path.clone());
+    let previous = pending().lock().unwrap_or_else(|p| p.into_inner()).insert(key.clone(), shared.clone());
+    let opts = SaveOptions { progress: Some(written), ..opts.clone() };
+    let me = shared.clone();
+    let spawned = std::thread::Builder::new().name("turboio-save".into()).spawn(move || {
+        if let Some(prev) = previous {
+            let _ = prev.wait();
+        }
+        let specs: Vec<TensorSpec<'_>> = owned
+            .iter()
+            .map(|(name, dtype, shape, len)| TensorSpec { name, dtype: *dtype, shape, data_len: *len })
+            .collect();
+        let result = save_with(&me.path, &specs, metadata.as_ref(), &snap, &opts);
+        drop(snap);
+        me.finish(result);
+        let mut map = pending().lock().unwrap_or_else(|p| p.into_inner());
+        if map.get(&key).is_some_and(|v| Arc::ptr_eq(v, &me)) {
+            map.remove(&key);
+        }
+    });
+    if let Err(e) = spawned {
+        let message = format!("cannot start a save thread: {e}");
+        shared.finish(Err(Error::Unsupported { path: path.clone(), message: message.clone() }));
+        let mut map = pending().lock().unwrap_or_else(|p| p.into_inner());
+        map.retain(|_, v| !Arc::ptr_eq(v, &shared));
+        return Err(Error::Unsupported { path, message });
+    }
+    Ok(SaveHandle { shared })
+}

@@ -1,0 +1,131 @@
+//! Saves survive being killed: a real saving process (`crash_saver`) is killed with SIGKILL at
+//! many points of its save, chosen by its own progress (the N-th chunk it produced) and by
+//! time, while four reader processes (`crash_checker`, two mapped, two copied) keep loading the
+//! target. Every load must be one complete version (the old or the new one: never torn, never
+//! a SIGBUS), and the next successful save must leave nothing but the target behind
+//! (temporary files of killed writers are removed by it).
+//!
+//! `TURBOIO_CRASH_KILLS` sets the number of kills (default 200).
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use turboio::{LoadOptions, SaveOptions};
+use turboio_tests::crash::{check_model, model_specs, ModelData};
+use turboio_tests::disk_dir;
+
+fn saver(path: &Path, version: u64) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_crash_saver"))
+        .arg(path)
+        .arg(version.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start crash_saver")
+}
+
+fn checker(path: &Path, mode: &str) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_crash_checker"))
+        .arg(path)
+        .arg(mode)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start crash_checker")
+}
+
+/// xorshift: kill points vary but every run of the test makes the same choices.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n.max(1)
+    }
+}
+
+#[test]
+fn killed_saves_never_tear_the_file() {
+    let kills: u64 = std::env::var("TURBOIO_CRASH_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(200);
+    let dir = disk_dir();
+    let path = dir.path().join("model.safetensors");
+    let v0 = ModelData::new(0);
+    turboio::save_with(&path, &model_specs(&v0), None, &v0, &SaveOptions::default()).unwrap();
+
+    let mut checkers: Vec<Child> = ["mapped", "copied", "mapped", "copied"].iter().map(|m| checker(&path, m)).collect();
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let (mut complete, mut killed_mid_save) = (0u64, 0u64);
+    let mut last_saved = 0u64;
+    let started = Instant::now();
+    for i in 1..=kills {
+        let mut child = saver(&path, i);
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        if i % 2 == 0 {
+            // By progress: after the k-th chunk was produced (a file has about 16).
+            let k = 1 + rng.below(18);
+            let mut seen = 0;
+            for line in lines.by_ref() {
+                let line = line.unwrap();
+                if line.starts_with("fill") {
+                    seen += 1;
+                    if seen >= k {
+                        break;
+                    }
+                }
+            }
+        } else {
+            // By time: somewhere in the first ~20 ms after the save started producing bytes
+            // (a save of this model takes a few to tens of ms).
+            let _ = lines.next();
+            std::thread::sleep(Duration::from_micros(rng.below(20_000)));
+        }
+        let _ = child.kill();
+        let status = child.wait().unwrap();
+        let saved = lines.map_while(Result::ok).any(|l| l == format!("saved {i}"));
+        if status.signal() == Some(libc::SIGKILL) && !saved {
+            killed_mid_save += 1;
+        } else {
+            complete += 1;
+        }
+        // Between saves the file is one complete version: the last one saved or this one.
+        let loaded = turboio::load(&path, &LoadOptions::default()).unwrap();
+        let v = check_model(&loaded).unwrap_or_else(|e| panic!("after kill {i}: {e}"));
+        assert!(v == last_saved || v == i, "after kill {i}: version {v}, last complete save {last_saved}");
+        last_saved = v;
+    }
+    // Readers stop when their stdin closes; each must have loaded and found no torn file.
+    let mut loads = 0u64;
+    for mut c in checkers.drain(..) {
+        drop(c.stdin.take());
+        let out = c.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "a reader failed ({:?}, signal {:?}): {text} {}",
+            out.status,
+            out.status.signal(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        loads += text.split_whitespace().nth(1).and_then(|n| n.parse::<u64>().ok()).unwrap_or(0);
+    }
+    eprintln!(
+        "{kills} kills ({killed_mid_save} mid-save, {complete} after the save completed) in {:.1} s; readers loaded {loads} times",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(killed_mid_save >= kills / 2, "most kills must land mid-save to test anything: {killed_mid_save}/{kills}");
+
+    // The next save that completes removes every temporary file killed writers left.
+    let mut last = saver(&path, kills + 1);
+    assert!(last.wait().unwrap().success());
+    let names: Vec<String> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names, vec!["model.safetensors"]);
+    let loaded = turboio::load(&path, &LoadOptions::default()).unwrap();
+    assert_eq!(check_model(&loaded).unwrap(), kills + 1);
+}
