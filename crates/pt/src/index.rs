@@ -23,6 +23,11 @@ pub struct Limits {
     /// Most objects plus container items made while unpickling, and most containers and leaves
     /// visited while naming tensors (default 16 Mi; a state dict of 100k tensors makes ~2 Mi).
     pub max_items: usize,
+    /// Naming visits each container once per path to it, so a container shared by several
+    /// parents (`{"model": sd, "ema": sd}`) is named under each. A pickle of shared lists can
+    /// make that exponential; naming stops after this many times the objects and items the
+    /// pickle made (plus 4096) (default 8).
+    pub max_name_fanout: u64,
 }
 
 impl Default for Limits {
@@ -33,6 +38,7 @@ impl Default for Limits {
             max_memo: 16 << 20,
             max_stack: 1 << 20,
             max_items: 16 << 20,
+            max_name_fanout: 8,
         }
     }
 }
@@ -275,6 +281,7 @@ impl PtIndex {
             names: HashSet::new(),
             on_path: Vec::new(),
             visited: 0,
+            budget: graph.items.saturating_mul(opts.limits.max_name_fanout).saturating_add(4096),
         };
         let root = match &opts.top_level_key {
             None => graph.root,
@@ -344,6 +351,8 @@ struct Builder<'a> {
     /// Containers on the current path (cycle detection).
     on_path: Vec<Id>,
     visited: u64,
+    /// Visits allowed by `max_name_fanout`.
+    budget: u64,
 }
 
 fn join(prefix: &str, part: &str) -> String {
@@ -396,6 +405,16 @@ impl Builder<'_> {
                 what: "containers and leaves visited while naming tensors".into(),
                 limit: self.limits.max_items as u64,
                 field: "max_items",
+            });
+        }
+        if self.visited > self.budget {
+            return Err(PtError::Limit {
+                what: format!(
+                    "naming tensors through shared containers ({} visits for the pickle's {} objects and items)",
+                    self.visited, self.g.items
+                ),
+                limit: self.limits.max_name_fanout,
+                field: "max_name_fanout",
             });
         }
         let leaf = match v {

@@ -72,19 +72,20 @@ pub(crate) enum Global {
 }
 
 impl Global {
-    fn name(self) -> &'static str {
+    fn name(self) -> String {
         match self {
-            Global::OrderedDict => "collections.OrderedDict",
-            Global::RebuildTensorV2 => "torch._utils._rebuild_tensor_v2",
-            Global::RebuildTensorV3 => "torch._utils._rebuild_tensor_v3",
-            Global::RebuildParameter => "torch._utils._rebuild_parameter",
-            Global::RebuildParameterWithState => "torch._utils._rebuild_parameter_with_state",
-            Global::RebuildFromTypeV2 => "torch._tensor._rebuild_from_type_v2",
-            Global::Storage(StorageType::Untyped) => "torch.storage.UntypedStorage",
-            Global::Storage(StorageType::Typed(_, n)) => n,
-            Global::Dtype(_) => "a torch dtype",
-            Global::TensorClass => "torch.Tensor",
-            Global::ParameterClass => "torch.nn.parameter.Parameter",
+            Global::OrderedDict => "collections.OrderedDict".into(),
+            Global::RebuildTensorV2 => "torch._utils._rebuild_tensor_v2".into(),
+            Global::RebuildTensorV3 => "torch._utils._rebuild_tensor_v3".into(),
+            Global::RebuildParameter => "torch._utils._rebuild_parameter".into(),
+            Global::RebuildParameterWithState => "torch._utils._rebuild_parameter_with_state".into(),
+            Global::RebuildFromTypeV2 => "torch._tensor._rebuild_from_type_v2".into(),
+            Global::Storage(StorageType::Untyped) => "torch.storage.UntypedStorage".into(),
+            Global::Storage(StorageType::Typed(_, n)) => format!("torch.{n}"),
+            Global::Dtype(Elem::Known(d)) => format!("the dtype {d}"),
+            Global::Dtype(Elem::Unsupported(n)) => format!("torch.{n}"),
+            Global::TensorClass => "torch.Tensor".into(),
+            Global::ParameterClass => "torch.nn.parameter.Parameter".into(),
         }
     }
 }
@@ -220,6 +221,8 @@ impl Obj {
 pub(crate) struct Unpickled {
     pub root: Val,
     pub objs: Vec<Obj>,
+    /// Objects plus container items the pickle made.
+    pub items: u64,
 }
 
 impl Unpickled {
@@ -331,7 +334,7 @@ pub(crate) fn unpickle(data: &[u8], limits: &Limits) -> Result<Unpickled, PtErro
         limits,
     };
     let root = vm.run()?;
-    Ok(Unpickled { root, objs: vm.objs })
+    Ok(Unpickled { root, objs: vm.objs, items: vm.items })
 }
 
 impl<'a> Vm<'a> {
