@@ -22,7 +22,7 @@
 //!   `0x7FC0`; BF16 -> F32 keeps the bits; the IEEE hardware
 //!   conversions (F32 <-> F64, F32 -> F16, to F64) keep the sign and the top of the payload and set
 //!   the quiet bit; F8_E4M3's NaN widens to `0x7FF00000` (F32) with its sign; any NaN becomes
-//!   the signed `0x7F` in either float8 type. [`nan_bits`] is that table.
+//!   the signed `0x7F` in either float8 type. The private `nan_bits` is that table.
 //! - **Two places torch disagrees with itself**, on NaN bits only: F16 -> F32 keeps the payload
 //!   in the vectorised kernel but gives `0x7FFFFFFF` in the scalar tail (the last `len % 8`
 //!   elements of a tensor), and F64 -> BF16 gives `0xFFFF` in bulk but `0x7FC0` in the tail.

@@ -31,7 +31,7 @@ mod error;
 mod header;
 mod write;
 
-pub use cast::{can_cast, cast, CastError};
+pub use cast::{can_cast, cast, cast_len, castable, CastError};
 pub use dtype::{Dtype, UnknownDtype};
 pub use error::FormatError;
 pub use header::{read_header_len, Header, TensorInfo};

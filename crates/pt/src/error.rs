@@ -79,6 +79,14 @@ pub enum PtError {
         /// What the top level has instead.
         found: String,
     },
+    /// `to_little_endian` was given a partial element.
+    #[error("byte swap: {len} bytes are not a whole number of {dtype} elements")]
+    ByteSwap {
+        /// Bytes given.
+        len: usize,
+        /// Their dtype.
+        dtype: turboio_format::Dtype,
+    },
     /// `PtTensor::gather` was given buffers of the wrong size.
     #[error("gather of `{name}`: {msg}")]
     Gather {

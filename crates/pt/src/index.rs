@@ -148,13 +148,13 @@ pub struct PtIndex {
 impl PtTensor {
     /// Elements in the tensor (1 for a 0-d scalar, 0 when a dimension is 0).
     pub fn numel(&self) -> u64 {
-        // Checked at parse time to fit.
-        self.shape.iter().map(|&d| d as u64).product()
+        // Checked at parse time to fit; saturating only guards fields changed since.
+        self.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d as u64)).unwrap_or(u64::MAX)
     }
 
     /// Bytes of the tensor's contiguous (row-major) form.
     pub fn nbytes(&self) -> u64 {
-        self.numel() * elem_size(self.dtype)
+        self.numel().saturating_mul(elem_size(self.dtype))
     }
 
     /// The bytes of its storage the view touches: from its first element to just past its last
@@ -187,7 +187,7 @@ impl PtTensor {
     /// `src[0]` is the element at `storage_offset`). Works for any strides, zero-size dimensions
     /// and 0-d scalars.
     pub fn gather(&self, src: &[u8], out: &mut [u8]) -> Result<(), PtError> {
-        let span_len = self.span.end - self.span.start;
+        let span_len = self.span.end.saturating_sub(self.span.start);
         if src.len() as u64 != span_len {
             return Err(PtError::Gather {
                 name: self.name.clone(),
@@ -208,21 +208,32 @@ impl PtTensor {
             out.copy_from_slice(src); // 0-d: one element
             return Ok(());
         };
-        let last_stride = self.strides[self.strides.len() - 1];
-        let row = last * es;
-        let outer_strides = &self.strides[..outer.len()];
-        let mut idx = vec![0usize; outer.len()];
+        // Parsing checked that every index below fits in the span; the checked arithmetic only
+        // turns fields changed since into an error instead of a panic.
         let bad = || PtError::Gather { name: self.name.clone(), msg: "view outside its span".into() };
+        let (Some(&last_stride), Some(outer_strides)) = (self.strides.last(), self.strides.get(..outer.len())) else {
+            return Err(bad());
+        };
+        let row = last.checked_mul(es).ok_or_else(bad)?;
+        let mut idx = vec![0usize; outer.len()];
         for chunk in out.chunks_exact_mut(row) {
-            // Element offset of this row's first element (fits: checked at parse time).
-            let base: usize = idx.iter().zip(outer_strides).map(|(i, s)| i * s).sum();
+            // Element offset of this row's first element.
+            let base = idx
+                .iter()
+                .zip(outer_strides)
+                .try_fold(0usize, |acc, (i, s)| acc.checked_add(i.checked_mul(*s)?))
+                .ok_or_else(bad)?;
             if last_stride == 1 {
-                let at = base * es;
-                chunk.copy_from_slice(src.get(at..at + row).ok_or_else(bad)?);
+                let at = base.checked_mul(es).ok_or_else(bad)?;
+                chunk.copy_from_slice(src.get(at..at.saturating_add(row)).ok_or_else(bad)?);
             } else {
                 for (j, dst) in chunk.chunks_exact_mut(es).enumerate() {
-                    let at = (base + j * last_stride) * es;
-                    dst.copy_from_slice(src.get(at..at + es).ok_or_else(bad)?);
+                    let at = j
+                        .checked_mul(last_stride)
+                        .and_then(|x| x.checked_add(base))
+                        .and_then(|x| x.checked_mul(es))
+                        .ok_or_else(bad)?;
+                    dst.copy_from_slice(src.get(at..at.saturating_add(es)).ok_or_else(bad)?);
                 }
             }
             // Next row: odometer over the outer dimensions.

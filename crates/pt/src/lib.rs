@@ -123,10 +123,7 @@ pub fn to_little_endian(dtype: Dtype, bytes: &mut [u8]) -> Result<(), PtError> {
         d => d.byte_size().unwrap_or(1),
     };
     if bytes.len() % size != 0 {
-        return Err(PtError::Gather {
-            name: String::new(),
-            msg: format!("{} bytes are not a whole number of {dtype} elements", bytes.len()),
-        });
+        return Err(PtError::ByteSwap { len: bytes.len(), dtype });
     }
     if size > 1 {
         bytes.chunks_exact_mut(size).for_each(<[u8]>::reverse);
