@@ -154,6 +154,14 @@ trait Float {
     fn decode(bits: u64) -> f64;
     /// The bits of `v` (not NaN) rounded to nearest even, through F32 for the narrow formats.
     fn encode(v: f64) -> u64;
+    /// `decode` for the formats whose every value is an F32 (all but F64): the fast path.
+    fn decode32(bits: u64) -> f32 {
+        Self::decode(bits) as f32
+    }
+    /// `encode` of an F32 value (not NaN).
+    fn encode32(x: f32) -> u64 {
+        Self::encode(f64::from(x))
+    }
 }
 
 struct F64;
@@ -205,6 +213,12 @@ impl Float for F32 {
     fn encode(v: f64) -> u64 {
         // `as` rounds to nearest even (the value is not NaN, so the bits are deterministic).
         (v as f32).to_bits().into()
+    }
+    fn decode32(bits: u64) -> f32 {
+        f32::from_bits(bits as u32)
+    }
+    fn encode32(x: f32) -> u64 {
+        x.to_bits().into()
     }
 }
 
@@ -323,30 +337,53 @@ const BF16_FMT: Narrow = Narrow { exp: 8, man: 7, saturate: false };
 const E4M3_FMT: Narrow = Narrow { exp: 4, man: 3, saturate: true };
 const E5M2_FMT: Narrow = Narrow { exp: 5, man: 2, saturate: false };
 
-macro_rules! narrow16 {
-    ($t:ident, $dt:expr, $fmt:ident) => {
-        impl Float for $t {
-            const DTYPE: Dtype = $dt;
-            const SIZE: usize = 2;
-            fn load(b: &[u8]) -> u64 {
-                u16::from_le_bytes([b[0], b[1]]).into()
-            }
-            fn store(v: u64, b: &mut [u8]) {
-                b.copy_from_slice(&(v as u16).to_le_bytes());
-            }
-            fn is_nan(bits: u64) -> bool {
-                bits & 0x7FFF > u64::from($fmt.inf())
-            }
-            fn decode(bits: u64) -> f64 {
-                $fmt.decode(bits as u32)
-            }
-            fn encode(v: f64) -> u64 {
-                $fmt.encode(v as f32).into()
-            }
+impl Float for F16 {
+    const DTYPE: Dtype = Dtype::F16;
+    const SIZE: usize = 2;
+    fn load(b: &[u8]) -> u64 {
+        u16::from_le_bytes([b[0], b[1]]).into()
+    }
+    fn store(v: u64, b: &mut [u8]) {
+        b.copy_from_slice(&(v as u16).to_le_bytes());
+    }
+    fn is_nan(bits: u64) -> bool {
+        bits & 0x7FFF > 0x7C00
+    }
+    fn decode(bits: u64) -> f64 {
+        f64::from(Self::decode32(bits))
+    }
+    fn encode(v: f64) -> u64 {
+        Self::encode32(v as f32)
+    }
+    fn decode32(bits: u64) -> f32 {
+        let h = bits as u32;
+        let sign = (h & 0x8000) << 16;
+        let e = (h >> 10) & 0x1F;
+        let m = h & 0x3FF;
+        if e == 0 {
+            // Zero or subnormal: m * 2^-24, exact in F32.
+            let mag = m as f32 * f32::from_bits(0x3380_0000);
+            f32::from_bits(mag.to_bits() | sign)
+        } else if e == 0x1F {
+            f32::from_bits(sign | 0x7F80_0000 | (m << 13)) // infinity (NaN is handled by nan_bits)
+        } else {
+            f32::from_bits(sign | ((e + 112) << 23) | (m << 13))
         }
-    };
+    }
+    fn encode32(x: f32) -> u64 {
+        let bits = x.to_bits();
+        let abs = bits & 0x7FFF_FFFF;
+        let sign = (bits >> 16) & 0x8000;
+        if (0x3880_0000..0x4780_0000).contains(&abs) {
+            // F16 normal range before rounding: rebias the exponent and round the 13 dropped bits
+            // to nearest even; a carry rolls into the exponent, up to infinity (0x7C00).
+            let v = abs - 0x3800_0000;
+            let r = v + 0x0FFF + ((v >> 13) & 1);
+            return (sign | (r >> 13)).into();
+        }
+        F16_FMT.encode(x).into() // subnormals, zero, overflow, infinity
+    }
 }
-narrow16!(F16, Dtype::F16, F16_FMT);
 
 impl Float for Bf16 {
     const DTYPE: Dtype = Dtype::BF16;
@@ -361,12 +398,18 @@ impl Float for Bf16 {
         bits & 0x7FFF > 0x7F80
     }
     fn decode(bits: u64) -> f64 {
-        f64::from(f32::from_bits((bits as u32) << 16))
+        f64::from(Self::decode32(bits))
     }
     fn encode(v: f64) -> u64 {
+        Self::encode32(v as f32)
+    }
+    fn decode32(bits: u64) -> f32 {
+        f32::from_bits((bits as u32) << 16)
+    }
+    fn encode32(x: f32) -> u64 {
         // F32 -> BF16 round to nearest even on the bits: add 0x7FFF plus the lowest kept bit.
         // Correct for every non-NaN input, subnormals and overflow to infinity included.
-        let x = (v as f32).to_bits();
+        let x = x.to_bits();
         (x.wrapping_add(0x7FFF + ((x >> 16) & 1)) >> 16).into()
     }
 }
@@ -394,6 +437,9 @@ macro_rules! narrow8 {
             }
             fn encode(v: f64) -> u64 {
                 $fmt.encode(v as f32).into()
+            }
+            fn encode32(x: f32) -> u64 {
+                $fmt.encode(x).into()
             }
         }
     };
@@ -465,7 +511,13 @@ fn nan_bits(from: Dtype, to: Dtype, bits: u64) -> u64 {
 fn convert<S: Float, D: Float>(src: &[u8], dst: &mut [u8]) {
     for (s, d) in src.chunks_exact(S::SIZE).zip(dst.chunks_exact_mut(D::SIZE)) {
         let bits = S::load(s);
-        let out = if S::is_nan(bits) { nan_bits(S::DTYPE, D::DTYPE, bits) } else { D::encode(S::decode(bits)) };
+        let out = if S::is_nan(bits) {
+            nan_bits(S::DTYPE, D::DTYPE, bits)
+        } else if S::SIZE <= 4 && D::SIZE <= 4 {
+            D::encode32(S::decode32(bits)) // every value of S is an F32: skip F64
+        } else {
+            D::encode(S::decode(bits))
+        };
         D::store(out, d);
     }
 }
@@ -545,6 +597,33 @@ mod tests {
                 Bf16::encode(f64::from(f32::from_bits(v))),
                 "{v:#x}"
             );
+        }
+    }
+
+    #[test]
+    fn f16_fast_paths_agree_with_the_generic_codec() {
+        let mut x = 0x2545_F491u32;
+        for i in 0..600_000u32 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            // Every exponent with random mantissas, plus the values around each boundary.
+            let v = match i % 3 {
+                0 => x,
+                1 => (x & 0x807F_FFFF) | ((i / 3 % 256) << 23),
+                _ => [0x3880_0000u32, 0x477F_E000, 0x477F_F000, 0x4780_0000, 0x3300_0000][(i / 3 % 5) as usize]
+                    .wrapping_add(x % 9)
+                    .wrapping_sub(4),
+            };
+            if f32::from_bits(v).is_nan() {
+                continue;
+            }
+            assert_eq!(F16::encode32(f32::from_bits(v)), u64::from(F16_FMT.encode(f32::from_bits(v))), "{v:#x}");
+        }
+        for h in 0..=0xFFFFu64 {
+            if !F16::is_nan(h) {
+                assert_eq!(F16::decode32(h).to_bits(), (F16_FMT.decode(h as u32) as f32).to_bits(), "{h:#x}");
+            }
         }
     }
 
