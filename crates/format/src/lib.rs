@@ -25,11 +25,13 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
+pub mod cast;
 mod dtype;
 mod error;
 mod header;
 mod write;
 
+pub use cast::{can_cast, cast, cast_len, castable, CastError};
 pub use dtype::{Dtype, UnknownDtype};
 pub use error::FormatError;
 pub use header::{read_header_len, Header, TensorInfo};
