@@ -32,8 +32,12 @@ use turboio::storage::StorageError;
 use turboio::{CachePolicy, Dtype, Error, LoadMode, LoadOptions, LoadedFile, SaveOptions, TensorSpec};
 
 fn to_py(e: Error) -> PyErr {
+    error_to_py(&e)
+}
+
+fn error_to_py(e: &Error) -> PyErr {
     let msg = e.to_string();
-    match &e {
+    match e {
         Error::Storage(StorageError::NotFound { .. }) => PyFileNotFoundError::new_err(msg),
         Error::Storage(StorageError::PermissionDenied { .. }) => PyPermissionError::new_err(msg),
         Error::Storage(StorageError::Io { .. } | StorageError::ShortFile { .. }) => PyOSError::new_err(msg),
@@ -528,6 +532,92 @@ fn _save(
     interruptible(py, &cancel, None, || turboio::save_with(&path, &specs, metadata.as_ref(), &data, &opts))
 }
 
+/// A save running in the background (`save_file(..., blocking=False)`).
+#[pyclass(name = "SaveHandle", module = "turboio._turboio", frozen)]
+struct PySaveHandle {
+    inner: turboio::SaveHandle,
+}
+
+#[pymethods]
+impl PySaveHandle {
+    /// Waits until the file is written (the GIL is released meanwhile); raises the save's
+    /// error if it failed (the previous file is then intact). Safe to call more than once.
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.wait()).map_err(|e| error_to_py(&e))
+    }
+
+    /// True once the save has finished, successfully or not.
+    fn done(&self) -> bool {
+        self.inner.done()
+    }
+
+    /// The save's error, once it has failed; None while running or after a success.
+    fn exception(&self) -> Option<PyErr> {
+        if !self.inner.done() {
+            return None;
+        }
+        self.inner.wait().err().map(|e| error_to_py(&e))
+    }
+
+    /// `(bytes written, file size)`.
+    fn progress(&self) -> (u64, u64) {
+        self.inner.progress()
+    }
+
+    /// The file being written.
+    #[getter]
+    fn path(&self) -> String {
+        self.inner.path().display().to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        let state = if self.inner.done() { "done" } else { "running" };
+        format!("SaveHandle({:?}, {state})", self.inner.path())
+    }
+}
+
+/// Saves tensors given by address in the background: they are copied into reused host
+/// buffers before this returns (the caller may then change or free them), and the file is
+/// written atomically by a thread of its own. Saves of one path land in order.
+///
+/// Private to the Python package, like `_save`.
+#[pyfunction]
+#[pyo3(signature = (path, tensors, metadata=None, threads=0, cipher=false, cipher_header=false))]
+fn _save_async(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    tensors: Vec<RawTensor>,
+    metadata: Option<BTreeMap<String, String>>,
+    threads: usize,
+    cipher: bool,
+    cipher_header: bool,
+) -> PyResult<PySaveHandle> {
+    let dtypes = tensors.iter().map(|t| dtype_of(&t.1)).collect::<PyResult<Vec<_>>>()?;
+    let opts = SaveOptions { threads, encryption: encryption(cipher, cipher_header), ..Default::default() };
+    let handle = py.detach(|| {
+        let views: Vec<turboio::SaveTensor<'_>> = tensors
+            .iter()
+            .zip(&dtypes)
+            .map(|(t, &dtype)| turboio::SaveTensor {
+                name: &t.0,
+                dtype,
+                shape: &t.2,
+                // SAFETY: see `_save`'s doc: the address holds `t.4` readable bytes for the
+                // call, and `save_async` copies them before it returns.
+                data: unsafe { dlpack::host_slice(t.3, t.4) },
+            })
+            .collect();
+        turboio::save_async(&path, &views, metadata.as_ref(), &opts)
+    });
+    Ok(PySaveHandle { inner: handle.map_err(to_py)? })
+}
+
+/// Waits for every background save of the process (called at interpreter exit).
+#[pyfunction]
+fn wait_for_saves(py: Python<'_>) {
+    py.detach(turboio::wait_for_saves)
+}
+
 /// Writes `data` to `path` atomically, encrypted with `cipher` (e.g. a `torch.save` pickle).
 #[pyfunction]
 #[pyo3(signature = (path, data, cipher=false, cipher_header=false))]
@@ -586,6 +676,9 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(_read_into, m)?)?;
     m.add_function(wrap_pyfunction!(_save, m)?)?;
+    m.add_class::<PySaveHandle>()?;
+    m.add_function(wrap_pyfunction!(_save_async, m)?)?;
+    m.add_function(wrap_pyfunction!(wait_for_saves, m)?)?;
     m.add_function(wrap_pyfunction!(_serialize, m)?)?;
     m.add_function(wrap_pyfunction!(looks_like_safetensors, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -17,8 +17,13 @@ import random
 import string
 import warnings
 
+import atexit
+
 from . import _turboio
 from ._turboio import __version__
+
+# Background saves (`save_file(..., blocking=False)`) finish before the interpreter exits.
+atexit.register(_turboio.wait_for_saves)
 from ._dtypes import torch_dtype
 from ._torch import alias_shared, raw_tensors, tensors_of, threads as _threads
 from .fastsafetensors import SafeTensorsFileLoader, SingleGroup, fastsafe_open
@@ -239,8 +244,14 @@ def save_file(
     use_cipher=False,
     helper=None,
     enable_fast_mode=False,
+    blocking=True,
 ):
     """Saves a dict of tensors as safetensors, atomically (the old file survives any failure).
+
+    With `blocking=False` (a turboio extension) the call returns once the tensors are copied
+    into reused host buffers, with a handle (`wait()`, `done()`, `exception()`, `progress()`)
+    while the file is written in the background; saves of one path land in order, and the
+    interpreter waits for pending saves at exit.
 
     With `force_save_shared_tensor`, tensors sharing memory are stored once and the others
     recorded as aliases in `__metadata__` (they are removed from `state_dict`, or cloned with
@@ -257,7 +268,7 @@ def save_file(
         tensors = {k: (v.contiguous() if hasattr(v, "contiguous") else v) for k, v in state_dict.items()}
     from .torch import _write
 
-    _write(tensors, path, metadata, cipher=cipher, cipher_header=header)
+    return _write(tensors, path, metadata, cipher=cipher, cipher_header=header, blocking=blocking)
 
 
 def save_model(model, file, use_cipher=False):

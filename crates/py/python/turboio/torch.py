@@ -41,20 +41,27 @@ def load_file(filename, device="cpu"):
     return tensors_of(_load(filename), aliases=False)
 
 
-def save_file(tensors, filename, metadata=None):
-    """Saves a dict of tensors (atomically; byte-identical to safetensors' writer)."""
-    _write(tensors, filename, metadata)
+def save_file(tensors, filename, metadata=None, *, blocking=True):
+    """Saves a dict of tensors (atomically; byte-identical to safetensors' writer).
+
+    With `blocking=False` (a turboio extension) the tensors are copied into reused host
+    buffers and the file is written in the background: the call returns a handle with
+    `wait()`, `done()` and `exception()` as soon as the copy is made, and the tensors may then
+    be changed or freed."""
+    return _write(tensors, filename, metadata, blocking=blocking)
 
 
-def _write(tensors, filename, metadata=None, cipher=False, cipher_header=False):
+def _write(tensors, filename, metadata=None, cipher=False, cipher_header=False, blocking=True):
     records, keep = raw_tensors(tensors)
     if metadata is not None:
         metadata = {str(k): str(v) for k, v in metadata.items()}
+    save = _turboio._save if blocking else _turboio._save_async
     try:
-        _turboio._save(os.fspath(filename), records, metadata, cipher=cipher, cipher_header=cipher_header)
+        handle = save(os.fspath(filename), records, metadata, cipher=cipher, cipher_header=cipher_header)
     except ValueError as e:
         raise SafetensorError(f"Error while serializing: {e}") from None
     del keep
+    return handle
 
 
 def save(tensors, metadata=None):

@@ -1,4 +1,4 @@
-"""The page-cache policy from Python: `cache=` and veTurboIO's `use_direct_io`."""
+"""The page-cache policy from Python (`cache=`, veTurboIO's `use_direct_io`) and background saves."""
 
 import os
 
@@ -45,3 +45,28 @@ def test_use_direct_io_means_bypass(tmp):
         turboio.load(path, use_direct_io=True, cache="keep")
     with pytest.raises(ValueError, match="cannot bypass"):
         _turboio.load(path, mode="mapped", cache="bypass")
+
+
+def test_background_saves(tmp):
+    from turboio import torch as st
+
+    path = str(tmp / "bg.safetensors")
+    w = torch.arange(1 << 22, dtype=torch.float32)
+    expect = w.clone()
+    h = turboio.save_file({"w": w}, path, blocking=False)
+    w.fill_(-1)  # the snapshot was taken before save_file returned
+    del w
+    h.wait()
+    assert h.done() and h.exception() is None
+    assert h.progress()[0] == h.progress()[1] == os.path.getsize(path)
+    assert torch.equal(st.load_file(path)["w"], expect)
+    # In order, same path: the last one wins.
+    hs = [st.save_file({"w": torch.full((1000,), float(i))}, path, blocking=False) for i in range(5)]
+    for h in hs:
+        h.wait()
+    assert torch.equal(st.load_file(path)["w"], torch.full((1000,), 4.0))
+    # A failed write raises from wait(), and again from exception().
+    h = st.save_file({"w": torch.ones(3)}, str(tmp / "missing" / "x.safetensors"), blocking=False)
+    with pytest.raises(FileNotFoundError, match="missing"):
+        h.wait()
+    assert isinstance(h.exception(), FileNotFoundError)
