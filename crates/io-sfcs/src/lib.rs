@@ -258,7 +258,7 @@ impl SfcsStorage {
             c_path: r.c_path,
             len: info.size,
             fs: r.fs,
-            _session: r.session,
+            session: r.session,
         })
     }
 }
@@ -311,7 +311,7 @@ pub struct SfcsFile {
     c_path: CString,
     len: u64,
     fs: Arc<Fs>,
-    _session: Arc<Session>,
+    session: Arc<Session>,
 }
 
 impl fmt::Debug for SfcsFile {
@@ -324,6 +324,18 @@ impl SfcsFile {
     /// The path on the file system (after veTurboIO's path mapping).
     pub fn sfcs_path(&self) -> &str {
         &self.mapped
+    }
+
+    /// The configuration group the file belongs to (a cache-policy key, or the first
+    /// component of the path).
+    pub fn group(&self) -> &str {
+        &self.session.group
+    }
+
+    /// The XML file libcloudfs was pointed at for this file's group (it exists as long as the
+    /// group is in use).
+    pub fn config_file(&self) -> &Path {
+        self.session.xml_path()
     }
 }
 

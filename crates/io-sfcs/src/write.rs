@@ -92,7 +92,7 @@ pub(crate) fn write_file(
 
     let len = source.len();
     let block = fs.default_block_size().unwrap_or(FALLBACK_BLOCK);
-    let parts = plan_parts(len, opts.worker_count(len, CHUNK), block);
+    let parts = plan_parts(len, opts.worker_count(len, usize::try_from(block).unwrap_or(usize::MAX)), block);
     let names: Vec<CString> = (0..parts.len()).map(|i| c(path, format!("{tmp}/{i}"))).collect::<Result<_, _>>()?;
     let work: Vec<(usize, (u64, u64))> = parts.iter().copied().enumerate().collect();
     run_workers(work, |(i, (offset, n)), failed| write_part(path, fs, &names[i], source, offset, n, opts, failed))?;
@@ -167,7 +167,7 @@ mod tests {
         assert_eq!(plan_parts(100, 1, 4), vec![(0, 100)]);
         assert_eq!(plan_parts(0, 8, 4), vec![(0, 0)]);
         let p = plan_parts((9 << 20) + 5, 4, 1 << 20);
-        assert_eq!(p, vec![(0, 3 << 20), (3 << 20, 3 << 20), (6 << 20, (3 << 20) + 5)]);
+        assert_eq!(p, vec![(0, 3 << 20), (3 << 20, 3 << 20), (6 << 20, 3 << 20), (9 << 20, 5)]);
         for w in p.windows(2) {
             assert_eq!(w[0].0 + w[0].1, w[1].0);
         }

@@ -129,7 +129,7 @@ struct PingAnswer {
     message: Option<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Debug)]
 struct KeyAnswer {
     #[serde(rename = "Key")]
     key: Secret,

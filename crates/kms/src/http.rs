@@ -81,7 +81,16 @@ pub(crate) fn cancellable<T: Send + 'static>(
 /// A reqwest blocking client whose every connection is the unix socket `path` (requests name
 /// `http://localhost/...`, so `Host: localhost`, as veTurboIO's requests adapter sends).
 pub(crate) fn unix_client(path: &Path, timeout: Duration) -> Result<reqwest::blocking::Client, String> {
+    // The sidecar speaks plain HTTP; reqwest still wants a TLS configuration (no process-wide
+    // provider is installed): ring, trusting nothing.
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS setup failed: {e}"))?
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
     reqwest::blocking::Client::builder()
+        .tls_backend_preconfigured(tls)
         .unix_socket(path)
         .timeout(timeout)
         .pool_max_idle_per_host(0)

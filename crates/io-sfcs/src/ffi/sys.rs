@@ -124,10 +124,16 @@ pub const SYMBOLS: [&str; 19] = [
 impl Api {
     /// Opens the library at `path` and resolves every symbol of [`SYMBOLS`].
     pub fn load(path: &Path) -> Result<Api, String> {
+        use libc::RTLD_NODELETE;
+        use libloading::os::unix::{RTLD_LOCAL, RTLD_NOW};
         // SAFETY: opening a shared library runs its initialisers. The library is the vendor's
         // libcloudfs (or the test fake) that the user pointed LIBCFS_PATH at; running its
-        // initialisers is what using it means. No other code of ours runs meanwhile.
-        let lib = unsafe { libloading::Library::new(path) }.map_err(|e| e.to_string())?;
+        // initialisers is what using it means. RTLD_NODELETE: it is never unmapped, even
+        // after the last handle is closed, because it may have registered thread-local
+        // destructors (C++ and Rust libraries do) that run when threads exit later.
+        let lib = unsafe { libloading::os::unix::Library::open(Some(path), RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE) }
+            .map(libloading::Library::from)
+            .map_err(|e| e.to_string())?;
         macro_rules! sym {
             ($name:literal) => {{
                 // SAFETY: the symbol's type is its cfs.h prototype (above); the pointer is
