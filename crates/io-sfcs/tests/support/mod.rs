@@ -25,7 +25,9 @@ pub fn fake_lib() -> PathBuf {
         let profile_dir = exe.parent().and_then(Path::parent).expect("the test binary is in <target>/<profile>/deps");
         let target_dir = profile_dir.parent().expect("target dir");
         let profile = profile_dir.file_name().and_then(|n| n.to_str()).unwrap_or("debug");
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        // The workspace root: the first ancestor of this package with the lock file.
+        let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let root = here.ancestors().find(|d| d.join("Cargo.lock").exists()).unwrap_or(here);
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(cargo);
         cmd.current_dir(&root).args(["build", "--quiet", "-p", "turboio-fake-cloudfs"]).env("CARGO_TARGET_DIR", target_dir);
