@@ -471,3 +471,126 @@ fn secrets_never_appear_in_errors_or_debug() {
         assert!(!t.contains("SK-very-secret-value"), "{t}");
     }
 }
+
+/// `YYYY-MM-DDTHH:MM:SSZ` of a Unix time (the datapipe's ISO 8601).
+fn iso(t: std::time::SystemTime) -> String {
+    let secs = t.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
+}
+
+/// A datapipe that answers `sfcs-sts` with credentials `tok-<n>` (n = 1, 2, ...) valid for
+/// `validity` from now, and reports each request (its number and when the previous
+/// credentials expire) on a channel.
+fn sts_datapipe(
+    path: &Path,
+    validity: std::time::Duration,
+) -> std::sync::mpsc::Receiver<(usize, std::time::SystemTime, std::time::SystemTime)> {
+    use std::io::{Read, Write};
+    let listener = std::os::unix::net::UnixListener::bind(path).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut n = 0usize;
+        let mut expiry = std::time::SystemTime::UNIX_EPOCH;
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let mut head = Vec::new();
+            let mut b = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && conn.read(&mut b).unwrap_or(0) == 1 {
+                head.push(b[0]);
+            }
+            let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+            let body = if head.contains("x-datapipe-task-type: sfcs-sts") {
+                n += 1;
+                let now = std::time::SystemTime::now();
+                if tx.send((n, now, expiry)).is_err() {
+                    return;
+                }
+                expiry = now + validity;
+                format!(
+                    r#"{{"Cred": {{"CurrentTime": "{}", "ExpiredTime": "{}", "AccessKeyId": "AK-STS-{n}", "SecretAccessKey": "sts-secret-{n}", "SessionToken": "tok-{n}"}}, "SfcsNameNodeAddress": "10.0.0.{n}"}}"#,
+                    iso(now),
+                    iso(expiry)
+                )
+            } else {
+                r#"{"message": "pong"}"#.to_string()
+            };
+            let _ = conn.write_all(format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len()).as_bytes());
+        }
+    });
+    rx
+}
+
+#[test]
+fn datapipe_sts_credentials_are_refreshed_before_they_expire() {
+    let mut c = Cluster::new();
+    let sock = c.dir.path().join("datapipe.sock");
+    let requests = sts_datapipe(&sock, std::time::Duration::from_secs(2));
+    c.set("DATAPIPE_SOCKET_PATH", sock.to_str().unwrap())
+        .unset("SFCS_ACCESS_KEY")
+        .unset("SFCS_SECRET_KEY")
+        .unset("SFCS_NAMENODE_ENDPOINT_ADDRESS");
+    let s = c.storage();
+    let dir = c.scratch("sts");
+    std::fs::write(dir.join("m.bin"), b"sts").unwrap();
+    let f = s.open_sfcs(&dir.join("m.bin"), None).unwrap();
+    let xml_path = f.config_file().to_path_buf();
+    let wait = std::time::Duration::from_secs(20);
+    let (n, _, _) = requests.recv_timeout(wait).unwrap();
+    assert_eq!(n, 1);
+    let xml = std::fs::read_to_string(&xml_path).unwrap();
+    for (k, v) in [
+        ("cfs.access.key", "AK-STS-1"),
+        ("cfs.secret.key", "sts-secret-1"),
+        ("cfs.security.token", "tok-1"),
+        ("cfs.namenode.endpoint.address.fs-test", "10.0.0.1"),
+    ] {
+        assert!(xml.contains(&format!("<name>{k}</name>\n\t\t\t<value>{v}</value>")), "{k} in {xml}");
+    }
+    assert!(xml.ends_with("\t\t<property>\n\t\t\t<name>cfs.namenode.endpoint.address.fs-test</name>\n\t\t\t<value>10.0.0.1</value>\n\t\t</property>\n\t</configuration>\n"), "{xml}");
+    // The refresh comes halfway to the expiry, before it.
+    let (n, at, expiry) = requests.recv_timeout(wait).unwrap();
+    assert_eq!(n, 2);
+    assert!(at < expiry, "refreshed at {at:?}, after the expiry {expiry:?}");
+    // The third request comes after the second answer has been written out.
+    let (n, _, _) = requests.recv_timeout(wait).unwrap();
+    assert_eq!(n, 3);
+    let xml = std::fs::read_to_string(&xml_path).unwrap();
+    assert!(!xml.contains("tok-1") && (xml.contains("tok-2") || xml.contains("tok-3")), "{xml}");
+    assert_eq!(std::fs::metadata(&xml_path).unwrap().permissions().mode() & 0o777, 0o600);
+    // A new operation connects with the refreshed file; the old connection is not reused.
+    let g = s.open_sfcs(&dir.join("m.bin"), None).unwrap();
+    assert_eq!(g.config_file(), xml_path, "the group's session is shared while in use");
+    // The refresh thread stops with the last user, and the file with the credentials goes.
+    drop(f);
+    drop(g);
+    assert!(!xml_path.exists());
+}
+
+#[test]
+fn a_cancelled_open_stops_waiting_for_the_datapipe() {
+    let mut c = Cluster::new();
+    let sock = c.dir.path().join("silent.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    c.set("DATAPIPE_SOCKET_PATH", sock.to_str().unwrap()).unset("SFCS_SECRET_KEY");
+    let s = c.storage();
+    let cancel = std::sync::Arc::new(AtomicBool::new(false));
+    let flag = cancel.clone();
+    let worker = std::thread::spawn(move || s.open_sfcs(Path::new("sfcs://data/m.bin"), Some(&flag)).map(drop));
+    let _held = listener.accept().unwrap();
+    let start = std::time::Instant::now();
+    cancel.store(true, Ordering::Relaxed);
+    let r = worker.join().unwrap();
+    assert!(matches!(r, Err(StorageError::Cancelled)), "{r:?}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(1));
+}

@@ -249,3 +249,32 @@ pub(crate) fn key_path(path: &Path) -> PathBuf {
         _ => path.to_owned(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sfcs_paths_need_the_sfcs_feature() {
+        let p = Path::new("sfcs://models/m.safetensors");
+        match scheme_storage(p) {
+            #[cfg(feature = "sfcs")]
+            Ok(Some(s)) => assert_eq!(s.name(), "sfcs"),
+            #[cfg(not(feature = "sfcs"))]
+            Err(e) => assert_eq!(
+                e.to_string(),
+                "sfcs://models/m.safetensors: sfcs:// paths need turboio built with the `sfcs` feature"
+            ),
+            other => panic!("{other:?}"),
+        }
+        assert!(scheme_storage(Path::new("/models/sfcs://x")).unwrap().is_none());
+        assert!(scheme_storage(Path::new("models/m.safetensors")).unwrap().is_none());
+    }
+
+    #[cfg(feature = "cipher")]
+    #[test]
+    fn key_paths_are_the_path_on_the_file_system() {
+        assert_eq!(key_path(Path::new("sfcs://a/b.safetensors")), PathBuf::from("/a/b.safetensors"));
+        assert_eq!(key_path(Path::new("/local/x")), PathBuf::from("/local/x"));
+    }
+}
