@@ -35,9 +35,11 @@ fn save_and_load_through_sfcs_with_and_without_encryption() {
     let reference = turboio::load(&local, &LoadOptions::default()).unwrap();
     for enc in [None, Some(fixed())] {
         let remote = sfcs(&dir.join("remote.safetensors"));
-        let save = SaveOptions { storage: Some(storage.clone()), threads: 3, encryption: enc.clone(), ..Default::default() };
+        let save =
+            SaveOptions { storage: Some(storage.clone()), threads: 3, encryption: enc.clone(), ..Default::default() };
         turboio::sample::write_sample(&remote, 5 << 20, 3, &save).unwrap();
-        let load = LoadOptions { storage: Some(storage.clone()), threads: 3, encryption: enc.clone(), ..Default::default() };
+        let load =
+            LoadOptions { storage: Some(storage.clone()), threads: 3, encryption: enc.clone(), ..Default::default() };
         let loaded = turboio::load(&remote, &load).unwrap();
         assert_eq!(loaded.path(), remote.as_path());
         same(&reference, &loaded);
@@ -90,7 +92,11 @@ fn sfcs_paths_route_to_the_sfcs_backend() {
 
 #[test]
 fn without_the_library_an_sfcs_path_names_libcfs_path() {
-    if !in_child("without_the_library_an_sfcs_path_names_libcfs_path", "", &[("LIBCFS_PATH", "/nonexistent/libcloudfs.so")]) {
+    if !in_child(
+        "without_the_library_an_sfcs_path_names_libcfs_path",
+        "",
+        &[("LIBCFS_PATH", "/nonexistent/libcloudfs.so")],
+    ) {
         return;
     }
     let err = turboio::load("sfcs://models/m.safetensors", &LoadOptions::default()).unwrap_err();

@@ -213,7 +213,9 @@ fn sfcs_rows(dir: Option<&str>, size: u64, runs: usize) -> Result<Vec<Row>> {
     let mut save = Row { size, cache: "sfcs", loader: "turboio save (sfcs)", ..Default::default() };
     let mut load = Row { size, cache: "sfcs", loader: "turboio copied (sfcs)", ..Default::default() };
     let skip = match (std::env::var_os("LIBCFS_PATH"), dir) {
-        (None, _) | (_, None) => Some("needs LIBCFS_PATH (the vendor libcloudfs.so) and --sfcs-path sfcs://DIR".to_string()),
+        (None, _) | (_, None) => {
+            Some("needs LIBCFS_PATH (the vendor libcloudfs.so) and --sfcs-path sfcs://DIR".to_string())
+        }
         (Some(_), Some(d)) if !d.starts_with("sfcs://") => Some(format!("--sfcs-path {d} is not an sfcs:// path")),
         _ => turboio::sfcs::SfcsStorage::from_env().check_library().err(),
     };
@@ -223,7 +225,11 @@ fn sfcs_rows(dir: Option<&str>, size: u64, runs: usize) -> Result<Vec<Row>> {
         load.skipped = Some(why);
         return Ok(vec![save, load]);
     }
-    let path = PathBuf::from(format!("{}/bench-{}.safetensors", dir.unwrap_or_default().trim_end_matches('/'), size_name(size)));
+    let path = PathBuf::from(format!(
+        "{}/bench-{}.safetensors",
+        dir.unwrap_or_default().trim_end_matches('/'),
+        size_name(size)
+    ));
     eprintln!("{}: sfcs {}, {runs} runs ...", size_name(size), path.display());
     for _ in 0..runs {
         let t = Instant::now();

@@ -422,14 +422,16 @@ impl Sources {
     pub fn read(vars: Vars) -> Result<Sources, ConfigError> {
         let metainfo_path = PathBuf::from(vars("SFCS_METAINFO_PATH").unwrap_or_else(|| DEFAULT_METAINFO_PATH.into()));
         let policies = match std::fs::read(&metainfo_path) {
-            Ok(bytes) => serde_json::from_slice::<MetaInfo>(&bytes)
-                .map_err(|e| {
-                    ConfigError::Source(format!(
-                        "SFCS_METAINFO_PATH {}: not a valid cache-policy file: {e}",
-                        metainfo_path.display()
-                    ))
-                })?
-                .cache_policies,
+            Ok(bytes) => {
+                serde_json::from_slice::<MetaInfo>(&bytes)
+                    .map_err(|e| {
+                        ConfigError::Source(format!(
+                            "SFCS_METAINFO_PATH {}: not a valid cache-policy file: {e}",
+                            metainfo_path.display()
+                        ))
+                    })?
+                    .cache_policies
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
             Err(e) => {
                 return Err(ConfigError::Source(format!(
@@ -443,9 +445,9 @@ impl Sources {
         let (mut file_access_key, mut file_secret_key) = (String::new(), Secret::default());
         if ak_path.exists() && sk_path.exists() {
             let read = |p: &Path| {
-                std::fs::read_to_string(p).map(Zeroizing::new).map_err(|e| {
-                    ConfigError::Source(format!("CREDENTIAL_PATH: {} cannot be read: {e}", p.display()))
-                })
+                std::fs::read_to_string(p)
+                    .map(Zeroizing::new)
+                    .map_err(|e| ConfigError::Source(format!("CREDENTIAL_PATH: {} cannot be read: {e}", p.display())))
             };
             file_access_key = read(&ak_path)?.trim().to_string();
             file_secret_key = Secret::new(read(&sk_path)?.trim());
@@ -480,7 +482,9 @@ impl Sources {
     /// `SFCS_NAMENODE_ENDPOINT_ADDRESS` are all set, or the credential files gave a key pair.
     pub fn datapipe_needless(&self) -> bool {
         let v = &self.vars;
-        (v("SFCS_ACCESS_KEY").is_some() && v("SFCS_SECRET_KEY").is_some() && v("SFCS_NAMENODE_ENDPOINT_ADDRESS").is_some())
+        (v("SFCS_ACCESS_KEY").is_some()
+            && v("SFCS_SECRET_KEY").is_some()
+            && v("SFCS_NAMENODE_ENDPOINT_ADDRESS").is_some())
             || (!self.file_access_key.is_empty() && !self.file_secret_key.is_empty())
     }
 
@@ -585,7 +589,11 @@ mod tests {
             ..Default::default()
         };
         let s = sources(
-            &[("/sfcs/required", p("/sfcs/required", "/sft_demo")), ("/sfcs/testmodel", p("/sfcs/testmodel", "/")), ("/sfcs", p("/sfcs", ""))],
+            &[
+                ("/sfcs/required", p("/sfcs/required", "/sft_demo")),
+                ("/sfcs/testmodel", p("/sfcs/testmodel", "/")),
+                ("/sfcs", p("/sfcs", "")),
+            ],
             vars(&[]),
         );
         assert_eq!(s.group_of("/sfcs/required/ckpt/x"), "/sfcs/required");

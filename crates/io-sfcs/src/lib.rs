@@ -210,7 +210,8 @@ impl SfcsStorage {
     fn session(&self, path: &Path, cancel: Option<&AtomicBool>) -> Result<Resolved, StorageError> {
         let raw = Self::resolve(path)?;
         let lib = self.library().map_err(|m| setup(path, m))?;
-        let sources = Sources::read(self.inner.vars.clone()).map_err(|e| setup(path, format!("SFCS configuration: {e}")))?;
+        let sources =
+            Sources::read(self.inner.vars.clone()).map_err(|e| setup(path, format!("SFCS configuration: {e}")))?;
         let group = sources.group_of(&raw);
         let mapped = sources.map_path(&raw, &group);
         let fingerprint = fingerprint(&sources, &group);
@@ -316,7 +317,11 @@ pub struct SfcsFile {
 
 impl fmt::Debug for SfcsFile {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SfcsFile").field("path", &self.path).field("sfcs_path", &self.mapped).field("len", &self.len).finish()
+        f.debug_struct("SfcsFile")
+            .field("path", &self.path)
+            .field("sfcs_path", &self.mapped)
+            .field("len", &self.len)
+            .finish()
     }
 }
 

@@ -103,12 +103,10 @@ pub(crate) fn write_file(
     opts.check_cancel()?;
     fs.rename2(&names[0], &r.c_path).map_err(|e| temp_err(path, "rename", e))?;
     guard.armed = false;
-    fs.delete(&tmp_c, true).map_err(|e| {
-        StorageError::Io {
-            path: path.to_owned(),
-            op: "remove the temporary directory (the new file is in place)",
-            source: io::Error::new(e.kind(), format!("{tmp}: {e}")),
-        }
+    fs.delete(&tmp_c, true).map_err(|e| StorageError::Io {
+        path: path.to_owned(),
+        op: "remove the temporary directory (the new file is in place)",
+        source: io::Error::new(e.kind(), format!("{tmp}: {e}")),
     })
 }
 
@@ -139,9 +137,7 @@ fn write_part(
         opts.check_cancel()?;
         let n = (len - done).min(CHUNK as u64) as usize;
         let data = &mut buf[..n];
-        source
-            .fill(offset + done, data)
-            .map_err(|message| StorageError::Source { path: path.to_owned(), message })?;
+        source.fill(offset + done, data).map_err(|message| StorageError::Source { path: path.to_owned(), message })?;
         let mut written = 0usize;
         while written < n {
             let w = file.write(&data[written..]).map_err(|e| temp_err(path, "write", e))?;

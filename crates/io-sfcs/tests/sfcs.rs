@@ -276,8 +276,9 @@ fn an_io_error_on_a_read_names_the_path_and_the_library_error() {
     let s = c.storage();
     let dir = c.scratch("eio");
     std::fs::write(dir.join("m.bin"), pattern(4 << 20, 1)).unwrap();
-    let err = read_whole(&s, &sfcs(&dir.join("m.bin")), &IoOptions { threads: 2, chunk_size: 1 << 20, ..Default::default() })
-        .unwrap_err();
+    let err =
+        read_whole(&s, &sfcs(&dir.join("m.bin")), &IoOptions { threads: 2, chunk_size: 1 << 20, ..Default::default() })
+            .unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, StorageError::Io { op: "read", .. }), "{err:?}");
     assert!(msg.starts_with(&format!("sfcs:/{}", dir.join("m.bin").display())), "{msg}");
@@ -330,7 +331,11 @@ fn a_failing_concat_keeps_the_old_file() {
         std::fs::write(dir.join("m.bin"), &old).unwrap();
         let before = listing(&dir);
         let err = s
-            .write_file(&dir.join("m.bin"), &BytesSource(&pattern(5 << 20, 2)), &IoOptions { threads: 4, ..Default::default() })
+            .write_file(
+                &dir.join("m.bin"),
+                &BytesSource(&pattern(5 << 20, 2)),
+                &IoOptions { threads: 4, ..Default::default() },
+            )
             .unwrap_err();
         assert!(err.to_string().contains("cfsConcat: fake cfs: injected concat failure"), "{err}");
         assert_eq!(std::fs::read(dir.join("m.bin")).unwrap(), old);
@@ -391,7 +396,9 @@ fn saves_use_parts_concat_and_rename_and_clean_up() {
     let pos = |c: &str| calls.iter().position(|x| *x == c).unwrap_or_else(|| panic!("no {c} in {text}"));
     assert!(pos("cfsCreateDirectory") < pos("cfsOpenFileAcc"));
     assert!(pos("cfsConcat") < pos("cfsRename2") && pos("cfsRename2") < pos("cfsDelete"), "{text}");
-    assert!(text.lines().any(|l| l.starts_with("cfsDelete ") && l.contains(".m.bin.turboio-tmp.") && l.ends_with("recursive=1")));
+    assert!(text
+        .lines()
+        .any(|l| l.starts_with("cfsDelete ") && l.contains(".m.bin.turboio-tmp.") && l.ends_with("recursive=1")));
 }
 
 #[test]
@@ -407,7 +414,8 @@ fn cancelled_reads_and_saves_stop_and_leave_nothing() {
         cancel.store(true, Ordering::Relaxed);
         Ok(())
     };
-    let opts = IoOptions { threads: 1, chunk_size: 1 << 20, hook: Some(&hook), cancel: Some(&cancel), ..Default::default() };
+    let opts =
+        IoOptions { threads: 1, chunk_size: 1 << 20, hook: Some(&hook), cancel: Some(&cancel), ..Default::default() };
     let err = read_whole(&s, &dir.join("m.bin"), &opts).unwrap_err();
     assert!(matches!(err, StorageError::Cancelled), "{err:?}");
 
@@ -525,7 +533,8 @@ fn sts_datapipe(
             } else {
                 r#"{"message": "pong"}"#.to_string()
             };
-            let _ = conn.write_all(format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len()).as_bytes());
+            let _ =
+                conn.write_all(format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len()).as_bytes());
         }
     });
     rx

@@ -199,7 +199,9 @@ pub(crate) enum ExchangeError {
 impl fmt::Display for ExchangeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ExchangeError::BadHeader(name) => write!(f, "header {name} would contain CR, LF, NUL or another invalid byte"),
+            ExchangeError::BadHeader(name) => {
+                write!(f, "header {name} would contain CR, LF, NUL or another invalid byte")
+            }
             ExchangeError::Timeout => f.write_str("timed out"),
             ExchangeError::Transport(m) => f.write_str(m),
             ExchangeError::TooLarge => write!(f, "the answer is larger than {} bytes", http::MAX_BODY),
@@ -299,7 +301,11 @@ impl DatapipeClient {
         let a: SfcsStsAnswer = self.parse("sfcs-sts", &resp)?;
         let time = |name: &str, text: &str| {
             parse_time(text).ok_or_else(|| {
-                self.err("sfcs-sts", Some(200), format!("Cred.{name} {:?} is not an ISO 8601 time", http::truncate(text, 40)))
+                self.err(
+                    "sfcs-sts",
+                    Some(200),
+                    format!("Cred.{name} {:?} is not an ISO 8601 time", http::truncate(text, 40)),
+                )
             })
         };
         Ok(SfcsSts {
@@ -344,7 +350,9 @@ impl DatapipeClient {
         if let Some(b) = body {
             req = req.body(b);
         }
-        let req = req.build().map_err(|e| ExchangeError::Transport(format!("cannot build the request{}", http::error_chain(&e))))?;
+        let req = req
+            .build()
+            .map_err(|e| ExchangeError::Transport(format!("cannot build the request{}", http::error_chain(&e))))?;
         let run = move || -> Result<Answer, ExchangeError> {
             let resp = client.execute(req).map_err(|e| {
                 if e.is_timeout() {
@@ -361,14 +369,21 @@ impl DatapipeClient {
             })?;
             Ok(Answer { status, body })
         };
-        match http::cancellable(cancel, run, |e| Err(ExchangeError::Transport(format!("no thread for the request: {e}")))) {
+        match http::cancellable(cancel, run, |e| {
+            Err(ExchangeError::Transport(format!("no thread for the request: {e}")))
+        }) {
             Ok(r) => r,
             Err(Cancelled) => Err(ExchangeError::Cancelled),
         }
     }
 
     /// A GET task with retries; returns the 200 answer.
-    fn task(&self, task: &'static str, extra: &[(&'static str, &str)], cancel: Option<&AtomicBool>) -> Result<Answer, KeyError> {
+    fn task(
+        &self,
+        task: &'static str,
+        extra: &[(&'static str, &str)],
+        cancel: Option<&AtomicBool>,
+    ) -> Result<Answer, KeyError> {
         if !self.exists() {
             return Err(KeyError::DatapipeMissing(self.config.socket_path.clone()));
         }

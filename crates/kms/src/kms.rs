@@ -438,7 +438,9 @@ impl KmsClient {
             })?;
             let status = resp.status().as_u16();
             let out = http::read_body(resp).map_err(|e| match e {
-                ReadError::TooLarge => Failure::Permanent(format!("the answer from {host} is larger than {MAX_BODY} bytes")),
+                ReadError::TooLarge => {
+                    Failure::Permanent(format!("the answer from {host} is larger than {MAX_BODY} bytes"))
+                }
                 ReadError::Io(e) if http::is_timeout_io(&e) => {
                     Failure::Transient(format!("timed out after {timeout:?} reading the answer from {host}"))
                 }

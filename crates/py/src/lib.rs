@@ -390,7 +390,8 @@ fn header_info(h: &Header) -> HeaderInfo {
 #[pyo3(signature = (path, cipher=false))]
 fn read_header(py: Python<'_>, path: std::path::PathBuf, cipher: bool) -> PyResult<HeaderInfo> {
     let cancel = Arc::new(AtomicBool::new(false));
-    let opts = LoadOptions { encryption: encryption(cipher, false), cancel: Some(cancel.clone()), ..Default::default() };
+    let opts =
+        LoadOptions { encryption: encryption(cipher, false), cancel: Some(cancel.clone()), ..Default::default() };
     let h = interruptible(py, &cancel, None, || turboio::read_header_of(&path, &opts))?;
     Ok(header_info(&h))
 }
@@ -402,7 +403,8 @@ fn read_header(py: Python<'_>, path: std::path::PathBuf, cipher: bool) -> PyResu
 #[pyo3(signature = (path, cipher=false))]
 fn file_kind(py: Python<'_>, path: std::path::PathBuf, cipher: bool) -> PyResult<&'static str> {
     let cancel = Arc::new(AtomicBool::new(false));
-    let opts = LoadOptions { encryption: encryption(cipher, false), cancel: Some(cancel.clone()), ..Default::default() };
+    let opts =
+        LoadOptions { encryption: encryption(cipher, false), cancel: Some(cancel.clone()), ..Default::default() };
     let (prefix, len) = interruptible(py, &cancel, None, || turboio::read_prefix(&path, 4096, &opts))?;
     Ok(if looks_like_safetensors(&prefix, len) {
         "safetensors"
@@ -539,8 +541,11 @@ fn write_file(
     cipher_header: bool,
 ) -> PyResult<()> {
     let cancel = Arc::new(AtomicBool::new(false));
-    let opts =
-        SaveOptions { encryption: encryption(cipher, cipher_header), cancel: Some(cancel.clone()), ..Default::default() };
+    let opts = SaveOptions {
+        encryption: encryption(cipher, cipher_header),
+        cancel: Some(cancel.clone()),
+        ..Default::default()
+    };
     interruptible(py, &cancel, None, || turboio::write_bytes(&path, data, &opts))
 }
 

@@ -132,7 +132,11 @@ pub(crate) fn for_read(file: &dyn StorageFile, enc: &Encryption, cancel: Option<
 
 /// Gets the key of a file about to be written, and the plain prefix (the cipher header) to
 /// write before the ciphertext.
-pub(crate) fn for_write(path: &Path, enc: &Encryption, cancel: Option<&Arc<AtomicBool>>) -> Result<(CtrCipher, Vec<u8>)> {
+pub(crate) fn for_write(
+    path: &Path,
+    enc: &Encryption,
+    cancel: Option<&Arc<AtomicBool>>,
+) -> Result<(CtrCipher, Vec<u8>)> {
     match (&enc.keys, enc.header) {
         (Keys::Fixed { key, iv }, false) => Ok((CtrCipher::new(key, iv), Vec::new())),
         (Keys::Fixed { .. }, true) => Err(key_error(
@@ -140,7 +144,9 @@ pub(crate) fn for_write(path: &Path, enc: &Encryption, cancel: Option<&Arc<Atomi
             "a cipher header stores a KMS-wrapped key: it needs the KMS key chain, not a fixed key",
         )),
         (Keys::Chain(r), false) => {
-            let m = cancellable(r, cancel).key_for_write(&crate::backend::key_path(path)).map_err(|e| key_lookup_error(path, e))?;
+            let m = cancellable(r, cancel)
+                .key_for_write(&crate::backend::key_path(path))
+                .map_err(|e| key_lookup_error(path, e))?;
             Ok((CtrCipher::new(&m.key, &m.iv), Vec::new()))
         }
         (Keys::Chain(r), true) => {

@@ -219,10 +219,7 @@ pub unsafe extern "C" fn cfsBuilderConnect(bld: *mut Builder, _user: *const c_ch
     };
     let ak = xml_value(&xml, "cfs.access.key").unwrap_or_default();
     let token = xml_value(&xml, "cfs.security.token").unwrap_or_default();
-    log(
-        "cfsBuilderConnect",
-        &format!("nn={:?} user={:?} conf={conf} ak={ak} token={token}", b.name_node, b.user),
-    );
+    log("cfsBuilderConnect", &format!("nn={:?} user={:?} conf={conf} ak={ak} token={token}", b.name_node, b.user));
     let faults = Faults::from_env();
     if faults.fail_connect {
         fail(libc::EIO, "fake cfs: injected connect failure".into());
@@ -232,7 +229,8 @@ pub unsafe extern "C" fn cfsBuilderConnect(bld: *mut Builder, _user: *const c_ch
         fail(libc::EINVAL, "fake cfs: the name node must be \"default\"".into());
         return std::ptr::null_mut();
     }
-    let Some(root) = xml_value(&xml, "cfs.filesystem.ufs-path").and_then(|u| u.strip_prefix("file://").map(PathBuf::from))
+    let Some(root) =
+        xml_value(&xml, "cfs.filesystem.ufs-path").and_then(|u| u.strip_prefix("file://").map(PathBuf::from))
     else {
         fail(libc::EINVAL, format!("fake cfs: {conf}: cfs.filesystem.ufs-path is not file:///a/local/dir"));
         return std::ptr::null_mut();

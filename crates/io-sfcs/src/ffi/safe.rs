@@ -103,8 +103,7 @@ impl Fs {
     pub fn open_write(&self, path: &CStr) -> Result<File<'_>, CfsError> {
         let api = &*self.api;
         // SAFETY: a live connection and a NUL-terminated path.
-        let f =
-            unsafe { (api.open_file_acc)(self.raw(), path.as_ptr(), libc::O_WRONLY | libc::O_ASYNC, 0o644, 0, 0) };
+        let f = unsafe { (api.open_file_acc)(self.raw(), path.as_ptr(), libc::O_WRONLY | libc::O_ASYNC, 0o644, 0, 0) };
         let raw = NonNull::new(f).ok_or_else(|| CfsError::last(api, "cfsOpenFileAcc"))?;
         Ok(File { fs: self, raw: Some(raw) })
     }
@@ -194,10 +193,9 @@ impl File<'_> {
         // library writes at most that many.
         let r = unsafe { (api.read)(self.fs.raw(), self.raw(), buf.as_mut_ptr().cast(), buf.len() as u64) };
         let n = check(api, "cfsRead", r, |&r| r >= 0)?;
-        usize::try_from(n)
-            .ok()
-            .filter(|&n| n <= buf.len())
-            .ok_or_else(|| CfsError::ours("cfsRead", libc::EIO, format!("returned {n} for a {}-byte buffer", buf.len())))
+        usize::try_from(n).ok().filter(|&n| n <= buf.len()).ok_or_else(|| {
+            CfsError::ours("cfsRead", libc::EIO, format!("returned {n} for a {}-byte buffer", buf.len()))
+        })
     }
 
     /// One `cfsWrite` of `buf`: the bytes written.

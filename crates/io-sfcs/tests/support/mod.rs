@@ -30,7 +30,9 @@ pub fn fake_lib() -> PathBuf {
         let root = here.ancestors().find(|d| d.join("Cargo.lock").exists()).unwrap_or(here);
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(cargo);
-        cmd.current_dir(&root).args(["build", "--quiet", "-p", "turboio-fake-cloudfs"]).env("CARGO_TARGET_DIR", target_dir);
+        cmd.current_dir(&root)
+            .args(["build", "--quiet", "-p", "turboio-fake-cloudfs"])
+            .env("CARGO_TARGET_DIR", target_dir);
         if profile != "debug" {
             cmd.args(["--profile", if profile == "release" { "release" } else { profile }]);
         }
@@ -122,7 +124,10 @@ pub fn in_child(name: &str, faults: &str, extra: &[(&str, &str)]) -> bool {
     }
     let out = cmd.output().unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success() && text.contains("1 passed"), "child run of {name} with faults {faults:?} failed:\n{text}");
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "child run of {name} with faults {faults:?} failed:\n{text}"
+    );
     false
 }
 
