@@ -30,7 +30,7 @@ pub fn fake_lib() -> PathBuf {
         let root = here.ancestors().find(|d| d.join("Cargo.lock").exists()).unwrap_or(here);
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(cargo);
-        cmd.current_dir(&root)
+        cmd.current_dir(root)
             .args(["build", "--quiet", "-p", "turboio-fake-cloudfs"])
             .env("CARGO_TARGET_DIR", target_dir);
         if profile != "debug" {
