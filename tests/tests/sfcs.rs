@@ -62,7 +62,7 @@ fn encrypted_files_interoperate_with_local_ones() {
     let a = turboio::load(sfcs(&written_locally), &via_sfcs).unwrap();
     let written_via_sfcs = dir.join("b.safetensors");
     let save = SaveOptions { storage: Some(storage.clone()), encryption: Some(fixed()), ..Default::default() };
-    turboio::sample::write_sample(&sfcs(&written_via_sfcs), 3 << 20, 5, &save).unwrap();
+    turboio::sample::write_sample(sfcs(&written_via_sfcs), 3 << 20, 5, &save).unwrap();
     assert_eq!(std::fs::read(&written_locally).unwrap(), std::fs::read(&written_via_sfcs).unwrap());
     let b = turboio::load(&written_via_sfcs, &LoadOptions { encryption: Some(fixed()), ..Default::default() }).unwrap();
     same(&a, &b);
@@ -108,5 +108,5 @@ fn without_the_library_an_sfcs_path_names_libcfs_path() {
     assert!(err.to_string().contains("LIBCFS_PATH=/nonexistent/libcloudfs.so"), "{err}");
     // Local paths are unaffected.
     let d = tempfile::tempdir().unwrap();
-    turboio::sample::write_sample(&d.path().join("x.safetensors"), 1000, 1, &SaveOptions::default()).unwrap();
+    turboio::sample::write_sample(d.path().join("x.safetensors"), 1000, 1, &SaveOptions::default()).unwrap();
 }
