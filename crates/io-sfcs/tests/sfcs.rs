@@ -603,3 +603,19 @@ fn a_cancelled_open_stops_waiting_for_the_datapipe() {
     assert!(matches!(r, Err(StorageError::Cancelled)), "{r:?}");
     assert!(start.elapsed() < std::time::Duration::from_secs(1));
 }
+
+#[test]
+fn the_fake_exports_exactly_the_symbols_the_backend_uses() {
+    let lib = fake_lib();
+    let Ok(out) = std::process::Command::new("nm").args(["-D", "--defined-only"]).arg(&lib).output() else {
+        eprintln!("skipped: nm is not installed");
+        return;
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut exported: Vec<&str> =
+        text.lines().filter_map(|l| l.split_whitespace().nth(2)).filter(|s| s.starts_with("cfs")).collect();
+    exported.sort();
+    let mut used = turboio_io_sfcs::SYMBOLS.to_vec();
+    used.sort();
+    assert_eq!(exported, used);
+}

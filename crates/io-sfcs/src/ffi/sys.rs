@@ -98,7 +98,7 @@ impl std::fmt::Debug for Api {
     }
 }
 
-/// Every symbol turboio looks up, in the order [`Api::load`] resolves them.
+/// Every libcloudfs symbol turboio looks up (the fake library exports exactly these).
 pub const SYMBOLS: [&str; 19] = [
     "cfsNewBuilder",
     "cfsBuilderSetNameNode",
