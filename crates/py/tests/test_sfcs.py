@@ -32,7 +32,7 @@ IV = b"1234567887654321"
 @pytest.fixture(scope="session")
 def fake_lib():
     cargo = os.environ.get("CARGO", "cargo")
-    target = ROOT / "target"
+    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
     subprocess.run([cargo, "build", "--quiet", "-p", "turboio-fake-cloudfs"], cwd=ROOT, check=True)
     lib = target / "debug" / "libturboio_fake_cloudfs.so"
     assert lib.exists(), lib
