@@ -41,6 +41,11 @@ pub struct Args {
     /// Skip the save rows.
     #[arg(long)]
     pub no_save: bool,
+    /// An SFCS directory (`sfcs://...`) for the SFCS rows (a save and copied loads through
+    /// libcloudfs); they also need LIBCFS_PATH pointing at the vendor library. Without both,
+    /// the rows are skipped with a message.
+    #[arg(long)]
+    pub sfcs_path: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -202,6 +207,49 @@ fn sample(dir: &Path, size: u64) -> Result<PathBuf> {
         eprintln!("  {:.1} s", t.elapsed().as_secs_f64());
     }
     Ok(path)
+}
+
+/// The SFCS rows: a save through libcloudfs (parts, concat, rename), then copied loads of that
+/// file, `runs` times each; skipped, with the reason, unless LIBCFS_PATH and `--sfcs-path`
+/// are given and the library loads.
+fn sfcs_rows(dir: Option<&str>, size: u64, runs: usize) -> Result<Vec<Row>> {
+    let mut save = Row { size, cache: "sfcs", loader: "turboio save (sfcs)", ..Default::default() };
+    let mut load = Row { size, cache: "sfcs", loader: "turboio copied (sfcs)", ..Default::default() };
+    let skip = match (std::env::var_os("LIBCFS_PATH"), dir) {
+        (None, _) | (_, None) => {
+            Some("needs LIBCFS_PATH (the vendor libcloudfs.so) and --sfcs-path sfcs://DIR".to_string())
+        }
+        (Some(_), Some(d)) if !d.starts_with("sfcs://") => Some(format!("--sfcs-path {d} is not an sfcs:// path")),
+        _ => turboio::sfcs::SfcsStorage::from_env().check_library().err(),
+    };
+    if let Some(why) = skip {
+        eprintln!("SFCS rows skipped: {why}");
+        save.skipped = Some(why.clone());
+        load.skipped = Some(why);
+        return Ok(vec![save, load]);
+    }
+    let path = PathBuf::from(format!(
+        "{}/bench-{}.safetensors",
+        dir.unwrap_or_default().trim_end_matches('/'),
+        size_name(size)
+    ));
+    eprintln!("{}: sfcs {}, {runs} runs ...", size_name(size), path.display());
+    for _ in 0..runs {
+        let t = Instant::now();
+        turboio::sample::write_sample(&path, size, 1, &SaveOptions::default())?;
+        save.times.push(t.elapsed().as_secs_f64());
+        save.load_times.push(save.times[save.times.len() - 1]);
+    }
+    for _ in 0..runs {
+        let t = Instant::now();
+        let loaded = turboio::load(&path, &LoadOptions { mode: LoadMode::Copied, ..Default::default() })?;
+        load.load_times.push(t.elapsed().as_secs_f64());
+        drop(loaded);
+        load.times.push(t.elapsed().as_secs_f64());
+    }
+    save.how = "temporary directory, one part per thread, cfsConcat, cfsRename2".into();
+    load.how = "one connection, one cfsFile per reader thread".into();
+    Ok(vec![save, load])
 }
 
 /// The bench's key for encrypted rows (veTurboIO's test vectors), also handed to the CLI.
@@ -499,6 +547,7 @@ pub fn run(args: Args) -> Result<()> {
             eprintln!("{}: saves, {runs} runs ...", size_name(size));
             save_tables.push((len, crate::savebench::measure(python.as_deref(), &path, runs)?));
         }
+        all.extend(sfcs_rows(args.sfcs_path.as_deref(), size, runs)?);
         if args.clean {
             std::fs::remove_file(&path)?;
         }

@@ -1,7 +1,10 @@
 //! Small shared pieces: secrets that never print, retry policies, environment look-ups.
 
 use std::fmt;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
+
+use crate::http::Cancelled;
 
 use zeroize::Zeroizing;
 
@@ -36,6 +39,14 @@ impl From<String> for Secret {
 impl From<&str> for Secret {
     fn from(s: &str) -> Secret {
         Secret::new(s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Secret {
+    /// Straight from the JSON text into the zeroizing string (one allocation of exactly the
+    /// value's size; never through a `serde_json::Value`).
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Secret, D::Error> {
+        String::deserialize(d).map(Secret::new)
     }
 }
 
@@ -79,14 +90,19 @@ impl RetryPolicy {
         self.base_delay.checked_mul(factor).unwrap_or(self.max_delay).min(self.max_delay)
     }
 
-    /// Sleeps before attempt `attempt` (1-based retries; nothing before attempt 0).
-    pub(crate) fn wait_before(&self, attempt: u32) {
+    /// Waits before attempt `attempt` (1-based retries; nothing before attempt 0), waking up
+    /// early when `cancel` is set. Fails once it is set.
+    pub(crate) fn wait_before(&self, attempt: u32, cancel: Option<&AtomicBool>) -> Result<(), Cancelled> {
+        if crate::http::is_cancelled(cancel) {
+            return Err(Cancelled);
+        }
         if attempt > 0 {
             let d = self.delay(attempt - 1);
             if !d.is_zero() {
-                std::thread::sleep(d);
+                crate::http::sleep(d, cancel)?;
             }
         }
+        Ok(())
     }
 }
 

@@ -117,6 +117,10 @@ pub enum KeyError {
         attempts: Vec<Attempt>,
     },
 
+    /// The caller cancelled (e.g. Ctrl-C in Python) while a key source was being asked.
+    #[error("cancelled while looking up the key")]
+    Cancelled,
+
     /// The operating system's random generator failed while making a new data key.
     #[error("cannot generate a data key: {0}")]
     Random(String),

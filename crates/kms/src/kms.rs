@@ -2,9 +2,12 @@
 //! with the ring provider), or over the datapipe socket acting as a proxy.
 
 use std::fmt;
-use std::io::Read;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
+
+use bytes::Bytes;
+use serde::Deserialize;
 
 use reqwest::header::{HeaderName, HeaderValue};
 use reqwest::Url;
@@ -13,8 +16,8 @@ use turboio_cipher::{b64_decode, b64_encode, Key};
 use zeroize::Zeroizing;
 
 use crate::config::{process_env, py_json_str, scrub, var, RetryPolicy, Secret};
-use crate::datapipe::{DatapipeClient, TASK_HEADER};
-use crate::http1::{self, HttpError, MAX_BODY};
+use crate::datapipe::{DatapipeClient, ExchangeError, TASK_HEADER};
+use crate::http::{self, Cancelled, ReadError, MAX_BODY};
 use crate::sign::{self, SignRequest, XDate};
 use crate::{KeyError, KeySource};
 
@@ -136,6 +139,7 @@ pub struct KmsClient {
     sign_host: String,
     proxy: Option<DatapipeClient>,
     note: Option<String>,
+    cancel: Option<Arc<AtomicBool>>,
     http: OnceLock<Result<reqwest::blocking::Client, String>>,
 }
 
@@ -207,6 +211,7 @@ impl KmsClient {
             sign_host,
             proxy: None,
             note: None,
+            cancel: None,
             http: OnceLock::new(),
         })
     }
@@ -215,6 +220,13 @@ impl KmsClient {
     /// HTTPS; the sidecar forwards it to the KMS host, which is still what gets signed.
     pub fn with_datapipe_proxy(mut self, proxy: DatapipeClient) -> KmsClient {
         self.proxy = Some(proxy);
+        self
+    }
+
+    /// Every call of this client gives up with [`KeyError::Cancelled`] once `cancel` is set:
+    /// waits between retries wake up and a request in flight is abandoned.
+    pub fn with_cancel(mut self, cancel: Arc<AtomicBool>) -> KmsClient {
+        self.cancel = Some(cancel);
         self
     }
 
@@ -245,10 +257,13 @@ impl KmsClient {
 
     fn decrypt_inner(&self, ciphertext_blob: &str) -> Result<Zeroizing<Vec<u8>>, KeyError> {
         let body = format!("{{\"CiphertextBlob\": {}}}", py_json_str(ciphertext_blob));
-        let json = self.call("Decrypt", body.as_bytes(), &[])?;
-        let text = result_field(&json, "Plaintext")
-            .ok_or_else(|| self.err("Decrypt", Some(200), missing("Plaintext", &json)))?;
-        b64_decode(text, "KMS Result.Plaintext")
+        let answer = self.call("Decrypt", Bytes::from(body.into_bytes()), &[])?;
+        let a = self.parse("Decrypt", &answer)?;
+        let text = a
+            .result
+            .and_then(|r| r.plaintext)
+            .ok_or_else(|| self.err("Decrypt", Some(200), missing("Plaintext", a.meta.as_ref())))?;
+        b64_decode(text.expose(), "KMS Result.Plaintext")
             .map_err(|e| KeyError::InvalidKeyMaterial { from: KeySource::HeaderKms, detail: e.to_string() })
     }
 
@@ -259,11 +274,25 @@ impl KmsClient {
 
     fn encrypt_inner(&self, plaintext: &[u8]) -> Result<String, KeyError> {
         let b64 = Zeroizing::new(b64_encode(plaintext));
-        let body = Zeroizing::new(format!("{{\"Plaintext\": {}}}", py_json_str(&b64)));
-        let json = self.call("Encrypt", body.as_bytes(), &[&b64])?;
-        result_field(&json, "CiphertextBlob")
-            .map(str::to_string)
-            .ok_or_else(|| self.err("Encrypt", Some(200), missing("CiphertextBlob", &json)))
+        // `{"Plaintext": "<base64>"}`: the base64 alphabet needs no JSON escaping, so this is
+        // Python's json.dumps text. One buffer, sized up front and never grown, handed to the
+        // HTTP client without a copy and zeroized when the client drops it.
+        const OPEN: &[u8] = b"{\"Plaintext\": \"";
+        const CLOSE: &[u8] = b"\"}";
+        let mut body = Zeroizing::new(Vec::with_capacity(OPEN.len() + b64.len() + CLOSE.len()));
+        body.extend_from_slice(OPEN);
+        body.extend_from_slice(b64.as_bytes());
+        body.extend_from_slice(CLOSE);
+        let answer = self.call("Encrypt", Bytes::from_owner(body), &[&b64])?;
+        let a = self.parse("Encrypt", &answer)?;
+        a.result
+            .and_then(|r| r.ciphertext_blob)
+            .ok_or_else(|| self.err("Encrypt", Some(200), missing("CiphertextBlob", a.meta.as_ref())))
+    }
+
+    fn parse(&self, action: &'static str, answer: &[u8]) -> Result<KmsAnswer, KeyError> {
+        serde_json::from_slice(answer)
+            .map_err(|e| self.err(action, Some(200), http::describe_json_error(&e, answer.len())))
     }
 
     /// veTurboIO's data-key wrapping, reading side: the KMS plaintext is the *base64 text* of
@@ -301,7 +330,7 @@ impl KmsClient {
 
     /// One signed call with retries; the parsed JSON of the 200 answer. `sensitive` strings
     /// (and the secret key and token) are scrubbed from any quoted error body.
-    fn call(&self, action: &'static str, body: &[u8], sensitive: &[&str]) -> Result<Value, KeyError> {
+    fn call(&self, action: &'static str, body: Bytes, sensitive: &[&str]) -> Result<Zeroizing<Vec<u8>>, KeyError> {
         let query_pairs = [
             ("Action", action),
             ("KeyName", self.key_name.as_str()),
@@ -317,13 +346,13 @@ impl KmsClient {
         let policy = self.config.retry;
         let mut last = None;
         for attempt in 0..policy.attempts() {
-            policy.wait_before(attempt);
+            policy.wait_before(attempt, self.cancel.as_deref()).map_err(|Cancelled| KeyError::Cancelled)?;
             let date = XDate::now();
             let signed = sign::sign(&SignRequest {
                 method: "POST",
                 host: &self.sign_host,
                 query: &query_pairs,
-                body,
+                body: &body,
                 date: &date,
                 region: &self.config.region,
                 service: SERVICE,
@@ -335,19 +364,15 @@ impl KmsClient {
                 headers.push(("X-Security-Token", t.to_string()));
             }
             let outcome = match &self.proxy {
-                Some(p) => self.send_proxy(p, &query, &headers, body),
-                None => self.send_https(&query, &headers, body),
+                Some(p) => self.send_proxy(p, &query, &headers, body.clone()),
+                None => self.send_https(&query, &headers, body.clone()),
             };
             // Header values may hold the token: zeroize our copies.
             for (_, v) in headers.iter_mut() {
                 zeroize::Zeroize::zeroize(v);
             }
             match outcome {
-                Ok((200, body)) => {
-                    return serde_json::from_slice(&body).map_err(|_| {
-                        self.err(action, Some(200), format!("the answer is not JSON ({} bytes)", body.len()))
-                    })
-                }
+                Ok((200, answer)) => return Ok(answer),
                 Ok((status, body)) => {
                     let err = self.err(action, Some(status), describe_status(status, &body, &secrets));
                     if status >= 500 || status == 429 {
@@ -356,6 +381,7 @@ impl KmsClient {
                         return Err(err);
                     }
                 }
+                Err(Failure::Cancelled) => return Err(KeyError::Cancelled),
                 Err(Failure::Transient(d)) => last = Some(self.err(action, None, d)),
                 Err(Failure::Permanent(d)) => return Err(self.err(action, None, d)),
             }
@@ -377,11 +403,11 @@ impl KmsClient {
         &self,
         query: &str,
         headers: &[(&'static str, String)],
-        body: &[u8],
+        body: Bytes,
     ) -> Result<(u16, Zeroizing<Vec<u8>>), Failure> {
-        let client = self.http_client().map_err(Failure::Permanent)?;
+        let client = self.http_client().map_err(Failure::Permanent)?.clone();
         let url = format!("{}/?{query}", self.base_url);
-        let mut req = client.post(&url).body(body.to_vec());
+        let mut req = client.post(&url).body(body);
         for (name, value) in headers {
             let mut v = HeaderValue::from_str(value)
                 .map_err(|_| Failure::Permanent(format!("the {name} header value is not valid in HTTP")))?;
@@ -392,37 +418,40 @@ impl KmsClient {
                 .map_err(|_| Failure::Permanent(format!("{name} is not a valid header name")))?;
             req = req.header(name, v);
         }
-        let host = &self.sign_host;
+        let req = req
+            .build()
+            .map_err(|e| Failure::Permanent(format!("cannot build the request{}", http::error_chain(&e))))?;
+        let host = self.sign_host.clone();
         let timeout = self.config.timeout;
-        let describe = |e: reqwest::Error| {
-            let chain = error_chain(&e);
-            if e.is_timeout() {
-                Failure::Transient(format!("timed out after {timeout:?} waiting for {host}{chain}"))
-            } else if e.is_connect() {
-                Failure::Transient(format!("cannot connect to {host}{chain}"))
-            } else if e.is_builder() {
-                Failure::Permanent(format!("cannot build the request{chain}"))
-            } else {
-                Failure::Transient(format!("request to {host} failed{chain}"))
-            }
+        let run = move || -> Result<(u16, Zeroizing<Vec<u8>>), Failure> {
+            let resp = client.execute(req).map_err(|e| {
+                let chain = http::error_chain(&e);
+                if e.is_timeout() {
+                    Failure::Transient(format!("timed out after {timeout:?} waiting for {host}{chain}"))
+                } else if e.is_connect() {
+                    Failure::Transient(format!("cannot connect to {host}{chain}"))
+                } else if e.is_builder() {
+                    Failure::Permanent(format!("cannot build the request{chain}"))
+                } else {
+                    Failure::Transient(format!("request to {host} failed{chain}"))
+                }
+            })?;
+            let status = resp.status().as_u16();
+            let out = http::read_body(resp).map_err(|e| match e {
+                ReadError::TooLarge => {
+                    Failure::Permanent(format!("the answer from {host} is larger than {MAX_BODY} bytes"))
+                }
+                ReadError::Io(e) if http::is_timeout_io(&e) => {
+                    Failure::Transient(format!("timed out after {timeout:?} reading the answer from {host}"))
+                }
+                ReadError::Io(e) => Failure::Transient(format!("reading the answer from {host} failed: {e}")),
+            })?;
+            Ok((status, out))
         };
-        let resp = req.send().map_err(describe)?;
-        let status = resp.status().as_u16();
-        let mut out = Zeroizing::new(Vec::new());
-        resp.take(MAX_BODY as u64 + 1).read_to_end(&mut out).map_err(|e| {
-            let timed_out =
-                e.get_ref().and_then(|i| i.downcast_ref::<reqwest::Error>()).is_some_and(reqwest::Error::is_timeout)
-                    || e.kind() == std::io::ErrorKind::TimedOut;
-            if timed_out {
-                Failure::Transient(format!("timed out after {timeout:?} reading the answer from {host}"))
-            } else {
-                Failure::Transient(format!("reading the answer from {host} failed: {e}"))
-            }
-        })?;
-        if out.len() > MAX_BODY {
-            return Err(Failure::Permanent(format!("the answer from {host} is larger than {MAX_BODY} bytes")));
+        match http::cancellable(self.cancel.as_deref(), run, |e| Err(Failure::Transient(format!("no thread: {e}")))) {
+            Ok(r) => r,
+            Err(Cancelled) => Err(Failure::Cancelled),
         }
-        Ok((status, out))
     }
 
     fn send_proxy(
@@ -430,7 +459,7 @@ impl KmsClient {
         proxy: &DatapipeClient,
         query: &str,
         headers: &[(&'static str, String)],
-        body: &[u8],
+        body: Bytes,
     ) -> Result<(u16, Zeroizing<Vec<u8>>), Failure> {
         if !proxy.exists() {
             return Err(Failure::Permanent(format!(
@@ -441,10 +470,12 @@ impl KmsClient {
         let mut all: Vec<(&'static str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
         all.push((TASK_HEADER, "top"));
         let target = format!("/?{query}");
-        match proxy.exchange("POST", &target, &all, body, self.config.timeout) {
-            Ok(resp) => Ok((resp.status, resp.body)),
-            Err(e @ HttpError::BadHeader(_)) => Err(Failure::Permanent(e.to_string())),
-            Err(e) if e.is_timeout() => Err(Failure::Transient(format!(
+        let cancel = self.cancel.as_deref();
+        match proxy.exchange(reqwest::Method::POST, &target, &all, Some(body), self.config.timeout, cancel) {
+            Ok(a) => Ok((a.status, a.body)),
+            Err(ExchangeError::Cancelled) => Err(Failure::Cancelled),
+            Err(e @ (ExchangeError::BadHeader(_) | ExchangeError::TooLarge)) => Err(Failure::Permanent(e.to_string())),
+            Err(ExchangeError::Timeout) => Err(Failure::Transient(format!(
                 "timed out after {:?} waiting for {}",
                 self.config.timeout, self.sign_host
             ))),
@@ -456,6 +487,24 @@ impl KmsClient {
 enum Failure {
     Transient(String),
     Permanent(String),
+    Cancelled,
+}
+
+/// A KMS answer, parsed straight into zeroizing types (`Result.Plaintext` is key material).
+#[derive(Deserialize)]
+struct KmsAnswer {
+    #[serde(rename = "Result")]
+    result: Option<KmsResult>,
+    #[serde(rename = "ResponseMetadata")]
+    meta: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct KmsResult {
+    #[serde(rename = "Plaintext")]
+    plaintext: Option<Secret>,
+    #[serde(rename = "CiphertextBlob")]
+    ciphertext_blob: Option<String>,
 }
 
 fn build_http_client(config: &KmsConfig, host: &str) -> Result<reqwest::blocking::Client, String> {
@@ -478,52 +527,35 @@ fn build_http_client(config: &KmsConfig, host: &str) -> Result<reqwest::blocking
     if matches!(bare, "localhost" | "127.0.0.1" | "[::1]") || bare.starts_with("127.") {
         b = b.no_proxy();
     }
-    b.build().map_err(|e| format!("cannot create the HTTPS client{}", error_chain(&e)))
-}
-
-/// `: cause: cause...` of an error's sources (reqwest's own text names the URL; we name the
-/// host ourselves).
-fn error_chain(e: &reqwest::Error) -> String {
-    let mut out = String::new();
-    let mut src = std::error::Error::source(e);
-    while let Some(s) = src {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        src = s.source();
-    }
-    out
-}
-
-fn result_field<'a>(json: &'a Value, name: &str) -> Option<&'a str> {
-    json.get("Result")?.get(name)?.as_str()
+    b.build().map_err(|e| format!("cannot create the HTTPS client{}", http::error_chain(&e)))
 }
 
 /// KMS error `Code: Message` from `ResponseMetadata.Error`, if any.
-fn api_error(json: &Value) -> Option<String> {
-    let e = json.get("ResponseMetadata")?.get("Error")?;
+fn api_error(meta: &Value) -> Option<String> {
+    let e = meta.get("Error")?;
     let code = e.get("Code").and_then(Value::as_str).unwrap_or("");
     let msg = e.get("Message").and_then(Value::as_str).unwrap_or("");
     Some(format!("{code}: {msg}"))
 }
 
-fn missing(field: &str, json: &Value) -> String {
-    match api_error(json) {
-        Some(e) => format!("the answer has no Result.{field} ({})", http1::truncate(&e, 200)),
+fn missing(field: &str, meta: Option<&Value>) -> String {
+    match meta.and_then(api_error) {
+        Some(e) => format!("the answer has no Result.{field} ({})", http::truncate(&e, 200)),
         None => format!("the answer has no Result.{field}"),
     }
 }
 
 fn describe_status(status: u16, body: &[u8], secrets: &[&str]) -> String {
     let parsed: Option<Value> = serde_json::from_slice(body).ok();
-    let why = match parsed.as_ref().and_then(api_error) {
-        Some(e) => format!(": {}", http1::truncate(&scrub(&e, secrets), 200)),
+    let why = match parsed.as_ref().and_then(|j| j.get("ResponseMetadata")).and_then(api_error) {
+        Some(e) => format!(": {}", http::truncate(&scrub(&e, secrets), 200)),
         None => {
             let text = String::from_utf8_lossy(body);
             let text = scrub(text.trim(), secrets);
             if text.is_empty() {
                 String::new()
             } else {
-                format!(": {}", http1::truncate(&text, 200))
+                format!(": {}", http::truncate(&text, 200))
             }
         }
     };

@@ -108,8 +108,27 @@
 //! - Buffers that hold key material in this crate (decoded keys, response bodies, the encrypt
 //!   request body, signing keys) are zeroized on drop; copies inside reqwest, hyper and
 //!   serde_json are not.
-//! - Header values sent over the socket are checked for CR/LF/NUL; responses are size-capped
-//!   (4 MiB) and parsed without panics.
+//! - Answers that carry secrets (KMS `Result.Plaintext`, datapipe `Key`/`IV`, STS secret keys
+//!   and tokens) are parsed straight into zeroizing strings by typed serde structs, never into a
+//!   `serde_json::Value`; bodies are read into one buffer sized up front from `Content-Length`
+//!   (grown, when there is none, by copying into a fresh buffer, so no unwiped allocation is
+//!   freed); the KMS `Encrypt` body (the base64 key) is built once in a buffer of its exact size
+//!   and handed to reqwest without a copy (`Bytes::from_owner`), zeroized when reqwest drops
+//!   it. What remains outside our reach: hyper's own write and read buffers, and serde_json's
+//!   scratch buffer for strings with escapes (base64 has none).
+//! - Header values are checked (CR/LF/NUL are refused before anything is sent); responses
+//!   are size-capped (4 MiB) and parsed without panics.
+//!
+//! # One HTTP client, cancellable
+//!
+//! Every request, to KMS over HTTPS and to the datapipe over its unix socket (`ping`,
+//! `encrypt-key`, `kms-sts`, `sfcs-sts`, the `top` proxy), goes through reqwest's blocking
+//! client (`ClientBuilder::unix_socket` for the socket). With a cancel flag
+//! ([`KeyResolver::with_cancel`], [`DatapipeClient::with_cancel`], [`KmsClient::with_cancel`])
+//! the flag is checked before every attempt, backoff waits wake within 20 ms of it being set,
+//! and a request in flight runs on a helper thread that the caller stops waiting for (it ends
+//! by itself within its timeout, owning everything it touches), so a cancelled look-up returns
+//! at once even against a socket that never answers.
 //! - `#![forbid(unsafe_code)]`.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -117,13 +136,13 @@
 mod config;
 mod datapipe;
 mod error;
-mod http1;
+mod http;
 mod kms;
 mod resolver;
 pub mod sign;
 
 pub use config::{RetryPolicy, Secret};
-pub use datapipe::{DatapipeClient, DatapipeConfig, StsCredentials, DEFAULT_SOCKET_PATH};
+pub use datapipe::{DatapipeClient, DatapipeConfig, SfcsSts, StsCredentials, DEFAULT_SOCKET_PATH};
 pub use error::{Attempt, KeyError, KeySource};
 pub use kms::{KmsClient, KmsConfig, API_VERSION, DEFAULT_HOST, DEFAULT_REGION, SERVICE};
 pub use resolver::{KeyMaterial, KeyResolver};

@@ -2,6 +2,8 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use turboio_cipher::{b64_decode, CipherError, CipherHeader, Iv, Key, Mode};
@@ -43,6 +45,7 @@ pub struct KeyResolver {
     datapipe: DatapipeConfig,
     env_key: Option<Secret>,
     env_iv: Option<String>,
+    cancel: Option<Arc<AtomicBool>>,
 }
 
 impl fmt::Debug for KeyResolver {
@@ -70,7 +73,17 @@ impl KeyResolver {
             datapipe: DatapipeConfig::from_vars(&get),
             env_key: var(&get, "VETURBOIO_KEY").map(Secret::new),
             env_iv: var(&get, "VETURBOIO_IV"),
+            cancel: None,
         }
+    }
+
+    /// Every look-up gives up with [`KeyError::Cancelled`] once `cancel` is set: the flag is
+    /// checked between sources and attempts, waits between retries wake up, and a request in
+    /// flight is abandoned (Ctrl-C in Python returns at once even when the datapipe or KMS
+    /// never answers).
+    pub fn with_cancel(mut self, cancel: Arc<AtomicBool>) -> KeyResolver {
+        self.cancel = Some(cancel);
+        self
     }
 
     /// Replaces the KMS settings.
@@ -123,6 +136,7 @@ impl KeyResolver {
         if let Some(h) = header {
             match self.header_kms(&mut session, h) {
                 Ok(m) => return Ok(m),
+                Err(KeyError::Cancelled) => return Err(KeyError::Cancelled),
                 Err(error) => attempts.push(Attempt { source: KeySource::HeaderKms, error }),
             }
         }
@@ -189,7 +203,10 @@ impl KeyResolver {
             KeyError::KmsConfig(m) => KeyError::KmsConfig(format!("{m} [{note}]")),
             other => other,
         })?;
-        let client = client.with_note(note);
+        let mut client = client.with_note(note);
+        if let Some(c) = &self.cancel {
+            client = client.with_cancel(c.clone());
+        }
         Ok(match proxy {
             Some(p) => client.with_datapipe_proxy(p),
             None => client,
@@ -212,6 +229,7 @@ impl KeyResolver {
     ) -> Result<KeyMaterial, KeyError> {
         match session.datapipe_key(path) {
             Ok((key, iv)) => return Ok(KeyMaterial { key, iv, source: KeySource::Datapipe }),
+            Err(KeyError::Cancelled) => return Err(KeyError::Cancelled),
             Err(error) => attempts.push(Attempt { source: KeySource::Datapipe, error }),
         }
         match self.env_key_iv() {
@@ -262,7 +280,11 @@ struct Session {
 
 impl Session {
     fn new(resolver: &KeyResolver) -> Session {
-        Session { dp: DatapipeClient::new(resolver.datapipe.clone()), ping: None }
+        let mut dp = DatapipeClient::new(resolver.datapipe.clone());
+        if let Some(c) = &resolver.cancel {
+            dp = dp.with_cancel(c.clone());
+        }
+        Session { dp, ping: None }
     }
 
     fn ping(&mut self) -> Result<(), KeyError> {

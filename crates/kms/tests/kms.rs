@@ -777,3 +777,157 @@ fn secrets_never_appear_in_errors_or_debug() {
     check("echoed error", &err);
     assert!(!err.contains(&b64(b64(RAW_KEY).as_bytes())), "{err}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Cancellation and the HTTP client
+
+#[test]
+fn a_cancelled_lookup_returns_at_once_against_a_datapipe_that_never_answers() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let silent = silent_socket();
+    let mut cfg = dp_config(&silent.path);
+    // veTurboIO-like patience: without the cancel this would wait minutes.
+    cfg.timeout = Duration::from_secs(60);
+    cfg.retry = RetryPolicy::new(60, Duration::from_secs(2));
+    let cancel = Arc::new(AtomicBool::new(false));
+    let r = KeyResolver::from_vars(|_| None).with_datapipe_config(cfg).with_cancel(cancel.clone());
+    let worker = std::thread::spawn(move || r.key_for_read(Path::new("/m.safetensors"), None));
+    let _held = silent.accept_one();
+    let start = std::time::Instant::now();
+    cancel.store(true, Ordering::Relaxed);
+    let result = worker.join().unwrap();
+    let took = start.elapsed();
+    assert!(matches!(result, Err(KeyError::Cancelled)), "{result:?}");
+    assert!(took < Duration::from_secs(1), "cancelling took {took:?}");
+
+    // The backoff wait between attempts wakes up too.
+    let dp = MockDatapipe::start();
+    dp.force("ping", &[500; 10]);
+    let mut cfg = dp_config(&dp.path);
+    cfg.retry = RetryPolicy::new(5, Duration::from_secs(30));
+    let cancel = Arc::new(AtomicBool::new(false));
+    let client = DatapipeClient::new(cfg).with_cancel(cancel.clone());
+    let worker = std::thread::spawn(move || client.ping());
+    while dp.requests().is_empty() {
+        std::thread::yield_now();
+    }
+    let start = std::time::Instant::now();
+    cancel.store(true, Ordering::Relaxed);
+    assert!(matches!(worker.join().unwrap(), Err(KeyError::Cancelled)));
+    assert!(start.elapsed() < Duration::from_secs(1));
+    assert_eq!(dp.requests().len(), 1, "no attempt after the cancel");
+}
+
+#[test]
+fn a_cancelled_kms_call_returns_at_once() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    // A TCP listener that accepts and never answers.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut cfg = KmsConfig {
+        endpoint: Some(format!("http://{addr}")),
+        access_key: Some(AK.into()),
+        secret_key: Some(Secret::new(SK)),
+        keyring_name: Some(KEYRING.into()),
+        key_name: Some(KEY_NAME.into()),
+        ..KmsConfig::default()
+    };
+    cfg.timeout = Duration::from_secs(60);
+    let cancel = Arc::new(AtomicBool::new(false));
+    let client = KmsClient::new(cfg).unwrap().with_cancel(cancel.clone());
+    let worker = std::thread::spawn(move || client.decrypt("Y2lwaGVydGV4dA=="));
+    let _held = listener.accept().unwrap();
+    let start = std::time::Instant::now();
+    cancel.store(true, Ordering::Relaxed);
+    assert!(matches!(worker.join().unwrap(), Err(KeyError::Cancelled)));
+    assert!(start.elapsed() < Duration::from_secs(1));
+}
+
+/// A unix socket that answers every connection with the same raw bytes, then closes it.
+fn raw_socket(answer: &'static [u8]) -> (tempfile::TempDir, PathBuf) {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("raw.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            // Read the request head, then answer.
+            let mut seen = Vec::new();
+            let mut byte = [0u8; 1];
+            while !seen.ends_with(b"\r\n\r\n") && conn.read(&mut byte).unwrap_or(0) == 1 {
+                seen.push(byte[0]);
+            }
+            let _ = conn.write_all(answer);
+        }
+    });
+    (dir, path)
+}
+
+#[test]
+fn datapipe_http_framing_through_reqwest() {
+    // (The hand-written HTTP/1.1 client's cases, now through reqwest over the unix socket.)
+    let pong = |raw: &'static [u8]| {
+        let (_d, path) = raw_socket(raw);
+        DatapipeClient::new(dp_config(&path)).ping()
+    };
+    pong(b"HTTP/1.1 200 OK\r\nContent-Length: 19\r\n\r\n{\"message\": \"pong\"}").unwrap();
+    pong(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4;ext=1\r\n{\"me\r\na\r\nssage\": \"p\r\n5\r\nong\"}\r\n0\r\nX-Trailer: t\r\n\r\n")
+        .unwrap();
+    pong(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{\"message\": \"pong\"}").unwrap();
+    pong(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 19\r\n\r\n{\"message\": \"pong\"}").unwrap();
+    for raw in [
+        &b""[..],
+        b"SSH-2.0-OpenSSH\r\n\r\n",
+        b"HTTP/1.1 2000 OK\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort",
+        b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\n",
+        b"HTTP/1.1 503 Busy\r\nContent-Length: 4\r\n\r\nbusy",
+    ] {
+        let err = pong(raw).unwrap_err();
+        assert!(matches!(err, KeyError::Datapipe { task: "ping", .. }), "{err:?} for {raw:?}");
+    }
+    let err = pong(b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999\r\n\r\n").unwrap_err().to_string();
+    assert!(err.contains("larger than"), "{err}");
+}
+
+#[test]
+fn secrets_deserialize_straight_into_zeroizing_strings() {
+    // Answers are parsed by typed structs whose secret fields are `Secret`s (zeroized on drop),
+    // never through a serde_json::Value.
+    let s: Secret = serde_json::from_str("\"sk-0123456789\"").unwrap();
+    assert_eq!(s.expose(), "sk-0123456789");
+    assert_eq!(format!("{s:?}"), "<redacted>");
+    // A secret of the wrong type is an error that does not quote it.
+    let dp = MockDatapipe::start();
+    dp.set_key_iv_b64("x", "y");
+    let client = DatapipeClient::new(dp_config(&dp.path));
+    let err = client.encrypt_key(Path::new("/m")).unwrap_err();
+    assert!(matches!(err, KeyError::InvalidKeyMaterial { .. }), "{err:?}");
+}
+
+#[test]
+fn sfcs_sts_answers() {
+    use std::time::UNIX_EPOCH;
+    let dp = MockDatapipe::start();
+    dp.set_sfcs_sts(r#"{"Cred": {"CurrentTime": "2024-01-01T08:00:00+08:00", "ExpiredTime": "2024-01-01T01:00:00Z", "AccessKeyId": "AKSFCS", "SecretAccessKey": "sfcs-secret", "SessionToken": "sfcs-token"}, "SfcsNameNodeAddress": "10.9.8.7"}"#);
+    let client = DatapipeClient::new(dp_config(&dp.path));
+    let sts = client.sfcs_sts().unwrap();
+    assert_eq!(sts.access_key, "AKSFCS");
+    assert_eq!(sts.secret_key.expose(), "sfcs-secret");
+    assert_eq!(sts.session_token.expose(), "sfcs-token");
+    assert_eq!(sts.namenode_address, "10.9.8.7");
+    assert_eq!(sts.current_time.duration_since(UNIX_EPOCH).unwrap().as_secs(), 1_704_067_200);
+    assert_eq!(sts.expired_time.duration_since(UNIX_EPOCH).unwrap().as_secs(), 1_704_070_800);
+    assert!(!format!("{sts:?}").contains("sfcs-secret"));
+    dp.set_sfcs_sts(r#"{"Cred": {"CurrentTime": "now", "ExpiredTime": "later", "AccessKeyId": "A", "SecretAccessKey": "s", "SessionToken": "t"}, "SfcsNameNodeAddress": "x"}"#);
+    let err = client.sfcs_sts().unwrap_err().to_string();
+    assert!(err.contains("CurrentTime") && err.contains("ISO 8601"), "{err}");
+    dp.set_sfcs_sts(r#"{"Cred": {"AccessKeyId": "A"}}"#);
+    let err = client.sfcs_sts().unwrap_err().to_string();
+    assert!(err.contains("no field"), "{err}");
+}

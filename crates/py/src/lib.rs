@@ -1,9 +1,10 @@
 //! The `turboio._turboio` extension: a thin skin over the `turboio` crate.
 //!
-//! - Loads run in Rust with the GIL released, on a worker thread, while the calling thread
-//!   wakes every 50 ms to run Python's signal handlers: Ctrl-C cancels the load (it stops
-//!   within a chunk), frees its memory, and raises `KeyboardInterrupt`. Nothing half-filled is
-//!   ever handed out.
+//! - Every call that can block (loads, saves, header reads, key look-ups) runs in Rust with the
+//!   GIL released, on a worker thread, while the calling thread wakes every 50 ms to run
+//!   Python's signal handlers: Ctrl-C cancels the work (a load stops within a chunk; a key
+//!   look-up against a dead datapipe or KMS stops at once, its waits and requests abandoned),
+//!   frees its memory, and raises `KeyboardInterrupt`. Nothing half-filled is ever handed out.
 //! - Tensors leave as DLPack capsules (the `dlpack` module) that keep the load alive; torch and numpy
 //!   import them without a copy and without this crate linking either.
 //! - Errors map to the exceptions Python users expect: `FileNotFoundError`, `PermissionError`,
@@ -395,8 +396,10 @@ fn header_info(h: &Header) -> HeaderInfo {
 #[pyfunction]
 #[pyo3(signature = (path, cipher=false))]
 fn read_header(py: Python<'_>, path: std::path::PathBuf, cipher: bool) -> PyResult<HeaderInfo> {
-    let opts = LoadOptions { encryption: encryption(cipher, false), ..Default::default() };
-    let h = py.detach(|| turboio::read_header_of(&path, &opts)).map_err(to_py)?;
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts =
+        LoadOptions { encryption: encryption(cipher, false), cancel: Some(cancel.clone()), ..Default::default() };
+    let h = interruptible(py, &cancel, None, || turboio::read_header_of(&path, &opts))?;
     Ok(header_info(&h))
 }
 
@@ -406,8 +409,10 @@ fn read_header(py: Python<'_>, path: std::path::PathBuf, cipher: bool) -> PyResu
 #[pyfunction]
 #[pyo3(signature = (path, cipher=false))]
 fn file_kind(py: Python<'_>, path: std::path::PathBuf, cipher: bool) -> PyResult<&'static str> {
-    let opts = LoadOptions { encryption: encryption(cipher, false), ..Default::default() };
-    let (prefix, len) = py.detach(|| turboio::read_prefix(&path, 4096, &opts)).map_err(to_py)?;
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts =
+        LoadOptions { encryption: encryption(cipher, false), cancel: Some(cancel.clone()), ..Default::default() };
+    let (prefix, len) = interruptible(py, &cancel, None, || turboio::read_prefix(&path, 4096, &opts))?;
     Ok(if looks_like_safetensors(&prefix, len) {
         "safetensors"
     } else if prefix.starts_with(b"PK\x03\x04") || prefix.first() == Some(&0x80) {
@@ -628,8 +633,13 @@ fn write_file(
     cipher: bool,
     cipher_header: bool,
 ) -> PyResult<()> {
-    let opts = SaveOptions { encryption: encryption(cipher, cipher_header), ..Default::default() };
-    py.detach(|| turboio::write_bytes(&path, data, &opts)).map_err(to_py)
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts = SaveOptions {
+        encryption: encryption(cipher, cipher_header),
+        cancel: Some(cancel.clone()),
+        ..Default::default()
+    };
+    interruptible(py, &cancel, None, || turboio::write_bytes(&path, data, &opts))
 }
 
 /// Serializes tensors given by address into `bytes` (same layout as a saved file).

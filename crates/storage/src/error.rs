@@ -48,6 +48,15 @@ pub enum StorageError {
         /// The Cargo feature that enables it.
         feature: &'static str,
     },
+    /// The backend cannot serve this path as set up: its native library is missing, or its
+    /// configuration is incomplete or invalid (the message says which and how to fix it).
+    #[error("{}: {message}", path.display())]
+    Setup {
+        /// The path asked for.
+        path: PathBuf,
+        /// What is missing or wrong.
+        message: String,
+    },
     /// The operation was cancelled by the caller.
     #[error("cancelled")]
     Cancelled,

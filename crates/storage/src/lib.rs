@@ -255,6 +255,14 @@ pub trait Storage: Send + Sync + Debug {
     /// Opens a file for reading.
     fn open(&self, path: &Path) -> Result<Box<dyn StorageFile>>;
 
+    /// Opens a file for reading, giving up with [`StorageError::Cancelled`] once `cancel` is
+    /// set, for backends whose open can wait on the network (credentials, a connection). The
+    /// default ignores `cancel`.
+    fn open_cancellable(&self, path: &Path, cancel: Option<&AtomicBool>) -> Result<Box<dyn StorageFile>> {
+        let _ = cancel;
+        self.open(path)
+    }
+
     /// Writes `source` to `path` atomically: readers see the old file or the complete new one,
     /// never a mix; on any error the old file is untouched and nothing is left behind.
     fn write_file(&self, path: &Path, source: &dyn WriteSource, opts: &IoOptions<'_>) -> Result<()>;

@@ -1,7 +1,9 @@
-//! Picking the storage backend, by Cargo feature and by option, and the decrypting layer.
+//! Picking the storage backend, by Cargo feature, by option and by path scheme, and the
+//! decrypting layer.
 
 use crate::{Error, Result};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use turboio_storage::{IoOptions, ReadRequest, Storage, StorageFile};
 
@@ -35,9 +37,13 @@ pub(crate) struct Opened {
 }
 
 impl Opened {
-    pub(crate) fn open(storage: Option<&Arc<dyn Storage>>, path: &Path) -> Result<Opened> {
-        let backend = if let Some(s) = storage {
-            Backend::Other(s.open(path)?)
+    pub(crate) fn open(storage: Option<&Arc<dyn Storage>>, path: &Path, cancel: Option<&AtomicBool>) -> Result<Opened> {
+        let scheme = match storage {
+            Some(_) => None,
+            None => scheme_storage(path)?,
+        };
+        let backend = if let Some(s) = storage.or(scheme.as_ref()) {
+            Backend::Other(s.open_cancellable(path, cancel).map_err(|e| Error::storage(path, e))?)
         } else {
             #[cfg(feature = "posix")]
             {
@@ -160,17 +166,115 @@ pub(crate) fn default_posix() -> &'static turboio_io_posix::PosixStorage {
     POSIX.get_or_init(turboio_io_posix::PosixStorage::new)
 }
 
-/// The storage a save writes through.
-pub(crate) fn write_storage(storage: Option<&Arc<dyn Storage>>) -> Result<&dyn Storage> {
+/// The storage a save to `path` writes through: the one given, the one of the path's scheme,
+/// or the local file system.
+pub(crate) fn write_storage(storage: Option<&Arc<dyn Storage>>, path: &Path) -> Result<Arc<dyn Storage>> {
     if let Some(s) = storage {
-        return Ok(s.as_ref());
+        return Ok(s.clone());
+    }
+    if let Some(s) = scheme_storage(path)? {
+        return Ok(s);
     }
     #[cfg(feature = "posix")]
     {
-        Ok(default_posix())
+        Ok(default_posix_arc())
     }
     #[cfg(not(feature = "posix"))]
     {
         Err(Error::Storage(turboio_storage::StorageError::NotCompiledIn { backend: "posix", feature: "posix" }))
+    }
+}
+
+#[cfg(feature = "posix")]
+fn default_posix_arc() -> Arc<dyn Storage> {
+    static POSIX: std::sync::OnceLock<Arc<dyn Storage>> = std::sync::OnceLock::new();
+    POSIX.get_or_init(|| Arc::new(default_posix().clone())).clone()
+}
+
+/// A path scheme served by a backend of its own.
+struct Scheme {
+    /// The prefix, e.g. `sfcs://`.
+    prefix: &'static str,
+    /// The Cargo feature that compiles the backend in.
+    feature: &'static str,
+    /// The backend, when compiled in.
+    storage: Option<fn() -> Arc<dyn Storage>>,
+}
+
+/// Every scheme turboio knows, compiled in or not (so that a missing feature is a clear error,
+/// not a local file named `sfcs:`).
+const SCHEMES: &[Scheme] = &[Scheme {
+    prefix: "sfcs://",
+    feature: "sfcs",
+    #[cfg(feature = "sfcs")]
+    storage: Some(sfcs_storage),
+    #[cfg(not(feature = "sfcs"))]
+    storage: None,
+}];
+
+/// The process-wide SFCS backend (configured from the environment at each operation; the
+/// library is loaded on first use).
+#[cfg(feature = "sfcs")]
+fn sfcs_storage() -> Arc<dyn Storage> {
+    static SFCS: std::sync::OnceLock<Arc<dyn Storage>> = std::sync::OnceLock::new();
+    SFCS.get_or_init(|| Arc::new(turboio_io_sfcs::SfcsStorage::from_env())).clone()
+}
+
+/// The backend of `path`'s scheme, `None` for a local path.
+fn scheme_storage(path: &Path) -> Result<Option<Arc<dyn Storage>>> {
+    let Some(text) = path.to_str() else { return Ok(None) };
+    match SCHEMES.iter().find(|s| text.starts_with(s.prefix)) {
+        None => Ok(None),
+        Some(Scheme { storage: Some(make), .. }) => Ok(Some(make())),
+        Some(s) => Err(Error::Unsupported {
+            path: path.to_owned(),
+            message: format!("{} paths need turboio built with the `{}` feature", s.prefix, s.feature),
+        }),
+    }
+}
+
+/// The storage backend that serves `path` when no backend is given explicitly, and the path
+/// to hand it: the scheme's backend (`sfcs://...` with the `sfcs` feature) or the local file
+/// system. A scheme whose backend is not compiled in is an error naming the feature.
+pub fn storage_for(path: &Path) -> Result<(Arc<dyn Storage>, PathBuf)> {
+    Ok((write_storage(None, path)?, path.to_owned()))
+}
+
+/// The path key sources see for `path`: the path on its file system (`sfcs://a/b` is `/a/b`,
+/// as veTurboIO sends it in `X-TOS-Path`).
+#[cfg(feature = "cipher")]
+pub(crate) fn key_path(path: &Path) -> PathBuf {
+    match path.to_str().and_then(|s| s.strip_prefix("sfcs:/")) {
+        Some(rest) if rest.len() > 1 => PathBuf::from(format!("/{}", rest.trim_start_matches('/'))),
+        _ => path.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sfcs_paths_need_the_sfcs_feature() {
+        let p = Path::new("sfcs://models/m.safetensors");
+        match scheme_storage(p) {
+            #[cfg(feature = "sfcs")]
+            Ok(Some(s)) => assert_eq!(s.name(), "sfcs"),
+            #[cfg(not(feature = "sfcs"))]
+            Err(e) => assert_eq!(
+                e.to_string(),
+                "sfcs://models/m.safetensors: sfcs:// paths need turboio built with the `sfcs` feature"
+            ),
+            other => panic!("{other:?}"),
+        }
+        assert!(scheme_storage(Path::new("/models/sfcs://x")).unwrap().is_none());
+        assert!(scheme_storage(Path::new("models/m.safetensors")).unwrap().is_none());
+    }
+
+    #[cfg(feature = "cipher")]
+    #[test]
+    fn key_paths_are_the_path_on_the_file_system() {
+        assert_eq!(key_path(Path::new("sfcs://a/b.safetensors")), PathBuf::from("/a/b.safetensors"));
+        assert_eq!(key_path(Path::new("/local/x")), PathBuf::from("/local/x"));
     }
 }

@@ -9,6 +9,7 @@
 use crate::{Error, Result};
 use std::fmt;
 use std::path::Path;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use turboio_cipher::{CipherHeader, CtrCipher, HEADER_SIZE};
 use turboio_storage::{StorageFile, WriteSource};
@@ -91,9 +92,30 @@ fn key_error(path: &Path, message: impl fmt::Display) -> Error {
     Error::Key { path: path.to_owned(), message: message.to_string() }
 }
 
-/// Finds the layout and the key of an encrypted file (reading its first bytes with `O_DIRECT`
-/// when `bypass`, so that a load bypassing the page cache leaves it as it was).
-pub(crate) fn for_read(file: &dyn StorageFile, enc: &Encryption, bypass: bool) -> Result<Crypt> {
+/// The resolver, giving up once `cancel` is set.
+fn cancellable(r: &Arc<KeyResolver>, cancel: Option<&Arc<AtomicBool>>) -> Arc<KeyResolver> {
+    match cancel {
+        Some(c) => Arc::new((**r).clone().with_cancel(c.clone())),
+        None => r.clone(),
+    }
+}
+
+fn key_lookup_error(path: &Path, e: turboio_kms::KeyError) -> Error {
+    match e {
+        turboio_kms::KeyError::Cancelled => Error::Cancelled { path: path.to_owned() },
+        e => key_error(path, e),
+    }
+}
+
+/// Finds the layout and the key of an encrypted file (the key look-up stops once `cancel` is
+/// set; the first bytes are read with `O_DIRECT` when `bypass`, so that a load bypassing the
+/// page cache leaves it as it was).
+pub(crate) fn for_read(
+    file: &dyn StorageFile,
+    enc: &Encryption,
+    cancel: Option<&Arc<AtomicBool>>,
+    bypass: bool,
+) -> Result<Crypt> {
     let path = file.path();
     let len = file.len();
     let mut first = vec![0u8; len.min(HEADER_SIZE) as usize];
@@ -106,7 +128,10 @@ pub(crate) fn for_read(file: &dyn StorageFile, enc: &Encryption, bypass: bool) -
     let (key, iv, source) = match &enc.keys {
         Keys::Fixed { key, iv } => (key.clone(), *iv, "the given key".to_string()),
         Keys::Chain(resolver) => {
-            let m = resolver.key_for_read(path, header.as_ref()).map_err(|e| key_error(path, e))?;
+            let r = cancellable(resolver, cancel);
+            let m = r
+                .key_for_read(&crate::backend::key_path(path), header.as_ref())
+                .map_err(|e| key_lookup_error(path, e))?;
             let source = format!("{:?}", m.source);
             (m.key.clone(), m.iv, source)
         }
@@ -116,7 +141,11 @@ pub(crate) fn for_read(file: &dyn StorageFile, enc: &Encryption, bypass: bool) -
 
 /// Gets the key of a file about to be written, and the plain prefix (the cipher header) to
 /// write before the ciphertext.
-pub(crate) fn for_write(path: &Path, enc: &Encryption) -> Result<(CtrCipher, Vec<u8>)> {
+pub(crate) fn for_write(
+    path: &Path,
+    enc: &Encryption,
+    cancel: Option<&Arc<AtomicBool>>,
+) -> Result<(CtrCipher, Vec<u8>)> {
     match (&enc.keys, enc.header) {
         (Keys::Fixed { key, iv }, false) => Ok((CtrCipher::new(key, iv), Vec::new())),
         (Keys::Fixed { .. }, true) => Err(key_error(
@@ -124,11 +153,13 @@ pub(crate) fn for_write(path: &Path, enc: &Encryption) -> Result<(CtrCipher, Vec
             "a cipher header stores a KMS-wrapped key: it needs the KMS key chain, not a fixed key",
         )),
         (Keys::Chain(r), false) => {
-            let m = r.key_for_write(path).map_err(|e| key_error(path, e))?;
+            let m = cancellable(r, cancel)
+                .key_for_write(&crate::backend::key_path(path))
+                .map_err(|e| key_lookup_error(path, e))?;
             Ok((CtrCipher::new(&m.key, &m.iv), Vec::new()))
         }
         (Keys::Chain(r), true) => {
-            let (m, header) = r.new_header_key().map_err(|e| key_error(path, e))?;
+            let (m, header) = cancellable(r, cancel).new_header_key().map_err(|e| key_lookup_error(path, e))?;
             let bytes = header.to_bytes().map_err(|e| key_error(path, e))?;
             Ok((CtrCipher::new(&m.key, &m.iv), bytes))
         }
@@ -181,15 +212,15 @@ impl WriteSource for OpenedSource<'_> {
 /// Encrypts any file (a safetensors file, a torch pickle) into `output`, atomically: chunk by
 /// chunk as the writers go, never holding the whole file.
 pub fn encrypt_file(input: &Path, output: &Path, enc: &Encryption, opts: &crate::SaveOptions) -> Result<()> {
-    let plain = crate::backend::Opened::open(opts.storage.as_ref(), input)?;
+    let plain = crate::backend::Opened::open(opts.storage.as_ref(), input, opts.cancel.as_deref())?;
     let opts = crate::SaveOptions { encryption: Some(enc.clone()), ..opts.clone() };
     crate::save::write_source(output, &OpenedSource(&plain), &opts)
 }
 
 /// Decrypts a file written in either of veTurboIO's layouts into `output`, atomically.
 pub fn decrypt_file(input: &Path, output: &Path, enc: &Encryption, opts: &crate::SaveOptions) -> Result<()> {
-    let mut opened = crate::backend::Opened::open(opts.storage.as_ref(), input)?;
-    opened.crypt = Some(for_read(opened.raw(), enc, false)?);
+    let mut opened = crate::backend::Opened::open(opts.storage.as_ref(), input, opts.cancel.as_deref())?;
+    opened.crypt = Some(for_read(opened.raw(), enc, opts.cancel.as_ref(), false)?);
     let opts = crate::SaveOptions { encryption: None, ..opts.clone() };
     crate::save::write_source(output, &OpenedSource(&opened), &opts)
 }

@@ -49,11 +49,15 @@
 //! |---|---|
 //! | `posix` (default) | local files: threads + io_uring, `O_DIRECT`, atomic saves |
 //! | `cli` (default) | the `turboio` binary |
+//! | `sfcs` | `sfcs://` paths: veMLP's SFCS cache through libcloudfs, loaded at run time (`turboio_io_sfcs`) |
 //! | `testing` | re-exports the opaque test device |
 //!
-//! GPUDirect Storage (`gds`), the SFCS SDK (`sfcs`), CUDA (`cuda`) and encryption (`cipher`)
-//! plug into the same `Storage` and `Device` contracts as they land. A backend left out of the
-//! build answers with a clear "not compiled in" error.
+//! Paths pick their backend through a small scheme registry ([`storage_for`]): `sfcs://...`
+//! goes to the SFCS backend (feature `sfcs`; without it, such a path is an error naming the
+//! feature), everything else to the local file system. [`LoadOptions::storage`] and
+//! [`SaveOptions::storage`] override the choice. GPUDirect Storage (`gds`), CUDA (`cuda`) and
+//! encryption (`cipher`) plug into the same `Storage` and `Device` contracts. A backend left
+//! out of the build answers with a clear "not compiled in" error.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
@@ -68,7 +72,7 @@ mod options;
 pub mod sample;
 mod save;
 
-pub use backend::ReadInfo;
+pub use backend::{storage_for, ReadInfo};
 pub use background::{default_snapshot_pool, save_async, wait_for_saves, SaveHandle};
 pub use error::{Error, Result};
 pub use load::{load, read_all, read_header_of, read_into, read_prefix};
@@ -83,3 +87,5 @@ pub use turboio_storage as storage;
 
 #[cfg(feature = "posix")]
 pub use turboio_io_posix as posix;
+#[cfg(feature = "sfcs")]
+pub use turboio_io_sfcs as sfcs;

@@ -58,10 +58,11 @@ fn read_header(file: &Opened, bypass: bool) -> Result<Header> {
 /// Opens a file for a load, with the decrypting layer when the options ask for it.
 fn open(path: &Path, opts: &LoadOptions) -> Result<Opened> {
     #[allow(unused_mut)]
-    let mut opened = Opened::open(opts.storage.as_ref(), path)?;
+    let mut opened = Opened::open(opts.storage.as_ref(), path, opts.cancel.as_deref())?;
     #[cfg(feature = "cipher")]
     if let Some(enc) = &opts.encryption {
-        opened.crypt = Some(crate::crypt::for_read(opened.raw(), enc, opts.cache == CachePolicy::Bypass)?);
+        let bypass = opts.cache == CachePolicy::Bypass;
+        opened.crypt = Some(crate::crypt::for_read(opened.raw(), enc, opts.cancel.as_ref(), bypass)?);
     }
     Ok(opened)
 }

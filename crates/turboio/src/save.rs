@@ -90,7 +90,7 @@ pub(crate) fn write_source(path: &Path, plain: &dyn WriteSource, opts: &SaveOpti
     #[cfg(feature = "cipher")]
     let encrypted = match &opts.encryption {
         Some(enc) => {
-            let (cipher, prefix) = crate::crypt::for_write(path, enc)?;
+            let (cipher, prefix) = crate::crypt::for_write(path, enc, opts.cancel.as_ref())?;
             Some(crate::crypt::EncryptingSource { prefix, inner: plain, cipher })
         }
         None => None,
@@ -102,7 +102,7 @@ pub(crate) fn write_source(path: &Path, plain: &dyn WriteSource, opts: &SaveOpti
     };
     #[cfg(not(feature = "cipher"))]
     let source: &dyn WriteSource = plain;
-    let storage = write_storage(opts.storage.as_ref())?;
+    let storage = write_storage(opts.storage.as_ref(), path)?;
     let io = IoOptions {
         threads: opts.threads,
         direct: match opts.cache {

@@ -364,6 +364,7 @@ fn handle_kms(req: &Request, state: &Mutex<KmsState>) -> (u16, String) {
 struct DpState {
     key_iv: Option<(String, String)>,
     sts: Option<(String, String, String)>,
+    sfcs_sts: Option<String>,
     kms: Option<SocketAddr>,
     pong: String,
     forced: HashMap<String, VecDeque<u16>>,
@@ -401,6 +402,11 @@ impl MockDatapipe {
 
     pub fn set_sts(&self, ak: &str, sk: &str, token: &str) {
         self.state.lock().unwrap().sts = Some((ak.into(), sk.into(), token.into()));
+    }
+
+    /// `sfcs-sts` answers with this JSON text.
+    pub fn set_sfcs_sts(&self, json: &str) {
+        self.state.lock().unwrap().sfcs_sts = Some(json.into());
     }
 
     /// `top` forwards to this KMS.
@@ -466,6 +472,10 @@ fn serve_dp(mut conn: UnixStream, state: &Mutex<DpState>) {
             ),
             None => (404, r#"{"error":"no sts"}"#.to_string()),
         },
+        ("GET", "sfcs-sts") => match &st.sfcs_sts {
+            Some(j) => (200, j.clone()),
+            None => (404, r#"{"error":"no sfcs sts"}"#.to_string()),
+        },
         ("POST", "top") => match st.kms {
             Some(addr) => {
                 drop(st);
@@ -509,6 +519,13 @@ pub struct SilentSocket {
     pub path: PathBuf,
     _dir: tempfile::TempDir,
     _listener: UnixListener,
+}
+
+impl SilentSocket {
+    /// Waits for the next connection (a request is then in flight) and keeps it open, unanswered.
+    pub fn accept_one(&self) -> UnixStream {
+        self._listener.accept().unwrap().0
+    }
 }
 
 pub fn silent_socket() -> SilentSocket {

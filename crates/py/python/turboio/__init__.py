@@ -81,14 +81,24 @@ def _cipher_for_save(use_cipher):
 
 
 def _local_path(file):
+    """veTurboIO's routing (`is_sfcs_path`): `sfcs://...` goes to SFCS, `/dev/shm/...` always
+    stays local, and with VETURBOIO_USE_SFCS_SDK=1 every other path goes to SFCS. SFCS paths
+    are handed to the extension as `sfcs://...` (a plain path routed by the variable becomes
+    `sfcs:/` + its absolute form, the same SFCS path veTurboIO uses)."""
     path = os.fspath(file)
     if isinstance(path, bytes):
         path = os.fsdecode(path)
-    if path.startswith("sfcs://"):
-        raise _not_yet("SFCS (sfcs:// paths)")
-    if os.environ.get("VETURBOIO_USE_SFCS_SDK") == "1" and not path.startswith("/dev/shm/"):
-        raise _not_yet("SFCS (VETURBOIO_USE_SFCS_SDK=1)")
+    if len(path) > 7 and path.startswith("sfcs://"):
+        return path
+    if len(path) > 9 and path.startswith("/dev/shm/"):
+        return path
+    if os.environ.get("VETURBOIO_USE_SFCS_SDK", "0") == "1":
+        return "sfcs:/" + os.path.abspath(path)
     return path
+
+
+def _is_sfcs(path):
+    return path.startswith("sfcs://")
 
 
 def _cpu_device(map_location):
@@ -163,11 +173,11 @@ def load(
     _cpu_device(map_location)
     cache = _cache_policy(use_direct_io, cache)
     n = _threads(num_thread)
-    if not os.path.exists(path):
+    if not _is_sfcs(path) and not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
     if _kind(path, cipher) == "torch":
-        if cipher:
-            data = _turboio.read_all(path, cipher=True, threads=n)
+        if cipher or _is_sfcs(path):
+            data = _turboio.read_all(path, cipher=cipher, threads=n)
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         # A file object, not the path: recent torch guesses the format from the file name.
         with open(path, "rb") as f:
@@ -213,8 +223,8 @@ def load_to_shmem(file, num_thread=32, helper=None, use_direct_io=False, use_cip
     data = None
     if _kind(path, cipher) == "safetensors":
         _, size, _, _ = _turboio.read_header(path, cipher=cipher)  # validates before copying
-    elif cipher:
-        data = _turboio.read_all(path, cipher=True)
+    elif cipher or _is_sfcs(path):
+        data = _turboio.read_all(path, cipher=cipher)
         size = len(data)
     else:
         size = os.path.getsize(path)

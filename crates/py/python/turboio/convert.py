@@ -74,17 +74,18 @@ def main(argv=None):
         import turboio
 
         src = args.input
-        if src.startswith("sfcs://"):
-            raise NotImplementedError("turboio: SFCS (sfcs:// paths) is not supported yet")
         if not src.endswith(".pt"):
             raise Exception(f"{src}: the input must be a .pt file")
-        if not os.path.exists(src):
+        if not src.startswith("sfcs://") and not os.path.exists(src):
             raise FileNotFoundError(f"{src}: no such file")
         out = args.output or src.replace(".pt", ".safetensors")
-        out = os.path.abspath(out)
+        if not out.startswith("sfcs://"):
+            out = os.path.abspath(out)
+        elif args.overwrite:
+            raise Exception(f"{out}: --overwrite is refused for sfcs:// outputs (as in veTurboIO)")
         if not out.endswith(".safetensors"):
             raise Exception(f"{out}: the output must end with .safetensors")
-        if os.path.exists(out) and not args.overwrite:
+        if not out.startswith("sfcs://") and os.path.exists(out) and not args.overwrite:
             raise Exception(f"{out} exists; pass --overwrite to replace it")
         logger.info("converting %s -> %s", src, out)
         if args.dry_run:

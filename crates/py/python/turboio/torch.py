@@ -162,9 +162,11 @@ class safe_open:
             raise SafetensorError(f"framework {framework} is invalid (turboio.torch supports pt)")
         _check_device(device)
         self._path = os.fspath(filename)
-        if not os.path.exists(self._path):
+        remote = self._path.startswith("sfcs://")
+        if not remote and not os.path.exists(self._path):
             raise FileNotFoundError(f"No such file or directory: {self._path}")
-        self._loaded = _load(self._path, mode="lazy")
+        # Lazy loads map a local file; sfcs:// files are copied.
+        self._loaded = _load(self._path, mode="copied" if remote else "lazy")
         self._infos = {n: (d, s, b, e) for n, d, s, b, e in self._loaded.infos()}
         self._order = [n for n, *_ in self._loaded.infos()]
         self._tensors = None
