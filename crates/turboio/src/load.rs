@@ -5,7 +5,7 @@ use crate::loaded::{CacheUse, Held, LoadReport, LoadedFile};
 use crate::options::{CachePolicy, DirectIo, LoadMode, LoadOptions};
 use crate::{Error, Result};
 use std::collections::VecDeque;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
@@ -102,36 +102,75 @@ pub fn read_all(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Vec<u8>> {
 /// page-cache residency decide. Nothing partial is ever returned: on any error the memory is
 /// released and the error names the file.
 pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
-    let path = path.as_ref();
-    let start = Instant::now();
+    let cpu = cpu_device(opts);
+    let device = load_device(opts, &cpu);
+    let mut planned = plan(path.as_ref(), opts, device)?;
+    let read = planned.fill(device, opts, &io_options(opts))?;
+    planned.finish(read, opts)
+}
+
+/// The CPU device a load without an explicit device uses (arena pool and huge pages as asked).
+pub(crate) fn cpu_device(opts: &LoadOptions) -> CpuDevice {
+    let mut cpu = CpuDevice::new();
+    if let Some(huge) = opts.huge_pages {
+        cpu = cpu.with_huge_pages(huge);
+    }
+    if let Some(pool) = &opts.arenas {
+        cpu = cpu.with_pool(pool.clone());
+    }
+    cpu
+}
+
+/// The device a load goes to: the options' device, else `cpu`.
+pub(crate) fn load_device<'a>(opts: &'a LoadOptions, cpu: &'a CpuDevice) -> &'a dyn Device {
+    match &opts.device {
+        Some(d) => d.as_ref(),
+        None => cpu,
+    }
+}
+
+/// How a planned load brings its bytes in.
+enum Fill {
+    /// Populate (unless lazy) a private mapping of the whole file; `cold`: read ahead first.
+    Mapped { mapping: FileMapping, lazy: bool, cold: bool },
+    /// Read `[file_start, file_len)` straight into the host memory of `memory`.
+    Host { memory: Box<dyn Allocation> },
+    /// Read through host staging buffers into device memory.
+    Staged { memory: Box<dyn Allocation> },
+}
+
+/// A load decided and allocated but not read yet: the file is open, its header validated, the
+/// way to hold it chosen (mapped, copied or staged, and whether the page cache is kept) and the
+/// memory allocated. [`fill`](Planned::fill) does the I/O, [`finish`](Planned::finish) makes
+/// the [`LoadedFile`]. Loads of several files plan each file first, then fill them together.
+pub(crate) struct Planned {
+    path: PathBuf,
+    opened: Opened,
+    header: Header,
+    fill: Fill,
+    /// First file byte brought in by copied and staged loads (the data section rounded down to
+    /// the `O_DIRECT` alignment, so memory and file offsets are congruent).
+    file_start: u64,
+    /// Bytes from `file_start` to the end of the file.
+    span: usize,
+    cached_fraction: Option<f64>,
+    cache: CacheUse,
+    arena_reused: bool,
+    started: Instant,
+}
+
+/// Opens, validates and allocates a load of `path` onto `device` (see [`Planned`]).
+pub(crate) fn plan(path: &Path, opts: &LoadOptions, device: &dyn Device) -> Result<Planned> {
+    let started = Instant::now();
     let opened = open(path, opts)?;
     let header = read_header(&opened, opts.cache == CachePolicy::Bypass)?;
     let file_len = opened.len();
     let data_start = header.data_start();
-    let threads = if opts.threads == 0 { turboio_storage::default_threads() } else { opts.threads };
-
-    let cpu_device;
-    let device: &dyn Device = match &opts.device {
-        Some(d) => d.as_ref(),
-        None => {
-            let mut cpu = CpuDevice::new();
-            if let Some(huge) = opts.huge_pages {
-                cpu = cpu.with_huge_pages(huge);
-            }
-            if let Some(pool) = &opts.arenas {
-                cpu = cpu.with_pool(pool.clone());
-            }
-            cpu_device = cpu;
-            &cpu_device
-        }
-    };
     let on_cpu = device.id().kind == DeviceKind::Cpu;
     let local = opened.local_file();
     let cached_fraction = opened.raw().cached_fraction();
-    // Copied and staged loads bring in [aligned_start, file_len): the data section, widened at
-    // the front to the O_DIRECT alignment so that memory and file offsets are congruent.
-    let aligned_start = data_start - data_start % ALIGN;
-    let span = usize::try_from(file_len - aligned_start).map_err(|_| Error::Unsupported {
+    let file_start = data_start - data_start % ALIGN;
+    let span = usize::try_from(file_len - file_start).map_err(|_| Error::Unsupported {
         path: path.to_owned(),
         message: "file too large for this address space".into(),
     })?;
@@ -160,106 +199,125 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
             LoadMode::Copied => false,
             LoadMode::Auto => local.is_some() && opts.cache != CachePolicy::Bypass,
         };
-    let cache = if mapped {
-        CacheUse { kept: true, reason: if opts.mode == LoadMode::Auto { "default" } else { "mapped loads share it" } }
-    } else {
-        let dest = if on_cpu { span as u64 } else { 0 };
-        copy_cache_use(opts.cache, file_len, cached_fraction, dest, turboio_device::available_memory())
-    };
-
-    let cancel = opts.cancel.as_deref();
-    let check_cancel = || {
-        if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
-            Err(Error::Cancelled { path: path.to_owned() })
-        } else {
-            Ok(())
-        }
-    };
-
+    check_cancel(path, opts)?;
     // A file system that cannot map files (mmap fails) gets the copy in auto mode.
-    let mapping = match local {
-        Some(f) if mapped => {
-            check_cancel()?;
-            match FileMapping::new(f, file_len as usize) {
-                Ok(m) => Some(m),
-                Err(_) if opts.mode == LoadMode::Auto => None,
-                Err(e) => return Err(Error::device(path, e)),
-            }
-        }
-        _ => None,
+    let mapping = match local.filter(|_| mapped).map(|f| FileMapping::new(f, file_len as usize)) {
+        Some(Ok(m)) => Some(m),
+        Some(Err(_)) if opts.mode == LoadMode::Auto => None,
+        Some(Err(e)) => return Err(Error::device(path, e)),
+        None => None,
     };
-    if let Some(mapping) = mapping {
-        let lazy = opts.mode == LoadMode::Lazy;
-        if !lazy {
-            if cached_fraction.is_some_and(|f| f >= COLD_THRESHOLD) {
-                mapping.populate(threads)
-            } else {
-                mapping.populate_cold(threads)
-            }
-            .map_err(|e| Error::device(path, e))?;
-        }
-        if let (Some(p), false) = (&opts.progress, lazy) {
-            p.fetch_add(file_len, Ordering::Relaxed);
-        }
-        check_cancel()?;
-        return Ok(LoadedFile {
-            path: path.to_owned(),
-            header,
-            memory: Box::new(mapping),
-            data_base: data_start as usize,
-            device: None,
-            report: LoadReport {
-                held: Held::Mapped,
-                read: ReadInfo {
-                    method: if lazy { "mmap, lazy" } else { "mmap" },
-                    direct: false,
-                    direct_refused: false,
-                },
-                cached_fraction,
-                cache,
-                bytes: if lazy { 0 } else { file_len },
-                arena_reused: false,
-                elapsed: start.elapsed(),
-            },
-        });
-    }
-
-    let data_base = (data_start - aligned_start) as usize;
-    let direct = if cache.kept { DirectIo::Off } else { DirectIo::On };
-    let io = IoOptions { threads, direct, ..io_options(opts) };
-
-    let pool_before = opts.arenas.as_ref().map(|p| p.free_arenas()).unwrap_or(0);
-    let mut memory = device.alloc(span).map_err(|e| Error::device(path, e))?;
-    let arena_reused =
-        on_cpu && opts.device.is_none() && opts.arenas.as_ref().is_some_and(|p| p.free_arenas() < pool_before);
-
-    let (held, read) = match memory.host_mut() {
-        Some(dst) => {
-            let info = opened.read(vec![ReadRequest { offset: aligned_start, dst }], &io)?;
-            (Held::Copied, info)
+    let (fill, cache, arena_reused) = match mapping {
+        Some(mapping) => {
+            let reason = if opts.mode == LoadMode::Auto { "default" } else { "mapped loads share it" };
+            let lazy = opts.mode == LoadMode::Lazy;
+            let cold = !cached_fraction.is_some_and(|f| f >= COLD_THRESHOLD);
+            (Fill::Mapped { mapping, lazy, cold }, CacheUse { kept: true, reason }, false)
         }
         None => {
-            let info = load_staged(&opened, device, memory.as_ref(), aligned_start, span, opts.staging_chunk, &io)?;
-            (Held::Staged, info)
+            let dest = if on_cpu { span as u64 } else { 0 };
+            let cache = copy_cache_use(opts.cache, file_len, cached_fraction, dest, turboio_device::available_memory());
+            let pool_before = opts.arenas.as_ref().map(|p| p.free_arenas()).unwrap_or(0);
+            let mut memory = device.alloc(span).map_err(|e| Error::device(path, e))?;
+            let reused =
+                on_cpu && opts.device.is_none() && opts.arenas.as_ref().is_some_and(|p| p.free_arenas() < pool_before);
+            let fill = if memory.host_mut().is_some() { Fill::Host { memory } } else { Fill::Staged { memory } };
+            (fill, cache, reused)
         }
     };
-    check_cancel()?;
-    Ok(LoadedFile {
+    Ok(Planned {
         path: path.to_owned(),
+        opened,
         header,
-        memory,
-        data_base,
-        device: opts.device.clone(),
-        report: LoadReport {
-            held,
-            read,
-            cached_fraction,
-            cache,
-            bytes: span as u64,
-            arena_reused,
-            elapsed: start.elapsed(),
-        },
+        fill,
+        file_start,
+        span,
+        cached_fraction,
+        cache,
+        arena_reused,
+        started,
     })
+}
+
+fn check_cancel(path: &Path, opts: &LoadOptions) -> Result<()> {
+    if opts.cancel.as_deref().is_some_and(|c| c.load(Ordering::Relaxed)) {
+        Err(Error::Cancelled { path: path.to_owned() })
+    } else {
+        Ok(())
+    }
+}
+
+impl Planned {
+    /// Bytes this load brings into memory when filled.
+    pub(crate) fn bytes(&self) -> u64 {
+        match &self.fill {
+            Fill::Mapped { lazy: true, .. } => 0,
+            Fill::Mapped { .. } => self.opened.len(),
+            Fill::Host { .. } | Fill::Staged { .. } => self.span as u64,
+        }
+    }
+
+    /// Brings the bytes in, with `io`'s threads, progress and cancellation (the cache choice
+    /// made when planning decides `O_DIRECT`).
+    pub(crate) fn fill(&mut self, device: &dyn Device, opts: &LoadOptions, io: &IoOptions<'_>) -> Result<ReadInfo> {
+        let threads = if io.threads == 0 { turboio_storage::default_threads() } else { io.threads };
+        let direct = if self.cache.kept { DirectIo::Off } else { DirectIo::On };
+        let io = IoOptions { threads, direct, ..*io };
+        let path = self.path.clone();
+        let info = match &mut self.fill {
+            Fill::Mapped { mapping, lazy, cold } => {
+                if !*lazy {
+                    if *cold { mapping.populate_cold(threads) } else { mapping.populate(threads) }
+                        .map_err(|e| Error::device(&path, e))?;
+                    io.add_progress(self.opened.len());
+                }
+                ReadInfo { method: if *lazy { "mmap, lazy" } else { "mmap" }, direct: false, direct_refused: false }
+            }
+            Fill::Host { memory } => {
+                let dst = memory.host_mut().ok_or_else(|| Error::Unsupported {
+                    path: path.clone(),
+                    message: "host memory went away".into(),
+                })?;
+                self.opened.read(vec![ReadRequest { offset: self.file_start, dst }], &io)?
+            }
+            Fill::Staged { memory } => {
+                load_staged(&self.opened, device, memory.as_ref(), self.file_start, self.span, opts.staging_chunk, &io)?
+            }
+        };
+        check_cancel(&path, opts)?;
+        Ok(info)
+    }
+
+    /// The loaded file (call after [`fill`](Self::fill)).
+    pub(crate) fn finish(self, read: ReadInfo, opts: &LoadOptions) -> Result<LoadedFile> {
+        let bytes = self.bytes();
+        let data_start = self.header.data_start();
+        let (held, memory, data_base, device): (_, Box<dyn Allocation>, _, _) = match self.fill {
+            Fill::Mapped { mapping, .. } => (Held::Mapped, Box::new(mapping), data_start as usize, None),
+            Fill::Host { memory } => {
+                (Held::Copied, memory, (data_start - self.file_start) as usize, opts.device.clone())
+            }
+            Fill::Staged { memory } => {
+                (Held::Staged, memory, (data_start - self.file_start) as usize, opts.device.clone())
+            }
+        };
+        Ok(LoadedFile {
+            path: self.path,
+            header: self.header,
+            memory,
+            data_base,
+            device,
+            report: LoadReport {
+                held,
+                read,
+                cached_fraction: self.cached_fraction,
+                cache: self.cache,
+                bytes,
+                arena_reused: self.arena_reused,
+                elapsed: self.started.elapsed(),
+            },
+        })
+    }
 }
 
 /// Fills device memory the CPU cannot address: each worker reads chunks into its own host

@@ -46,14 +46,24 @@ fn gen_inspect_load_check() {
     assert_eq!(doc["metadata"]["format"], "pt");
 
     for mode in ["auto", "mapped", "copied"] {
-        for direct in ["auto", "on", "off"] {
+        for cache in ["auto", "keep", "bypass"] {
             let o =
-                turboio(&["load", f, "--mode", mode, "--direct", direct, "--check", "--repeat", "2", "--threads", "2"]);
-            assert!(o.status.success(), "{mode}/{direct}: {}", stderr(&o));
+                turboio(&["load", f, "--mode", mode, "--cache", cache, "--check", "--repeat", "2", "--threads", "2"]);
+            if mode == "mapped" && cache == "bypass" {
+                assert_eq!(o.status.code(), Some(1));
+                assert!(stderr(&o).contains("cannot bypass"), "{}", stderr(&o));
+                continue;
+            }
+            assert!(o.status.success(), "{mode}/{cache}: {}", stderr(&o));
             let out = stdout(&o);
             assert!(out.contains("GB/s") && out.contains("check: all") && out.contains("median"), "{out}");
+            let kept = if cache == "bypass" { "page cache bypassed" } else { "page cache kept" };
+            assert!(out.contains(kept), "{mode}/{cache}: {out}");
         }
     }
+    // The older spelling still works: --direct on is --cache bypass.
+    let o = turboio(&["load", f, "--mode", "copied", "--direct", "on"]);
+    assert!(o.status.success() && stdout(&o).contains("page cache bypassed (asked for)"), "{}", stdout(&o));
     let o = turboio(&["load", f, "--mode", "copied", "--reuse-arena", "--repeat", "2"]);
     assert!(stdout(&o).contains("arena reused"), "{}", stdout(&o));
 }
@@ -97,7 +107,7 @@ fn help_describes_every_command() {
     }
     let o = turboio(&["load", "--help"]);
     let out = stdout(&o);
-    for flag in ["--threads", "--direct", "--mode", "--repeat", "--check"] {
+    for flag in ["--threads", "--cache", "--mode", "--repeat", "--check"] {
         assert!(out.contains(flag), "{out}");
     }
 }
