@@ -433,10 +433,10 @@ fn the_real_gds_backend_falls_back_on_the_test_device_and_without_a_gpu() {
     assert_eq!(turboio::gds::driver_open_calls(), 0);
 }
 
-fn device_tensors(
-    dev: &OpaqueDevice,
-    data: &[u8],
-) -> (Box<dyn Allocation>, Vec<(String, Dtype, Vec<usize>, usize, usize)>) {
+/// `(name, dtype, shape, offset in the allocation, bytes)`.
+type Spec = (String, Dtype, Vec<usize>, usize, usize);
+
+fn device_tensors(dev: &OpaqueDevice, data: &[u8]) -> (Box<dyn Allocation>, Vec<Spec>) {
     let mem = dev.alloc(data.len() + 64).unwrap();
     dev.write(mem.as_ref(), 64, data).unwrap();
     let specs = vec![

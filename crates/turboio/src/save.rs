@@ -119,7 +119,7 @@ impl TensorData for DeviceData<'_> {
 
 /// Saves tensors that live in device memory (a GPU's), atomically, byte-identical to [`save`].
 ///
-/// When the storage writes straight from device memory ([`Storage::writes_from_device`], GDS)
+/// When the storage writes straight from device memory ([`Storage::writes_from_device`](turboio_storage::Storage::writes_from_device), GDS)
 /// and the file is not encrypted, the tensors go out that way; otherwise (or when it refuses,
 /// reported in [`SaveReport::fallback`]) the writers copy each chunk to host memory as they
 /// need it, so no host copy of the whole model is ever made. The caller must make sure the
