@@ -46,6 +46,11 @@ pub struct Args {
     /// the rows are skipped with a message.
     #[arg(long)]
     pub sfcs_path: Option<String>,
+    /// Also load into this GPU (e.g. cuda:0): turboio staged, from the page-cache mapping, with
+    /// GDS, encrypted; the Python peers to the GPU; the pinned host-to-device ceiling. Skipped
+    /// with the reason where the device cannot be opened.
+    #[arg(long)]
+    pub device: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -256,14 +261,14 @@ fn sfcs_rows(dir: Option<&str>, size: u64, runs: usize) -> Result<Vec<Row>> {
 pub const KEY_B64: &str = "YWJjZGVmZ2gxMjM0NTY3OA==";
 pub const IV_B64: &str = "MTIzNDU2Nzg4NzY1NDMyMQ==";
 
-fn bench_encryption() -> Result<Encryption> {
+pub fn bench_encryption() -> Result<Encryption> {
     let key = turboio::crypt::Key::from_base64(KEY_B64)?;
     let iv = turboio::crypt::Iv::from_base64(IV_B64)?;
     Ok(Encryption::new(Keys::Fixed { key, iv }))
 }
 
 /// The encrypted twin of a sample (same tensors), made once.
-fn encrypted_twin(plain: &Path) -> Result<PathBuf> {
+pub fn encrypted_twin(plain: &Path) -> Result<PathBuf> {
     let path = plain.with_extension("enc.safetensors");
     let fresh = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
     if !(path.exists() && fresh(&path) >= fresh(plain)) {
@@ -485,6 +490,15 @@ fn ratio(rows: &[Row], size: u64, cache: &str, a: &str, b: &str) -> Option<f64> 
     Some(find(b)?.median() / find(a)?.median())
 }
 
+/// [`ratio`] within one group of rows (loader names repeat across groups).
+fn ratio_in(rows: &[Row], size: u64, cache: &str, group: &str, a: &str, b: &str) -> Option<f64> {
+    let find = |name: &str| {
+        rows.iter()
+            .find(|r| r.size == size && r.cache == cache && r.group == group && r.loader == name && r.skipped.is_none())
+    };
+    Some(find(b)?.median() / find(a)?.median())
+}
+
 pub fn run(args: Args) -> Result<()> {
     let sizes: Vec<u64> = if args.sizes.is_empty() {
         if args.quick {
@@ -548,6 +562,38 @@ pub fn run(args: Args) -> Result<()> {
             save_tables.push((len, crate::savebench::measure(python.as_deref(), &path, runs)?));
         }
         all.extend(sfcs_rows(args.sfcs_path.as_deref(), size, runs)?);
+        if let Some(device) = &args.device {
+            let enc = encrypted_twin(&path)?;
+            eprintln!("{}: GPU ({device}), hot, {runs} runs ...", size_name(size));
+            all.extend(crate::gpubench::measure(device, &path, &enc, len, runs, false)?);
+            if !args.no_cold {
+                eprintln!("{}: GPU ({device}), cold, {runs} runs ...", size_name(size));
+                all.extend(crate::gpubench::measure(device, &path, &enc, len, runs, true)?);
+            }
+            if let Some(py) = &python {
+                let pt = crate::pybench::pt_copy(py, &path)?;
+                let caches: &[bool] = if args.no_cold { &[false] } else { &[false, true] };
+                for &cold in caches {
+                    let mut rows = crate::pybench::measure_on(
+                        py,
+                        &path,
+                        &pt,
+                        len,
+                        runs,
+                        cold,
+                        device,
+                        &crate::pybench::GPU_LOADERS,
+                        "python, gpu",
+                    )?;
+                    if crate::gpubench::open(device).is_err() {
+                        for r in &mut rows {
+                            r.skipped = Some(format!("{device} cannot be opened here"));
+                        }
+                    }
+                    all.extend(rows);
+                }
+            }
+        }
         if args.clean {
             std::fs::remove_file(&path)?;
         }
@@ -574,6 +620,22 @@ pub fn run(args: Args) -> Result<()> {
         add("turboio.load vs safetensors.torch.load_file", "hot", "turboio.load", "safetensors.torch.load_file", 3.0);
         add("turboio.load vs safetensors.torch.load_file", "cold", "turboio.load", "safetensors.torch.load_file", 2.0);
         add("turboio.load vs torch.load", "hot", "turboio.load", "torch.load", 8.0);
+        if args.device.is_some() {
+            use crate::gpubench::{AUTO, CEILING, ENCRYPTED, STAGED};
+            add("GPU: turboio auto vs the pinned H2D ceiling", "hot", AUTO, CEILING, 0.7);
+            add("GPU: encrypted vs staged plain", "hot", ENCRYPTED, STAGED, 0.8);
+            let g = |l: &str| ratio_in(&all, len, "hot", "python, gpu", l, "safetensors.torch.load_file");
+            if let Some(r) = g("turboio.load") {
+                checks.push(Check {
+                    what: format!(
+                        "{} hot: GPU turboio.load vs safetensors.torch.load_file(device=cuda)",
+                        size_name(size)
+                    ),
+                    ratio: r,
+                    need: 2.0,
+                });
+            }
+        }
     }
 
     for (len, rows) in &cache_tables {
@@ -709,10 +771,19 @@ fn render(rows: &[Row], checks: &[Check], runs: usize) -> String {
     keys.dedup();
     for (size, kind, cache) in keys {
         let group: Vec<&Row> = rows.iter().filter(|r| r.size == size && r.cache == cache && r.group == kind).collect();
-        let title = if kind == "python" { "Python loaders (tensors in torch), " } else { "" };
+        let title = match kind {
+            "python" => "Python loaders (tensors in torch), ",
+            "gpu" => "Into the GPU, ",
+            "python, gpu" => "Python loaders into the GPU (tensors in torch), ",
+            _ => "",
+        };
         let _ = writeln!(s, "### {title}{:.2} GB file, {cache} page cache\n", size as f64 / 1e9);
         let base = |name: &str| group.iter().find(|r| r.loader == name && r.skipped.is_none()).map(|r| r.median());
-        let auto = base(if kind == "python" { "turboio.load" } else { Loader::TurboAuto.name() });
+        let auto = base(match kind {
+            "python" | "python, gpu" => "turboio.load",
+            "gpu" => crate::gpubench::AUTO,
+            _ => Loader::TurboAuto.name(),
+        });
         let _ = writeln!(s, "| loader | load s | total s | GB/s (total) | turboio is | peak RSS | +anon RSS | how |");
         let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---|");
         for r in group {

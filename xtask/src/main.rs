@@ -1,13 +1,14 @@
 //! Project tasks.
 //!
-//! - `cargo xtask bench [--quick]`: load benchmarks against baselines and ceilings, hot and
-//!   cold, written to `target/bench/`.
+//! - `cargo xtask bench [--quick] [--device cuda:N]`: load benchmarks against baselines and
+//!   ceilings, hot and cold, written to `target/bench/`; with `--device`, GPU rows too.
 //! - `cargo xtask test`: everything CI runs (fmt, clippy, tests in every feature set, docs,
 //!   Python interop in a venv it creates, a bench smoke run).
 
 mod bench;
 mod cachebench;
 mod ceiling;
+mod gpubench;
 mod pybench;
 mod savebench;
 mod test;

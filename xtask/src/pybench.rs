@@ -38,13 +38,37 @@ pub fn pt_copy(python: &Path, file: &Path) -> Result<PathBuf> {
     Ok(pt)
 }
 
-fn run_child(python: &Path, loader: &str, file: &Path) -> Result<(f64, f64, u64)> {
-    let out = Command::new(python)
-        .arg(root().join("crates/py/bench/py_load.py"))
-        .args(["--loader", loader, "--file"])
-        .arg(file)
-        .output()
-        .with_context(|| format!("run {loader}"))?;
+/// The `lib` directories of the venv's `nvidia` wheels (libcufile for fastsafetensors' GDS,
+/// which looks for `libcufile.so.0` on the loader's path only).
+fn nvidia_lib_path(python: &Path) -> Option<String> {
+    let venv = python.parent()?.parent()?;
+    let mut dirs = Vec::new();
+    for lib in std::fs::read_dir(venv.join("lib")).ok()?.flatten() {
+        let root = lib.path().join("site-packages/nvidia");
+        for pkg in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            let d = pkg.path().join("lib");
+            if d.is_dir() {
+                dirs.push(d.display().to_string());
+            }
+        }
+    }
+    if let Ok(old) = std::env::var("LD_LIBRARY_PATH") {
+        dirs.push(old);
+    }
+    (!dirs.is_empty()).then(|| dirs.join(":"))
+}
+
+fn run_child(python: &Path, loader: &str, file: &Path, device: &str) -> Result<(f64, f64, u64)> {
+    let mut cmd = Command::new(python);
+    cmd.arg(root().join("crates/py/bench/py_load.py"))
+        .args(["--loader", loader, "--device", device, "--file"])
+        .arg(file);
+    if device != "cpu" {
+        if let Some(p) = nvidia_lib_path(python) {
+            cmd.env("LD_LIBRARY_PATH", p);
+        }
+    }
+    let out = cmd.output().with_context(|| format!("run {loader}"))?;
     if !out.status.success() {
         bail!("{loader} failed on {}: {}", file.display(), String::from_utf8_lossy(&out.stderr));
     }
@@ -55,17 +79,43 @@ fn run_child(python: &Path, loader: &str, file: &Path) -> Result<(f64, f64, u64)
     Ok((f("load_s"), f("touch_s"), v["peak_rss"].as_u64().unwrap_or(0)))
 }
 
+/// The loaders compared on a GPU (`--device cuda:N`).
+pub const GPU_LOADERS: [&str; 6] = [
+    "turboio.load",
+    "turboio.torch.load_file",
+    "safetensors.torch.load_file",
+    "torch.load",
+    "fastsafetensors",
+    "fastsafetensors (GDS)",
+];
+
 /// Measures every Python loader `runs` times, in a shuffled order each run, hot or cold.
 pub fn measure(python: &Path, file: &Path, pt: &Path, len: u64, runs: usize, cold: bool) -> Result<Vec<Row>> {
+    measure_on(python, file, pt, len, runs, cold, "cpu", &LOADERS, "python")
+}
+
+/// [`measure`] for `loaders` loading into `device` (rows in `group`).
+#[allow(clippy::too_many_arguments)]
+pub fn measure_on(
+    python: &Path,
+    file: &Path,
+    pt: &Path,
+    len: u64,
+    runs: usize,
+    cold: bool,
+    device: &str,
+    loaders: &[&'static str],
+    group: &'static str,
+) -> Result<Vec<Row>> {
     let cache = if cold { "cold" } else { "hot" };
     let mut rows: Vec<Row> =
-        LOADERS.iter().map(|l| Row { size: len, cache, loader: l, group: "python", ..Default::default() }).collect();
+        loaders.iter().map(|l| Row { size: len, cache, loader: l, group, ..Default::default() }).collect();
     for r in 0..runs {
-        for i in crate::bench::run_order(LOADERS.len(), r) {
+        for i in crate::bench::run_order(loaders.len(), r) {
             if rows[i].skipped.is_some() {
                 continue;
             }
-            let target = if LOADERS[i] == "torch.load" { pt } else { file };
+            let target = if loaders[i] == "torch.load" { pt } else { file };
             if cold {
                 if let Err(why) = drop_caches() {
                     for row in rows.iter_mut() {
@@ -76,7 +126,16 @@ pub fn measure(python: &Path, file: &Path, pt: &Path, len: u64, runs: usize, col
             } else {
                 warm(target)?;
             }
-            let (load, touch, peak) = run_child(python, LOADERS[i], target)?;
+            let (load, touch, peak) = match run_child(python, loaders[i], target, device) {
+                Ok(r) => r,
+                // A GPU loader that cannot run here (fastsafetensors without GDS support) is a
+                // skipped row, not a failed bench.
+                Err(e) if device != "cpu" => {
+                    rows[i].skipped = Some(format!("{e:#}").lines().last().unwrap_or("failed").to_owned());
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             let row = &mut rows[i];
             row.times.push(load + touch);
             row.load_times.push(load);

@@ -56,6 +56,21 @@ pub fn venv(requirements: &[&str]) -> Result<PathBuf> {
     Ok(python)
 }
 
+/// A library shipped by one of the venv's `nvidia` wheels (`site-packages/nvidia/*/lib/NAME`).
+pub fn nvidia_lib(python: &Path, name: &str) -> Option<PathBuf> {
+    let venv = python.parent()?.parent()?;
+    for lib in std::fs::read_dir(venv.join("lib")).ok()?.flatten() {
+        let root = lib.path().join("site-packages/nvidia");
+        for pkg in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            let p = pkg.path().join("lib").join(name);
+            if p.exists() {
+                return Some(p);
+            }
+        }
+    }
+    None
+}
+
 /// Builds the wheel (release) and installs it into the venv of `python`.
 pub fn install_wheel(python: &Path) -> Result<()> {
     let out = root().join("target/wheels");
@@ -96,13 +111,26 @@ pub fn run(args: Args) -> Result<()> {
     }
     let python = venv(&["tests/requirements.txt", "crates/py/requirements-test.txt"])?;
     install_wheel(&python)?;
-    step(
-        "tests",
-        cargo()
-            .args(["test", "--workspace", "--locked"])
-            .env("TURBOIO_PYTHON", &python)
-            .env("TURBOIO_REQUIRE_PYTHON", "1"),
-    )?;
+    let mut tests = cargo();
+    tests
+        .args(["test", "--workspace", "--locked"])
+        .env("TURBOIO_PYTHON", &python)
+        .env("TURBOIO_REQUIRE_PYTHON", "1")
+        // The GPU kernel's source is compared with turboio-cipher on the host: a C++ compiler is
+        // part of CI.
+        .env("TURBOIO_REQUIRE_CXX", "1");
+    // torch's CUDA wheels in the venv carry the real libcufile.so.0 (loaded by io-gds's tests:
+    // version, symbols, layouts against cufile.h) and NVRTC (the kernel compiled to PTX). No GPU
+    // is needed for either.
+    for (var, name) in [("TURBOIO_CUFILE_LIB", "libcufile.so.0"), ("TURBOIO_NVRTC_LIB", "libnvrtc.so.13")] {
+        match nvidia_lib(&python, name) {
+            Some(p) => {
+                tests.env(var, p);
+            }
+            None => eprintln!("note: no {name} in the venv's nvidia wheels; the tests that need it will say skipped"),
+        }
+    }
+    step("tests", &mut tests)?;
     step("python tests", Command::new(&python).args(["-m", "pytest", "-q", "crates/py/tests"]))?;
     step(
         "tests without default features",

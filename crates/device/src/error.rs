@@ -60,4 +60,20 @@ pub enum DeviceError {
         /// What failed.
         message: String,
     },
+    /// The device cannot do this (an optional capability it lacks).
+    #[error("{device}: not supported: {what}")]
+    Unsupported {
+        /// Device.
+        device: DeviceId,
+        /// What was asked.
+        what: String,
+    },
+    /// The device's support was left out of this build.
+    #[error("{device}: support for this device is not compiled in (enable the `{feature}` feature of turboio)")]
+    NotCompiledIn {
+        /// The device asked for.
+        device: String,
+        /// The Cargo feature that enables it.
+        feature: &'static str,
+    },
 }

@@ -37,19 +37,54 @@
 //!   4 KiB pages, so they are opt-in ([`default_huge_pages`]). Arenas can be kept in an
 //!   [`ArenaPool`] and reused by later loads (veTurboIO's `init_io_helper`), which then take no
 //!   faults at all.
+//!
+//! # Capabilities beyond the staged contract
+//!
+//! Devices advertise optional abilities through queries with defaults, so the orchestrator never
+//! branches on a device kind:
+//!
+//! - [`Device::decrypts_after_upload`]: the device XORs the AES-CTR keystream into its own memory
+//!   ([`Device::prepare_key`], [`Device::upload_with`] with [`AfterUpload::Keystream`],
+//!   [`Device::apply_keystream`]), so encrypted loads cost the CPU no AES work. The CUDA device
+//!   runs the kernel of [`aes_kernel`]; the test device runs `turboio-cipher` on its copy engine.
+//! - [`Device::uploads_from_host`]: the device copies straight from host memory the caller keeps
+//!   alive (a populated page-cache mapping of a hot file), registering it for DMA instead of
+//!   staging it ([`Device::upload_from_host`]).
+//! - [`Device::borrow`]: a view of memory someone else owns (a PyTorch CUDA tensor being saved).
+//!
+//! Staging buffers can be kept in a [`StagingPool`] and reused across loads (pinned memory is
+//! slow to allocate); the CUDA and test devices take one.
+//!
+//! # Devices
+//!
+//! [`CpuDevice`]; `cuda::CudaDevice` (feature `cuda`: cudarc over libcuda and libnvrtc loaded at
+//! run time, a clean [`DeviceError::Unavailable`] where either is missing, never a panic);
+//! [`NpuDevice`], a stub whose every call says what an NPU build would need; and, with the
+//! `testing` feature, `testing::OpaqueDevice`. [`open_device`] makes the right one from a
+//! [`DeviceId`] (parsed from `"cuda:1"` by [`DeviceId::parse`]).
 #![deny(missing_docs)]
 
+pub mod aes_kernel;
 mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
+mod libs;
+mod npu;
+mod staging;
 mod sys;
 #[cfg(feature = "testing")]
 pub mod testing;
 
 pub use cpu::{available_memory, default_huge_pages, Arena, ArenaPool, CpuDevice, FileMapping, PooledArena};
 pub use error::DeviceError;
+pub use libs::cuda_library_dirs;
+pub use npu::NpuDevice;
+pub use staging::{PooledStaging, StagingPool};
 
 use std::any::Any;
 use std::fmt;
+use std::sync::Arc;
 
 /// Result of device operations.
 pub type Result<T, E = DeviceError> = std::result::Result<T, E>;
@@ -92,6 +127,30 @@ pub struct DeviceId {
 impl DeviceId {
     /// The CPU.
     pub const CPU: DeviceId = DeviceId { kind: DeviceKind::Cpu, ordinal: 0 };
+
+    /// Parses a device string as torch writes them: `cpu`, `cuda` (ordinal 0), `cuda:N`,
+    /// `npu:N`.
+    pub fn parse(s: &str) -> std::result::Result<DeviceId, String> {
+        let s = s.trim();
+        let (kind, ordinal) = match s.split_once(':') {
+            Some((k, n)) => {
+                let n: u32 =
+                    n.trim().parse().map_err(|_| format!("invalid device `{s}`: `{n}` is not a device index"))?;
+                (k.trim(), Some(n))
+            }
+            None => (s, None),
+        };
+        let kind = match kind.to_ascii_lowercase().as_str() {
+            "cpu" => DeviceKind::Cpu,
+            "cuda" | "gpu" => DeviceKind::Cuda,
+            "npu" => DeviceKind::Npu,
+            _ => return Err(format!("unknown device `{s}` (expected cpu, cuda, cuda:N or npu:N)")),
+        };
+        if kind == DeviceKind::Cpu && ordinal.is_some_and(|n| n != 0) {
+            return Err(format!("invalid device `{s}`: there is one CPU device"));
+        }
+        Ok(DeviceId { kind, ordinal: ordinal.unwrap_or(0) })
+    }
 }
 
 impl fmt::Display for DeviceId {
@@ -176,6 +235,34 @@ impl fmt::Debug for Transfer {
     }
 }
 
+/// AES-CTR key material a device holds for one load ([`Device::prepare_key`]). The device
+/// zeroes and frees it when this handle is dropped; `Debug` never shows it.
+pub trait DeviceKey: Send + Sync + fmt::Debug {
+    /// For the owning device to recognise its own keys.
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// What a device does to an upload's bytes once they are in its memory, before the transfer
+/// completes ([`Device::upload_with`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub enum AfterUpload<'a> {
+    /// Nothing: a plain copy.
+    #[default]
+    Nothing,
+    /// XOR the AES-CTR keystream into them (decrypt in place); the upload's first byte is
+    /// keystream byte `pos`.
+    Keystream {
+        /// The key, on the device.
+        key: &'a dyn DeviceKey,
+        /// Keystream position of the first byte.
+        pos: u64,
+    },
+}
+
+fn unsupported(device: DeviceId, what: &str) -> DeviceError {
+    DeviceError::Unsupported { device, what: what.to_owned() }
+}
+
 /// A place loads go to.
 pub trait Device: Send + Sync + fmt::Debug {
     /// Which device.
@@ -197,6 +284,91 @@ pub trait Device: Send + Sync + fmt::Debug {
 
     /// Waits for every copy started on this device.
     fn synchronize(&self) -> Result<()>;
+
+    /// True if the device can decrypt AES-CTR in its own memory after an upload
+    /// ([`prepare_key`](Self::prepare_key) may still fail, e.g. when its compiler is missing; the
+    /// caller then decrypts on the CPU).
+    fn decrypts_after_upload(&self) -> bool {
+        false
+    }
+
+    /// Puts an AES-128 (16-byte) or AES-256 (32-byte) key and its IV on the device for one load.
+    fn prepare_key(&self, _key: &[u8], _iv: &[u8; 16]) -> Result<Box<dyn DeviceKey>> {
+        Err(unsupported(self.id(), "decrypting in device memory"))
+    }
+
+    /// [`upload`](Self::upload), then `after` on the uploaded bytes, in order, before the
+    /// transfer completes.
+    fn upload_with(
+        &self,
+        src: Staging,
+        len: usize,
+        dst: &dyn Allocation,
+        dst_offset: usize,
+        after: AfterUpload<'_>,
+    ) -> Result<Transfer> {
+        match after {
+            AfterUpload::Nothing => self.upload(src, len, dst, dst_offset),
+            AfterUpload::Keystream { .. } => Err(unsupported(self.id(), "decrypting in device memory")),
+        }
+    }
+
+    /// XORs keystream bytes `pos .. pos + len` into `dst[offset .. offset + len]` (bytes that
+    /// reached device memory some other way, e.g. GPUDirect Storage), and waits.
+    fn apply_keystream(
+        &self,
+        _key: &dyn DeviceKey,
+        _dst: &dyn Allocation,
+        _offset: usize,
+        _len: usize,
+        _pos: u64,
+    ) -> Result<()> {
+        Err(unsupported(self.id(), "decrypting in device memory"))
+    }
+
+    /// True if [`upload_from_host`](Self::upload_from_host) works: the device copies straight
+    /// from host memory the caller keeps alive (e.g. a populated mapping of a cached file),
+    /// without staging buffers.
+    fn uploads_from_host(&self) -> bool {
+        false
+    }
+
+    /// Copies `src` into `dst` at `dst_offset` straight from where it is (registering it for
+    /// DMA as needed, read-only where the device allows), and waits.
+    fn upload_from_host(&self, _src: &[u8], _dst: &dyn Allocation, _dst_offset: usize) -> Result<()> {
+        Err(unsupported(self.id(), "uploading straight from host memory"))
+    }
+
+    /// A view of `len` bytes of device memory at `address` that someone else owns (a framework's
+    /// tensor being saved), usable with [`download`](Self::download). Dropping it frees nothing.
+    ///
+    /// # Safety
+    /// `address .. address + len` must be memory of this device that stays allocated, and is
+    /// not written, while the view is used.
+    unsafe fn borrow(&self, _address: u64, _len: usize) -> Result<Box<dyn Allocation>> {
+        Err(unsupported(self.id(), "viewing memory it did not allocate"))
+    }
+}
+
+/// Opens the device `id` names, ready for loads: the CPU, a CUDA device (feature `cuda`; a clean
+/// error where the driver, the device or the ordinal is missing), or an error for an NPU
+/// ([`NpuDevice`] says what would be needed).
+pub fn open_device(id: DeviceId) -> Result<Arc<dyn Device>> {
+    match id.kind {
+        DeviceKind::Cpu => Ok(Arc::new(CpuDevice::new())),
+        DeviceKind::Cuda => {
+            #[cfg(feature = "cuda")]
+            {
+                Ok(Arc::new(cuda::CudaDevice::new(id.ordinal)?))
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                Err(DeviceError::NotCompiledIn { device: id.to_string(), feature: "cuda" })
+            }
+        }
+        DeviceKind::Npu => Err(NpuDevice::new(id.ordinal).error()),
+        DeviceKind::Test => Err(unsupported(id, "test devices are made by turboio_device::testing::OpaqueDevice::new")),
+    }
 }
 
 /// Checks that `offset + len` lies within an allocation of `alloc_len` bytes.

@@ -16,7 +16,7 @@ def touch(tensors):
 
     s = 0
     for t in tensors:
-        if t.numel():
+        if t.numel() and t.device.type == "cpu":
             s += int(t.reshape(-1).view(torch.uint8)[::4096].sum())
     return s
 
@@ -38,16 +38,21 @@ def main():
         action="store_true",
         help='print {"ready": true} once imports are done, then load when a line arrives on stdin',
     )
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (GPU rows: the load ends when the GPU has the bytes)")
     a = p.parse_args()
     import torch  # imported before timing: every loader needs it
 
+    dev = a.device
+    gpu = dev != "cpu"
+    if gpu:
+        torch.empty(1, device=dev)  # the CUDA context exists before timing, as in a training job
     if a.loader.startswith("turboio"):
         import turboio
         import turboio.torch
         from turboio._torch import tensors_of
     elif a.loader == "safetensors.torch.load_file":
         import safetensors.torch
-    elif a.loader == "fastsafetensors":
+    elif a.loader.startswith("fastsafetensors"):
         import fastsafetensors  # noqa: F401
     if a.wait:
         print(json.dumps({"ready": True}), flush=True)
@@ -69,26 +74,28 @@ def main():
         import turboio
 
         t0 = time.perf_counter()
-        sd = turboio.load(a.file)
+        sd = turboio.load(a.file, map_location=dev)
     elif a.loader == "turboio.torch.load_file":
         t0 = time.perf_counter()
-        sd = turboio.torch.load_file(a.file)
+        sd = turboio.torch.load_file(a.file, device=dev)
     elif a.loader == "safetensors.torch.load_file":
         t0 = time.perf_counter()
-        sd = safetensors.torch.load_file(a.file)
+        sd = safetensors.torch.load_file(a.file, device=dev)
     elif a.loader == "torch.load":
         t0 = time.perf_counter()
-        sd = torch.load(a.file, weights_only=True)
-    elif a.loader == "fastsafetensors":
+        sd = torch.load(a.file, weights_only=True, map_location=dev)
+    elif a.loader in ("fastsafetensors", "fastsafetensors (GDS)"):
         from fastsafetensors import SafeTensorsFileLoader, SingleGroup
 
         t0 = time.perf_counter()
-        loader = SafeTensorsFileLoader(SingleGroup(), "cpu", nogds=True)
+        loader = SafeTensorsFileLoader(SingleGroup(), dev, nogds=a.loader == "fastsafetensors")
         loader.add_filenames({0: [a.file]})
         fb = loader.copy_files_to_device()
         sd = {k: fb.get_tensor(k) for k in loader.get_keys()}
     else:
         raise SystemExit(f"unknown loader {a.loader}")
+    if gpu:
+        torch.cuda.synchronize()
     t1 = time.perf_counter()
     touch(sd.values())
     t2 = time.perf_counter()

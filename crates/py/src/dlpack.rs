@@ -3,6 +3,8 @@
 //! capsule, and the deleters that hand memory back.
 //!
 //! Ownership: each exported tensor owns an `Arc` of the load it views (in `manager_ctx`).
+//! That holds for CUDA loads too (`kDLCUDA` with the device's ordinal): the device memory is
+//! freed (`cuMemFree`, which waits for work still using it) when the last view dies.
 //! The consumer (torch, numpy) calls the deleter when its tensor dies; if the capsule is never
 //! consumed, the capsule's destructor calls it. So the load's memory lives exactly as long as
 //! the last tensor that views it, whoever frees last.
@@ -17,6 +19,8 @@ const NAME_VERSIONED: &CStr = c"dltensor_versioned";
 
 /// `kDLCPU`.
 pub const DEVICE_CPU: i32 = 1;
+/// `kDLCUDA`.
+pub const DEVICE_CUDA: i32 = 2;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -81,12 +85,14 @@ struct Context {
     strides: Vec<i64>,
 }
 
-/// A host tensor to export: `data` must stay valid while `owner` lives.
+/// A tensor to export: `data` must stay valid while `owner` lives.
 pub struct Export {
     /// Keeps the memory alive.
     pub owner: Arc<dyn Send + Sync>,
-    /// First byte.
+    /// First byte (a host pointer, or a device pointer for CUDA).
     pub data: *mut u8,
+    /// `(device_type, device_id)`: `(DEVICE_CPU, 0)` or `(DEVICE_CUDA, ordinal)`.
+    pub device: (i32, i32),
     /// Shape in elements of `dtype`.
     pub shape: Vec<i64>,
     /// Element type.
@@ -173,7 +179,7 @@ pub fn capsule<'py>(py: Python<'py>, e: Export, versioned: bool) -> PyResult<Bou
     let (shape_ptr, strides_ptr) = unsafe { ((*ctx).shape.as_mut_ptr(), (*ctx).strides.as_mut_ptr()) };
     let tensor = DLTensor {
         data: e.data as *mut c_void,
-        device: DLDevice { device_type: DEVICE_CPU, device_id: 0 },
+        device: DLDevice { device_type: e.device.0, device_id: e.device.1 },
         ndim,
         dtype: e.dtype,
         shape: shape_ptr,

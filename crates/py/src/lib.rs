@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use turboio::crypt::{Encryption, Keys};
-use turboio::device::ArenaPool;
+use turboio::device::{ArenaPool, Device, DeviceId, DeviceKind, StagingPool};
 use turboio::format::{FormatError, Header};
 use turboio::storage::StorageError;
 use turboio::{CachePolicy, Dtype, Error, LoadMode, LoadOptions, LoadedFile, SaveOptions, TensorSpec};
@@ -96,6 +96,85 @@ fn interruptible<T: Send>(
     })
 }
 
+/// The device a device string names: `None` for the CPU, a CUDA device (with the staging
+/// pool, if any), or the error saying why not (no driver, no GPU, an NPU). Opening CUDA the first
+/// time initialises the driver, so it runs with the GIL released.
+fn open_target(py: Python<'_>, device: &str, staging: Option<&PyStagingPool>) -> PyResult<Option<Arc<dyn Device>>> {
+    let id = DeviceId::parse(device).map_err(PyValueError::new_err)?;
+    match id.kind {
+        DeviceKind::Cpu => Ok(None),
+        DeviceKind::Cuda => {
+            let dev = py
+                .detach(|| turboio::device::cuda::CudaDevice::new(id.ordinal))
+                .map_err(|e| PyRuntimeError::new_err(format!("turboio: {e}")))?;
+            let dev = match staging {
+                Some(p) => dev.with_staging_pool(p.pool.clone()),
+                None => dev,
+            };
+            Ok(Some(Arc::new(dev)))
+        }
+        _ => {
+            let e = turboio::device::open_device(id)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_else(|| format!("{id}: not supported"));
+            Err(PyRuntimeError::new_err(format!("turboio: {e}")))
+        }
+    }
+}
+
+/// The GPUDirect Storage backend for `gds` = `"auto"` / `"on"`, none for `"off"`.
+fn gds_storage(gds: &str) -> PyResult<Option<Arc<dyn turboio::storage::Storage>>> {
+    use turboio::gds::{GdsConfig, GdsMode, GdsStorage};
+    let mode = match gds {
+        "off" | "false" | "0" | "no" => return Ok(None),
+        "auto" => GdsMode::Auto,
+        "on" | "true" | "1" | "yes" => GdsMode::On,
+        other => {
+            return Err(PyValueError::new_err(format!("unknown GDS setting `{other}` (expected auto, on or off)")))
+        }
+    };
+    Ok(Some(Arc::new(GdsStorage::with_config(GdsConfig { mode, ..Default::default() }))))
+}
+
+/// Checks that a device string names a device this process can load to; raises otherwise
+/// (`RuntimeError` naming the missing library or device, `ValueError` for a bad string).
+#[pyfunction]
+fn check_device(py: Python<'_>, device: &str) -> PyResult<String> {
+    open_target(py, device, None)?;
+    Ok(DeviceId::parse(device).map_err(PyValueError::new_err)?.to_string())
+}
+
+/// Pinned staging buffers kept across GPU loads (veTurboIO's IOHelper for GPUs).
+#[pyclass(name = "StagingPool", module = "turboio._turboio", frozen)]
+struct PyStagingPool {
+    pool: StagingPool,
+}
+
+#[pymethods]
+impl PyStagingPool {
+    #[new]
+    #[pyo3(signature = (max_buffers=16))]
+    fn new(max_buffers: usize) -> Self {
+        PyStagingPool { pool: StagingPool::new(max_buffers) }
+    }
+
+    /// Bytes held by free buffers.
+    fn free_bytes(&self) -> usize {
+        self.pool.free_bytes()
+    }
+
+    /// Buffers allocated so far (not reused).
+    fn allocations(&self) -> usize {
+        self.pool.allocations()
+    }
+
+    /// Frees the free buffers.
+    fn clear(&self) {
+        self.pool.clear()
+    }
+}
+
 /// Encryption with veTurboIO's key chain (read from the environment now), when asked for.
 fn encryption(cipher: bool, header: bool) -> Option<Encryption> {
     cipher.then(|| Encryption { keys: Keys::from_env(), header })
@@ -156,6 +235,7 @@ fn raw_shape(d: Dtype, shape: &[usize], nbytes: usize) -> Vec<i64> {
 #[pyclass(name = "Tensor", module = "turboio._turboio", frozen)]
 struct PyTensor {
     file: Arc<LoadedFile>,
+    device: DeviceId,
     name: String,
     dtype: Dtype,
     shape: Vec<usize>,
@@ -195,7 +275,12 @@ impl PyTensor {
         dl_type(self.dtype).1
     }
 
-    /// The DLPack protocol: a capsule viewing this tensor's bytes in place.
+    /// The DLPack protocol: a capsule viewing this tensor's bytes in place (host memory as
+    /// `kDLCPU`, CUDA memory as `kDLCUDA` with the device's ordinal).
+    ///
+    /// `stream`: the consumer's stream. A load is complete (every copy and kernel synchronised)
+    /// before its tensors are handed out, so the data is ready on any stream and nothing needs
+    /// to be ordered.
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__<'py>(
         &self,
@@ -206,9 +291,12 @@ impl PyTensor {
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = stream;
-        if let Some((ty, _)) = dl_device {
-            if ty != dlpack::DEVICE_CPU {
-                return Err(pyo3::exceptions::PyBufferError::new_err("turboio tensors are in CPU memory"));
+        let here = self.__dlpack_device__();
+        if let Some(want) = dl_device {
+            if want != here {
+                return Err(pyo3::exceptions::PyBufferError::new_err(format!(
+                    "turboio tensor is on DLPack device {here:?}, not {want:?}; export it there and copy"
+                )));
             }
         }
         if copy == Some(true) {
@@ -216,12 +304,19 @@ impl PyTensor {
                 "turboio exports without copying; copy the result instead",
             ));
         }
-        let base = self
-            .file
-            .memory()
-            .host()
-            .ok_or_else(|| PyRuntimeError::new_err("this load is not in host memory"))?
-            .as_ptr() as *mut u8;
+        let memory = self.file.memory();
+        let base = match memory.host() {
+            Some(h) => h.as_ptr() as *mut u8,
+            // Device memory: the device pointer, valid in the device's primary context (the one
+            // torch uses), owned by the load that the capsule keeps alive.
+            None if self.device.kind == DeviceKind::Cuda => memory.address() as usize as *mut u8,
+            None => {
+                return Err(PyRuntimeError::new_err(format!(
+                    "this load is on {}, which DLPack cannot export",
+                    self.device
+                )))
+            }
+        };
         let (dtype, raw) = dl_type(self.dtype);
         let shape = if raw {
             raw_shape(self.dtype, &self.shape, self.nbytes)
@@ -229,13 +324,22 @@ impl PyTensor {
             self.shape.iter().map(|&x| x as i64).collect()
         };
         let owner: Arc<dyn Send + Sync> = self.file.clone();
-        let export = Export { owner, data: base.wrapping_add(self.offset), shape, dtype };
+        let export = Export { owner, data: base.wrapping_add(self.offset), device: here, shape, dtype };
         dlpack::capsule(py, export, max_version.is_some_and(|(major, _)| major >= 1))
     }
 
-    /// The DLPack device: (kDLCPU, 0).
+    /// The DLPack device: (kDLCPU, 0) or (kDLCUDA, ordinal).
     fn __dlpack_device__(&self) -> (i32, i32) {
-        (dlpack::DEVICE_CPU, 0)
+        match self.device.kind {
+            DeviceKind::Cuda => (dlpack::DEVICE_CUDA, self.device.ordinal as i32),
+            _ => (dlpack::DEVICE_CPU, 0),
+        }
+    }
+
+    /// The device string: "cpu" or "cuda:N".
+    #[getter]
+    fn device(&self) -> String {
+        self.device.to_string()
     }
 
     fn __repr__(&self) -> String {
@@ -291,6 +395,7 @@ impl PyLoaded {
             .tensors()
             .map(|t| PyTensor {
                 file: self.inner.clone(),
+                device: self.inner.device_id(),
                 name: t.name().to_owned(),
                 dtype: t.dtype(),
                 shape: t.shape().to_vec(),
@@ -314,6 +419,8 @@ impl PyLoaded {
         d.set_item("bytes", r.bytes)?;
         d.set_item("seconds", r.elapsed.as_secs_f64())?;
         d.set_item("arena_reused", r.arena_reused)?;
+        d.set_item("fallbacks", r.fallbacks.clone())?;
+        d.set_item("device", self.inner.device_id().to_string())?;
         Ok(d)
     }
 
@@ -348,9 +455,11 @@ impl PyArenaPool {
     }
 }
 
-/// Loads every tensor of a safetensors file (GIL released, Ctrl-C cancels).
+/// Loads every tensor of a safetensors file (GIL released, Ctrl-C cancels), into the CPU or a
+/// CUDA device (`device="cuda:N"`; `gds` = "auto"/"on"/"off" for GPUDirect Storage; `staging`
+/// keeps pinned buffers across loads).
 #[pyfunction]
-#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", pool=None, huge_pages=None, progress=None, cipher=false))]
+#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", pool=None, huge_pages=None, progress=None, cipher=false, device="cpu", gds="off", staging=None))]
 #[allow(clippy::too_many_arguments)]
 fn load(
     py: Python<'_>,
@@ -362,10 +471,20 @@ fn load(
     huge_pages: Option<bool>,
     progress: Option<Bound<'_, PyAny>>,
     cipher: bool,
+    device: &str,
+    gds: &str,
+    staging: Option<&PyStagingPool>,
 ) -> PyResult<PyLoaded> {
     let cancel = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
+    let target = open_target(py, device, staging)?;
+    let storage = gds_storage(gds)?;
+    // GDS for local files loaded to a GPU; scheme paths (sfcs://) keep their own backend.
+    let local = !path.to_str().is_some_and(|p| p.contains("://"));
+    let storage = if target.is_some() && local { storage } else { None };
     let opts = LoadOptions {
+        device: target,
+        storage,
         progress: Some(done.clone()),
         threads,
         cache: parse_cache(cache)?,
@@ -623,6 +742,56 @@ fn wait_for_saves(py: Python<'_>) {
     py.detach(turboio::wait_for_saves)
 }
 
+/// Saves tensors that live in CUDA memory, given by device address, atomically (GIL released):
+/// straight from device memory with GPUDirect Storage when `gds` allows and works, else copied
+/// to host memory chunk by chunk as the writers need it. Returns `(method, fallback)`.
+///
+/// Private to the Python package, which passes only `data_ptr()`s of contiguous CUDA tensors of
+/// that device, after synchronising torch's current stream, and keeps them referenced for the
+/// call.
+#[pyfunction]
+#[pyo3(signature = (path, device, tensors, metadata=None, threads=0, cipher=false, cipher_header=false, gds="off"))]
+#[allow(clippy::too_many_arguments)]
+fn _save_device(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    device: &str,
+    tensors: Vec<RawTensor>,
+    metadata: Option<BTreeMap<String, String>>,
+    threads: usize,
+    cipher: bool,
+    cipher_header: bool,
+    gds: &str,
+) -> PyResult<(&'static str, Option<String>)> {
+    let dev =
+        open_target(py, device, None)?.ok_or_else(|| PyValueError::new_err("_save_device needs a CUDA device"))?;
+    let mut views = Vec::with_capacity(tensors.len());
+    for t in &tensors {
+        // SAFETY: see this function's doc: each address is the data_ptr() of a live CUDA tensor
+        // of this device holding `nbytes` bytes, kept referenced and unmodified for the call.
+        views.push(unsafe { dev.borrow(t.3 as u64, t.4) }.map_err(|e| PyRuntimeError::new_err(e.to_string()))?);
+    }
+    let dtypes = tensors.iter().map(|t| dtype_of(&t.1)).collect::<PyResult<Vec<_>>>()?;
+    let list: Vec<turboio::DeviceTensor<'_>> = tensors
+        .iter()
+        .zip(&views)
+        .zip(&dtypes)
+        .map(|((t, v), d)| turboio::DeviceTensor { name: &t.0, dtype: *d, shape: &t.2, memory: v.as_ref() })
+        .collect();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts = SaveOptions {
+        threads,
+        cancel: Some(cancel.clone()),
+        encryption: encryption(cipher, cipher_header),
+        storage: gds_storage(gds)?,
+        ..Default::default()
+    };
+    let r = interruptible(py, &cancel, None, || {
+        turboio::save_from_device(&path, dev.as_ref(), &list, metadata.as_ref(), &opts)
+    })?;
+    Ok((r.method, r.fallback))
+}
+
 /// Writes `data` to `path` atomically, encrypted with `cipher` (e.g. a `torch.save` pickle).
 #[pyfunction]
 #[pyo3(signature = (path, data, cipher=false, cipher_header=false))]
@@ -678,6 +847,9 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyLoaded>()?;
     m.add_class::<PyTensor>()?;
     m.add_class::<PyArenaPool>()?;
+    m.add_class::<PyStagingPool>()?;
+    m.add_function(wrap_pyfunction!(check_device, m)?)?;
+    m.add_function(wrap_pyfunction!(_save_device, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(read_header, m)?)?;
     m.add_function(wrap_pyfunction!(file_kind, m)?)?;

@@ -18,6 +18,7 @@
 //!   pass it through so they never hide the inner backend's fast path.
 //! - [`StorageFile::read_to_device`] is for backends that DMA straight into device memory (GDS);
 //!   others answer [`StorageError::Unsupported`] and the orchestrator stages through host memory.
+//!   [`Storage::write_file_from_device`] is the same for saves.
 //! - [`Storage::write_file`] writes a whole file atomically from a [`WriteSource`] that fills
 //!   chunks on demand (copying from host tensors, from device memory, or encrypting on the way),
 //!   so a save never needs a second full-size buffer.
@@ -151,6 +152,18 @@ pub struct DeviceReadRequest {
     pub dst: DeviceDst,
 }
 
+/// Bytes of a file being written that are in device memory, for backends that write straight
+/// from it ([`Storage::write_file_from_device`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceWriteRequest {
+    /// Absolute offset in the file.
+    pub offset: u64,
+    /// Bytes to write.
+    pub len: u64,
+    /// Where they are.
+    pub src: DeviceDst,
+}
+
 /// One thread's handle on an open file.
 pub trait RangeReader: Send {
     /// Reads exactly `dst.len()` bytes at `offset`; a file too short is [`StorageError::ShortFile`].
@@ -266,4 +279,25 @@ pub trait Storage: Send + Sync + Debug {
     /// Writes `source` to `path` atomically: readers see the old file or the complete new one,
     /// never a mix; on any error the old file is untouched and nothing is left behind.
     fn write_file(&self, path: &Path, source: &dyn WriteSource, opts: &IoOptions<'_>) -> Result<()>;
+
+    /// True if [`write_file_from_device`](Self::write_file_from_device) can read memory of this
+    /// device kind (e.g. `"cuda"`).
+    fn writes_from_device(&self, _kind: &str) -> bool {
+        false
+    }
+
+    /// Like [`write_file`](Self::write_file), atomically, with the ranges in `device` written
+    /// straight from device memory where the backend can (GDS). `source` can still produce
+    /// every byte of the file, device ranges included, so a backend may take any range from it
+    /// instead. Backends without that ability answer [`StorageError::Unsupported`] and the
+    /// caller uses `write_file`.
+    fn write_file_from_device(
+        &self,
+        _path: &Path,
+        _source: &dyn WriteSource,
+        _device: &[DeviceWriteRequest],
+        _opts: &IoOptions<'_>,
+    ) -> Result<()> {
+        Err(StorageError::Unsupported { backend: self.name(), what: "writing from device memory".into() })
+    }
 }

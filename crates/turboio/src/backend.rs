@@ -79,7 +79,7 @@ impl Opened {
     }
 
     /// Bytes before the plain file starts (the cipher header, if any).
-    fn offset(&self) -> u64 {
+    pub(crate) fn offset(&self) -> u64 {
         #[cfg(feature = "cipher")]
         if let Some(c) = &self.crypt {
             return c.offset;
@@ -135,6 +135,22 @@ impl Opened {
             return self.read_raw(shifted, &IoOptions { hook: Some(&decrypt), ..*opts });
         }
         self.read_raw(requests, opts)
+    }
+
+    /// The AES key and IV of an encrypted file, for a device that decrypts in its own memory.
+    pub(crate) fn key_material(&self) -> Option<(&[u8], [u8; 16])> {
+        #[cfg(feature = "cipher")]
+        if let Some(c) = &self.crypt {
+            return Some((c.key.expose(), c.iv.0));
+        }
+        None
+    }
+
+    /// Reads ranges at plain offsets without decrypting them (the device decrypts).
+    pub(crate) fn read_undecrypted(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<ReadInfo> {
+        let offset = self.offset();
+        let shifted = requests.into_iter().map(|r| ReadRequest { offset: r.offset + offset, dst: r.dst }).collect();
+        self.read_raw(shifted, opts)
     }
 
     fn read_raw(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<ReadInfo> {

@@ -78,6 +78,10 @@ pub(crate) struct Crypt {
     /// Bytes of cipher header before the ciphertext.
     pub offset: u64,
     pub cipher: CtrCipher,
+    /// The key and IV themselves, for devices that decrypt in their own memory (zeroized on
+    /// drop by `Key`).
+    pub key: Key,
+    pub iv: Iv,
     /// Where the key came from, for messages.
     pub source: String,
 }
@@ -136,7 +140,7 @@ pub(crate) fn for_read(
             (m.key.clone(), m.iv, source)
         }
     };
-    Ok(Crypt { offset, cipher: CtrCipher::new(&key, &iv), source })
+    Ok(Crypt { offset, cipher: CtrCipher::new(&key, &iv), key, iv, source })
 }
 
 /// Gets the key of a file about to be written, and the plain prefix (the cipher header) to

@@ -24,8 +24,15 @@
 //!      readers: buffered `pread`s with the kernel asked to read ahead of them when the page
 //!      cache is kept, io_uring with `O_DIRECT` and a deep queue when it is bypassed. Arenas
 //!      can be pooled and reused ([`LoadOptions::arenas`]).
-//!    - **staged** (devices the CPU cannot address): readers fill host staging buffers that the
-//!      device copies asynchronously while the next chunk is read.
+//!    - **device memory** (a GPU, any device the CPU cannot address; `to_device`): straight
+//!      from the populated page-cache mapping when the file is hot and the device can DMA from
+//!      host memory it registers; straight from storage (GPUDirect Storage) when the file is
+//!      cold and the backend can; otherwise **staged**: readers fill host staging buffers (pinned
+//!      and pooled on CUDA) that the device copies asynchronously while the next chunk is read.
+//!      Encrypted files are decrypted by the device right after each upload when it can (the
+//!      CUDA device runs an AES-CTR kernel), so the CPU does no AES work. Every path not taken
+//!      for a reason other than the file's state leaves one line in
+//!      [`LoadReport::fallbacks`]; the load itself never fails over it.
 //!
 //!    Whether the page cache is kept is [`CachePolicy`]: by default it is (the next load of the
 //!    file, in any process, is then hot, and processes loading it at the same time read it from
@@ -48,16 +55,21 @@
 //! | feature | what |
 //! |---|---|
 //! | `posix` (default) | local files: threads + io_uring, `O_DIRECT`, atomic saves |
-//! | `cli` (default) | the `turboio` binary |
+//! | `cipher` | veTurboIO's encrypted files (AES-CTR, KMS) |
+//! | `cuda` | NVIDIA GPUs as load targets (`device::cuda`; libcuda and NVRTC loaded at run time) |
+//! | `gds` | GPUDirect Storage (`gds::GdsStorage`; libcufile loaded at run time); implies `cuda` |
+//! | `cli` (default) | the `turboio` binary (with `posix`, `cipher`, `cuda`, `gds`) |
 //! | `sfcs` | `sfcs://` paths: veMLP's SFCS cache through libcloudfs, loaded at run time (`turboio_io_sfcs`) |
 //! | `testing` | re-exports the opaque test device |
 //!
 //! Paths pick their backend through a small scheme registry ([`storage_for`]): `sfcs://...`
 //! goes to the SFCS backend (feature `sfcs`; without it, such a path is an error naming the
 //! feature), everything else to the local file system. [`LoadOptions::storage`] and
-//! [`SaveOptions::storage`] override the choice. GPUDirect Storage (`gds`), CUDA (`cuda`) and
-//! encryption (`cipher`) plug into the same `Storage` and `Device` contracts. A backend left
-//! out of the build answers with a clear "not compiled in" error.
+//! [`SaveOptions::storage`] override the choice (e.g. `gds::GdsStorage` for GPU loads).
+//! Nothing CUDA is needed to build any feature. A device or backend left out of the build
+//! answers with a clear "not compiled in" error; one compiled in but missing at run time (no
+//! driver, no GPU, no libcufile) answers with an error naming what is missing, or, for GDS, a
+//! fallback line. Saves of tensors in device memory: [`save_from_device`].
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
@@ -71,6 +83,7 @@ mod loaded;
 mod options;
 pub mod sample;
 mod save;
+mod to_device;
 
 pub use backend::{storage_for, ReadInfo};
 pub use background::{default_snapshot_pool, save_async, wait_for_saves, SaveHandle};
@@ -78,7 +91,7 @@ pub use error::{Error, Result};
 pub use load::{load, read_all, read_header_of, read_into, read_prefix};
 pub use loaded::{CacheUse, Held, LoadReport, LoadedFile, TensorView};
 pub use options::{parse_direct, CachePolicy, DirectIo, LoadMode, LoadOptions, SaveOptions};
-pub use save::{save, save_with, write_bytes, SaveTensor, TensorData};
+pub use save::{save, save_from_device, save_with, write_bytes, DeviceTensor, SaveReport, SaveTensor, TensorData};
 
 pub use turboio_device as device;
 pub use turboio_format as format;
@@ -89,3 +102,6 @@ pub use turboio_storage as storage;
 pub use turboio_io_posix as posix;
 #[cfg(feature = "sfcs")]
 pub use turboio_io_sfcs as sfcs;
+
+#[cfg(feature = "gds")]
+pub use turboio_io_gds as gds;

@@ -4,12 +4,10 @@ use crate::backend::{Opened, ReadInfo};
 use crate::loaded::{CacheUse, Held, LoadReport, LoadedFile};
 use crate::options::{CachePolicy, DirectIo, LoadMode, LoadOptions};
 use crate::{Error, Result};
-use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
-use turboio_device::{Allocation, CpuDevice, Device, DeviceKind, FileMapping, Transfer};
+use turboio_device::{Allocation, CpuDevice, Device, DeviceKind, FileMapping};
 use turboio_format::{read_header_len, Header, N_LEN};
 use turboio_storage::{IoOptions, ReadRequest};
 
@@ -135,7 +133,8 @@ enum Fill {
     Mapped { mapping: FileMapping, lazy: bool, cold: bool },
     /// Read `[file_start, file_len)` straight into the host memory of `memory`.
     Host { memory: Box<dyn Allocation> },
-    /// Read through host staging buffers into device memory.
+    /// Fill device memory (through host staging buffers, from the page-cache mapping, or by
+    /// GPUDirect Storage; see `to_device`).
     Staged { memory: Box<dyn Allocation> },
 }
 
@@ -153,9 +152,14 @@ pub(crate) struct Planned {
     file_start: u64,
     /// Bytes from `file_start` to the end of the file.
     span: usize,
+    /// Where `file_start` lands in device memory (so that the data section starts 16-byte
+    /// aligned there; 0 for host memory).
+    shift: usize,
     cached_fraction: Option<f64>,
     cache: CacheUse,
     arena_reused: bool,
+    /// Why faster device paths were not taken (set by `fill`).
+    fallbacks: Vec<String>,
     started: Instant,
 }
 
@@ -174,6 +178,8 @@ pub(crate) fn plan(path: &Path, opts: &LoadOptions, device: &dyn Device) -> Resu
         path: path.to_owned(),
         message: "file too large for this address space".into(),
     })?;
+    // Device memory starts the data section 16-byte aligned (see to_device).
+    let shift = if on_cpu { 0 } else { crate::to_device::shift(data_start) };
 
     let mapped = on_cpu
         && match opts.mode {
@@ -218,7 +224,7 @@ pub(crate) fn plan(path: &Path, opts: &LoadOptions, device: &dyn Device) -> Resu
             let dest = if on_cpu { span as u64 } else { 0 };
             let cache = copy_cache_use(opts.cache, file_len, cached_fraction, dest, turboio_device::available_memory());
             let pool_before = opts.arenas.as_ref().map(|p| p.free_arenas()).unwrap_or(0);
-            let mut memory = device.alloc(span).map_err(|e| Error::device(path, e))?;
+            let mut memory = device.alloc(span + shift).map_err(|e| Error::device(path, e))?;
             let reused =
                 on_cpu && opts.device.is_none() && opts.arenas.as_ref().is_some_and(|p| p.free_arenas() < pool_before);
             let fill = if memory.host_mut().is_some() { Fill::Host { memory } } else { Fill::Staged { memory } };
@@ -232,9 +238,11 @@ pub(crate) fn plan(path: &Path, opts: &LoadOptions, device: &dyn Device) -> Resu
         fill,
         file_start,
         span,
+        shift,
         cached_fraction,
         cache,
         arena_reused,
+        fallbacks: Vec::new(),
         started,
     })
 }
@@ -281,7 +289,19 @@ impl Planned {
                 self.opened.read(vec![ReadRequest { offset: self.file_start, dst }], &io)?
             }
             Fill::Staged { memory } => {
-                load_staged(&self.opened, device, memory.as_ref(), self.file_start, self.span, opts.staging_chunk, &io)?
+                let filled = crate::to_device::fill(
+                    &self.opened,
+                    device,
+                    memory.as_ref(),
+                    self.file_start,
+                    self.span,
+                    self.shift,
+                    self.cached_fraction,
+                    opts,
+                    &io,
+                )?;
+                self.fallbacks = filled.fallbacks;
+                filled.read
             }
         };
         check_cancel(&path, opts)?;
@@ -295,10 +315,10 @@ impl Planned {
         let (held, memory, data_base, device): (_, Box<dyn Allocation>, _, _) = match self.fill {
             Fill::Mapped { mapping, .. } => (Held::Mapped, Box::new(mapping), data_start as usize, None),
             Fill::Host { memory } => {
-                (Held::Copied, memory, (data_start - self.file_start) as usize, opts.device.clone())
+                (Held::Copied, memory, self.shift + (data_start - self.file_start) as usize, opts.device.clone())
             }
             Fill::Staged { memory } => {
-                (Held::Staged, memory, (data_start - self.file_start) as usize, opts.device.clone())
+                (Held::Staged, memory, self.shift + (data_start - self.file_start) as usize, opts.device.clone())
             }
         };
         Ok(LoadedFile {
@@ -314,73 +334,11 @@ impl Planned {
                 cache: self.cache,
                 bytes,
                 arena_reused: self.arena_reused,
+                fallbacks: self.fallbacks,
                 elapsed: self.started.elapsed(),
             },
         })
     }
-}
-
-/// Fills device memory the CPU cannot address: each worker reads chunks into its own host
-/// staging buffers and hands them to the device; with two buffers per worker, reading the next
-/// chunk overlaps the device's copy of the previous one.
-fn load_staged(
-    opened: &Opened,
-    device: &dyn Device,
-    memory: &dyn Allocation,
-    file_start: u64,
-    span: usize,
-    chunk: usize,
-    io: &IoOptions<'_>,
-) -> Result<ReadInfo> {
-    let path = opened.path();
-    let chunk = if chunk == 0 { 16 << 20 } else { chunk.next_multiple_of(ALIGN as usize) };
-    let chunks: Vec<(usize, usize)> = (0..span).step_by(chunk).map(|off| (off, chunk.min(span - off))).collect();
-    let workers = io.worker_count(span as u64, chunk).min(chunks.len().max(1));
-    let next = AtomicUsize::new(0);
-    let info: Mutex<ReadInfo> = Mutex::new(ReadInfo::default());
-    let per_read = IoOptions { threads: 1, ..*io };
-
-    turboio_storage::run_workers(vec![(); workers], |(), failed| {
-        let mut inflight: VecDeque<Transfer> = VecDeque::new();
-        let result = (|| -> Result<()> {
-            let mut free = Vec::with_capacity(2);
-            for _ in 0..2 {
-                free.push(device.alloc_staging(chunk).map_err(|e| Error::device(path, e))?);
-            }
-            loop {
-                if failed.load(Ordering::Relaxed) {
-                    return Ok(());
-                }
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&(off, len)) = chunks.get(i) else {
-                    return Ok(());
-                };
-                let mut buf = match free.pop() {
-                    Some(b) => b,
-                    None => match inflight.pop_front() {
-                        Some(t) => t.wait().map_err(|e| Error::device(path, e))?,
-                        None => device.alloc_staging(chunk).map_err(|e| Error::device(path, e))?,
-                    },
-                };
-                let dst = &mut buf.as_mut_slice()[..len];
-                let r = opened.read(vec![ReadRequest { offset: file_start + off as u64, dst }], &per_read)?;
-                *info.lock().unwrap_or_else(|p| p.into_inner()) = r;
-                inflight.push_back(device.upload(buf, len, memory, off).map_err(|e| Error::device(path, e))?);
-            }
-        })();
-        // Every transfer still running is waited for, success or not: the device may be
-        // writing from those buffers.
-        let mut drained = Ok(());
-        for t in inflight {
-            if let Err(e) = t.wait() {
-                drained = drained.and(Err(Error::device(path, e)));
-            }
-        }
-        result.and(drained)
-    })?;
-    device.synchronize().map_err(|e| Error::device(path, e))?;
-    let info = *info.lock().unwrap_or_else(|p| p.into_inner());
-    Ok(info)
 }
 
 /// Reads plain ranges of a file (decrypted when the options ask for it) into the given

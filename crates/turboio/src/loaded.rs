@@ -16,7 +16,8 @@ pub enum Held {
     Mapped,
     /// A copy in a CPU arena.
     Copied,
-    /// Device memory filled through host staging buffers.
+    /// Device memory (filled through host staging buffers, from the page-cache mapping, or by
+    /// GPUDirect Storage: see [`LoadReport::read`]).
     Staged,
 }
 
@@ -63,6 +64,9 @@ pub struct LoadReport {
     pub bytes: u64,
     /// Whether the arena came from a pool (already faulted in).
     pub arena_reused: bool,
+    /// Why a faster path was not taken, one line each (GPUDirect Storage refused, decryption on
+    /// the device unavailable, the page-cache mapping not usable). Empty when nothing fell back.
+    pub fallbacks: Vec<String>,
     /// Wall time of the whole load, header included.
     pub elapsed: Duration,
 }

@@ -5,8 +5,9 @@ use crate::options::SaveOptions;
 use crate::{Error, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
+use turboio_device::{Allocation, Device};
 use turboio_format::{plan, Dtype, Layout, TensorSpec};
-use turboio_storage::{IoOptions, WriteSource};
+use turboio_storage::{DeviceDst, DeviceWriteRequest, IoOptions, StorageError, WriteSource};
 
 /// A tensor to save from host memory.
 #[derive(Debug, Clone, Copy)]
@@ -77,6 +78,119 @@ pub fn save_with(
     let path = path.as_ref();
     let layout = plan(specs, metadata).map_err(|e| Error::format(path, e))?;
     write_source(path, &FileSource::new(&layout, data), opts)
+}
+
+/// A tensor to save from device memory: a view of it from [`Device::borrow`] (or any
+/// allocation of the device), whose first `dtype x shape` bytes are the tensor.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceTensor<'a> {
+    /// Name.
+    pub name: &'a str,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: &'a [usize],
+    /// The tensor's bytes on the device.
+    pub memory: &'a dyn Allocation,
+}
+
+/// How a save from device memory went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SaveReport {
+    /// `"gds"` (written straight from device memory) or `"staged"` (copied to host memory
+    /// chunk by chunk as the writers need it).
+    pub method: &'static str,
+    /// Why GPUDirect Storage was not used, when the storage offered it.
+    pub fallback: Option<String>,
+}
+
+/// Tensor bytes read from device memory as the writers ask for them.
+struct DeviceData<'a> {
+    device: &'a dyn Device,
+    tensors: &'a [DeviceTensor<'a>],
+}
+
+impl TensorData for DeviceData<'_> {
+    fn fill(&self, index: usize, offset: usize, dst: &mut [u8]) -> std::result::Result<(), String> {
+        let t = self.tensors.get(index).ok_or_else(|| format!("no tensor #{index}"))?;
+        self.device.download(t.memory, offset, dst).map_err(|e| format!("tensor `{}`: {e}", t.name))
+    }
+}
+
+/// Saves tensors that live in device memory (a GPU's), atomically, byte-identical to [`save`].
+///
+/// When the storage writes straight from device memory ([`Storage::writes_from_device`](turboio_storage::Storage::writes_from_device), GDS)
+/// and the file is not encrypted, the tensors go out that way; otherwise (or when it refuses,
+/// reported in [`SaveReport::fallback`]) the writers copy each chunk to host memory as they
+/// need it, so no host copy of the whole model is ever made. The caller must make sure the
+/// device memory is ready (e.g. synchronise the framework's stream) and stays unchanged.
+pub fn save_from_device(
+    path: impl AsRef<Path>,
+    device: &dyn Device,
+    tensors: &[DeviceTensor<'_>],
+    metadata: Option<&BTreeMap<String, String>>,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
+    let path = path.as_ref();
+    let mut specs = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        let spec = TensorSpec::new(t.name, t.dtype, t.shape).map_err(|e| Error::format(path, e))?;
+        let want = spec.data_len;
+        if t.memory.len() < want {
+            return Err(Error::Unsupported {
+                path: path.to_owned(),
+                message: format!("tensor `{}` needs {want} bytes but its memory has {}", t.name, t.memory.len()),
+            });
+        }
+        if t.memory.device() != device.id() {
+            return Err(Error::Unsupported {
+                path: path.to_owned(),
+                message: format!("tensor `{}` is on {}, not {}", t.name, t.memory.device(), device.id()),
+            });
+        }
+        specs.push(spec);
+    }
+    let layout = plan(&specs, metadata).map_err(|e| Error::format(path, e))?;
+    let data = DeviceData { device, tensors };
+    let source = FileSource::new(&layout, &data);
+    device.synchronize().map_err(|e| Error::device(path, e))?;
+
+    #[cfg(feature = "cipher")]
+    let encrypted = opts.encryption.is_some();
+    #[cfg(not(feature = "cipher"))]
+    let encrypted = false;
+    let storage = write_storage(opts.storage.as_ref(), path)?;
+    let kind = device.id().kind.name();
+    let mut fallback = None;
+    if !encrypted && storage.writes_from_device(kind) {
+        let requests: Vec<DeviceWriteRequest> = layout
+            .entries
+            .iter()
+            .filter(|e| !e.info.is_empty())
+            .map(|e| {
+                let m = tensors[e.input_index].memory;
+                DeviceWriteRequest {
+                    offset: layout.file_offset(e),
+                    len: e.info.len() as u64,
+                    src: DeviceDst { kind, ordinal: device.id().ordinal, base: m.address(), offset: 0 },
+                }
+            })
+            .collect();
+        let io = IoOptions {
+            threads: opts.threads,
+            chunk_size: opts.chunk_size,
+            progress: opts.progress.as_deref(),
+            cancel: opts.cancel.as_deref(),
+            ..Default::default()
+        };
+        match storage.write_file_from_device(path, &source, &requests, &io) {
+            Ok(()) => return Ok(SaveReport { method: "gds", fallback: None }),
+            Err(StorageError::Unsupported { what, .. }) => fallback = Some(what),
+            Err(e) => return Err(Error::storage(path, e)),
+        }
+    }
+    write_source(path, &source, opts)?;
+    Ok(SaveReport { method: "staged", fallback })
 }
 
 /// Writes any bytes (a torch pickle, a file being converted) to `path` atomically, encrypted

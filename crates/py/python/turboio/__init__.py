@@ -19,7 +19,7 @@ import warnings
 
 import atexit
 
-from . import _turboio
+from . import _cuda, _turboio
 from ._turboio import __version__
 
 # Background saves (`save_file(..., blocking=False)`) finish before the interpreter exits.
@@ -44,17 +44,20 @@ __all__ = [
 
 
 class IOHelper:
-    """Buffers kept across loads (`init_io_helper()`): copied loads reuse one arena instead of
-    mapping and faulting in fresh memory each time."""
+    """Buffers kept across loads (`init_io_helper()`): copied CPU loads reuse one arena instead of
+    mapping and faulting in fresh memory each time, and GPU loads reuse their pinned staging
+    buffers."""
 
     def __init__(self, max_arenas=1):
         self._pool = _turboio.ArenaPool(max_arenas)
+        self._staging = _turboio.StagingPool()
 
     def free_bytes(self):
-        return self._pool.free_bytes()
+        return self._pool.free_bytes() + self._staging.free_bytes()
 
     def clear(self):
         self._pool.clear()
+        self._staging.clear()
 
 
 def init_io_helper():
@@ -99,14 +102,6 @@ def _local_path(file):
 
 def _is_sfcs(path):
     return path.startswith("sfcs://")
-
-
-def _cpu_device(map_location):
-    # veTurboIO returns CPU tensors for every non-CUDA device (npu included, which torch
-    # itself may not know without its plugin, so the string is parsed here).
-    kind = getattr(map_location, "type", None) or str(map_location or "cpu").split(":")[0]
-    if kind == "cuda":
-        raise _not_yet(f"loading to {map_location} (map_location='cuda')")
 
 
 def _cache_policy(use_direct_io, cache):
@@ -163,6 +158,13 @@ def load(
 
     `progress` (a turboio extension) is called as `progress(bytes_done)` about every 50 ms
     from the calling thread; an exception it raises aborts the load. Ctrl-C aborts it too.
+
+    `map_location="cuda"` / `"cuda:N"` loads straight into that GPU (pinned staging buffers,
+    several copy streams, decryption on the GPU for encrypted files) and returns CUDA tensors
+    viewing one device allocation (zero copy, freed with the last tensor). `use_pinmem` is
+    accepted; staging buffers are always pinned (they are small and, with `helper`, reused).
+    `TURBOIO_GDS=auto|on` reads cold files with GPUDirect Storage where available. An NPU
+    (`"npu:N"`) raises a RuntimeError: not supported in this build.
     """
     import torch
 
@@ -170,7 +172,7 @@ def load(
 
     path = _local_path(file)
     cipher = _cipher_for_load(use_cipher)
-    _cpu_device(map_location)
+    device = _cuda.target(map_location)
     cache = _cache_policy(use_direct_io, cache)
     n = _threads(num_thread)
     if not _is_sfcs(path) and not os.path.exists(path):
@@ -178,19 +180,33 @@ def load(
     if _kind(path, cipher) == "torch":
         if cipher or _is_sfcs(path):
             data = _turboio.read_all(path, cipher=cipher, threads=n)
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
         # A file object, not the path: recent torch guesses the format from the file name.
         with open(path, "rb") as f:
-            return torch.load(f, map_location="cpu", weights_only=True)
+            return torch.load(f, map_location=device, weights_only=True)
     if state_dict:
-        return _load_into(path, state_dict, n, cache, cipher)
+        return _load_into(path, state_dict, n, cache, cipher, helper)
     pool = helper._pool if isinstance(helper, IOHelper) else None
-    loaded = _turboio.load(path, threads=n, cache=cache, pool=pool, progress=progress, cipher=cipher)
+    staging = helper._staging if isinstance(helper, IOHelper) else None
+    loaded = _turboio.load(
+        path,
+        threads=n,
+        cache=cache,
+        pool=pool,
+        progress=progress,
+        cipher=cipher,
+        device=device,
+        gds=_cuda.gds_setting(),
+        staging=staging,
+    )
     return tensors_of(loaded, aliases=enable_fast_mode)
 
 
-def _load_into(path, state_dict, num_thread, cache, cipher):
+def _load_into(path, state_dict, num_thread, cache, cipher, helper=None):
     data_start, _, _, infos = _turboio.read_header(path, cipher=cipher)
+    gpu = {state_dict[name].device for name, *_ in infos if state_dict[name].device.type == "cuda"}
+    if gpu:
+        return _load_into_cuda(path, state_dict, infos, num_thread, cache, cipher, helper, gpu)
     requests, resize = [], []
     for name, dtype, shape, begin, end in infos:
         t = state_dict[name]
@@ -209,6 +225,34 @@ def _load_into(path, state_dict, num_thread, cache, cipher):
     for t, shape in resize:
         if list(t.shape) != list(shape):
             t.resize_(shape)
+    return state_dict
+
+
+def _load_into_cuda(path, state_dict, infos, num_thread, cache, cipher, helper, devices):
+    """Pre-allocated CUDA tensors: the file is loaded to their GPU, then copied into them on the
+    device (veTurboIO's checks first, so nothing is half-filled on a mismatch)."""
+    if len(devices) > 1 or any(state_dict[name].device.type != "cuda" for name, *_ in infos):
+        raise _not_yet("loading into tensors on several devices")
+    device = str(next(iter(devices)))
+    for name, dtype, shape, begin, end in infos:
+        t = state_dict[name]
+        if not t.is_contiguous():
+            raise RuntimeError("allocated tensor not contiguous")
+        if t.dtype != torch_dtype(dtype):
+            raise RuntimeError("allocated tensor dtype not match")
+        if t.numel() * t.element_size() < end - begin:
+            raise RuntimeError("allocated tensor size not enough")
+    staging = helper._staging if isinstance(helper, IOHelper) else None
+    loaded = _turboio.load(
+        path, threads=num_thread, cache=cache, cipher=cipher, device=_cuda.target(device), staging=staging
+    )
+    src = tensors_of(loaded, aliases=False)
+    for name, dtype, shape, begin, end in infos:
+        t = state_dict[name]
+        if list(t.shape) != list(shape):
+            t.resize_(shape)
+        if end > begin:
+            t.copy_(src[name])
     return state_dict
 
 

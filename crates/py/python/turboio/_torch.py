@@ -112,9 +112,23 @@ def alias_shared(state_dict, metadata, clone=False):
     return metadata
 
 
-def raw_tensors(tensors, what="tensors"):
+def single_cuda_device(tensors):
+    """`"cuda:N"` when every tensor of the dict is on that one CUDA device, else None."""
+    import torch
+
+    devices = {v.device for v in tensors.values() if isinstance(v, torch.Tensor)} if isinstance(tensors, dict) else set()
+    if len(devices) == 1:
+        (d,) = devices
+        if d.type == "cuda":
+            return f"cuda:{d.index if d.index is not None else torch.cuda.current_device()}"
+    return None
+
+
+def raw_tensors(tensors, what="tensors", keep_device=False):
     """Checks a `{name: tensor}` dict the way safetensors does and returns the records the
-    extension writes from, plus the tensors to keep alive while it does."""
+    extension writes from, plus the tensors to keep alive while it does. With `keep_device`,
+    CUDA tensors stay where they are (their records hold device addresses); otherwise they are
+    copied to the CPU."""
     import torch
 
     if not isinstance(tensors, dict):
@@ -143,7 +157,7 @@ def raw_tensors(tensors, what="tensors"):
             raise ValueError(f"Key `{name}` is invalid, expected a str")
         if t.device.type == "meta":
             raise RuntimeError(f"Cannot copy out of meta tensor `{name}`")
-        if t.device.type != "cpu":
+        if t.device.type != "cpu" and not (keep_device and t.device.type == "cuda"):
             t = t.to("cpu")
         if not t.is_contiguous():
             raise ValueError(

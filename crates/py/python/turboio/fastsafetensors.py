@@ -9,7 +9,7 @@ reference safetensors rules.
 import math
 import os
 
-from . import _turboio
+from . import _cuda, _turboio
 from ._torch import tensor_from, threads as _threads
 
 __all__ = ["SafeTensorsFileLoader", "FilesBufferOnDevice", "SingleGroup", "fastsafe_open"]
@@ -26,12 +26,11 @@ class SingleGroup:
 
 
 def _check_device(device):
+    """A torch.device for "cpu" or "cuda:N"; raises for devices turboio cannot load to (an NPU,
+    a missing GPU or driver)."""
     import torch
 
-    dev = torch.device(device)
-    if dev.type != "cpu":
-        raise NotImplementedError(f"turboio: loading to {dev} is not supported yet (CPU only for now)")
-    return dev
+    return torch.device(_cuda.target(device))
 
 
 def _check_pg(pg):
@@ -73,7 +72,9 @@ class FilesBufferOnDevice:
         if dtype is not None and dtype != t.dtype:
             t = t.to(dtype)
         if device is not None:
-            _check_device(device)
+            dev = _check_device(device)
+            if dev != t.device:
+                t = t.to(dev)
         return t
 
     def get_sharded(self, tensor_name, dim, device=None, dtype=None):
@@ -130,6 +131,7 @@ class SafeTensorsFileLoader:
         self.device = _check_device(device)
         self.max_threads = max_threads
         self.nogds = nogds
+        self._staging = _turboio.StagingPool()  # pinned buffers reused by every file of this loader
         self.meta = {}  # filename -> (metadata, rank)
         self._headers = {}
 
@@ -152,9 +154,16 @@ class SafeTensorsFileLoader:
         raise ValueError(f"{tensor_name} is not found in the added files")
 
     def copy_files_to_device(self, dtype=None, use_buf_register=True, max_copy_block_size=16 * 1024**3):
+        """Loads every added file into `device` (the CPU, or a GPU: GPUDirect Storage unless
+        `nogds`, falling back to pinned staging where GDS is unusable; the reason is in each
+        load's `report()["fallbacks"]`)."""
         loads = {}
+        device = "cpu" if self.device.type == "cpu" else str(self.device)
+        gds = "off" if self.nogds or device == "cpu" else "auto"
         for path in sorted(self.meta):
-            loads[path] = _turboio.load(path, threads=_threads(self.max_threads))
+            loads[path] = _turboio.load(
+                path, threads=_threads(self.max_threads), device=device, gds=gds, staging=self._staging
+            )
         return FilesBufferOnDevice(loads, self.pg, dtype)
 
     def reset(self):

@@ -7,9 +7,9 @@ when possible, zero copy), saves are atomic and byte-identical to safetensors' o
 import os
 import struct
 
-from . import _turboio
+from . import _cuda, _turboio
 from ._dtypes import torch_dtype
-from ._torch import alias_shared, raw_tensors, remove_duplicate_names, tensor_from, tensors_of
+from ._torch import alias_shared, raw_tensors, remove_duplicate_names, single_cuda_device, tensor_from, tensors_of
 
 __all__ = ["load_file", "save_file", "load", "save", "save_model", "load_model", "safe_open", "SafetensorError"]
 
@@ -19,16 +19,13 @@ class SafetensorError(Exception):
 
 
 def _check_device(device):
-    import torch
-
-    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    if dev.type != "cpu":
-        raise NotImplementedError(f"turboio: loading to {dev} is not supported yet (CPU only for now)")
+    """`"cpu"` or `"cuda:N"`; raises for a device turboio cannot load to (an NPU, a missing GPU)."""
+    return _cuda.target(device)
 
 
-def _load(filename, mode="auto"):
+def _load(filename, mode="auto", device="cpu"):
     try:
-        return _turboio.load(os.fspath(filename), mode=mode)
+        return _turboio.load(os.fspath(filename), mode=mode, device=device, gds=_cuda.gds_setting())
     except FileNotFoundError:
         raise
     except ValueError as e:
@@ -36,9 +33,10 @@ def _load(filename, mode="auto"):
 
 
 def load_file(filename, device="cpu"):
-    """Loads a safetensors file into a dict of tensors (zero-copy views of one load)."""
-    _check_device(device)
-    return tensors_of(_load(filename), aliases=False)
+    """Loads a safetensors file into a dict of tensors (zero-copy views of one load), on the CPU
+    or straight into a GPU (`device="cuda:N"`, or an int)."""
+    dev = _check_device(device)
+    return tensors_of(_load(filename, device=dev), aliases=False)
 
 
 def save_file(tensors, filename, metadata=None, *, blocking=True):
@@ -52,12 +50,30 @@ def save_file(tensors, filename, metadata=None, *, blocking=True):
 
 
 def _write(tensors, filename, metadata=None, cipher=False, cipher_header=False, blocking=True):
-    records, keep = raw_tensors(tensors)
+    # CUDA tensors saved while the caller waits are written from device memory; background
+    # saves snapshot host copies (the caller may change the tensors as soon as save returns).
+    device = single_cuda_device(tensors) if blocking else None
+    records, keep = raw_tensors(tensors, keep_device=device is not None)
     if metadata is not None:
         metadata = {str(k): str(v) for k, v in metadata.items()}
     save = _turboio._save if blocking else _turboio._save_async
     try:
-        handle = save(os.fspath(filename), records, metadata, cipher=cipher, cipher_header=cipher_header)
+        if device is not None:
+            # From device memory (GPUDirect Storage with TURBOIO_GDS, else copied to the host
+            # chunk by chunk), once torch's stream has produced the bytes.
+            _cuda.synchronize(keep)
+            _turboio._save_device(
+                os.fspath(filename),
+                _cuda.target(device),
+                records,
+                metadata,
+                cipher=cipher,
+                cipher_header=cipher_header,
+                gds=_cuda.gds_setting(),
+            )
+            handle = None
+        else:
+            handle = save(os.fspath(filename), records, metadata, cipher=cipher, cipher_header=cipher_header)
     except ValueError as e:
         raise SafetensorError(f"Error while serializing: {e}") from None
     del keep
@@ -160,7 +176,7 @@ class safe_open:
     def __init__(self, filename, framework="pt", device="cpu"):
         if framework not in _FRAMEWORKS:
             raise SafetensorError(f"framework {framework} is invalid (turboio.torch supports pt)")
-        _check_device(device)
+        self._device = _check_device(device)
         self._path = os.fspath(filename)
         remote = self._path.startswith("sfcs://")
         if not remote and not os.path.exists(self._path):
@@ -204,7 +220,8 @@ class safe_open:
         self._check_open()
         if name not in self._infos:
             raise SafetensorError(f"File does not contain tensor {name}")
-        return tensor_from(self._pt(name))
+        t = tensor_from(self._pt(name))
+        return t if self._device == "cpu" else t.to(self._device)
 
     def get_tensors(self):
         self._check_open()
@@ -215,14 +232,15 @@ class safe_open:
         if name not in self._infos:
             raise SafetensorError(f"File does not contain tensor {name}")
         dtype, shape, begin, end = self._infos[name]
-        return _Slice(self._path, self._data_start + begin, dtype, shape)
+        return _Slice(self._path, self._data_start + begin, dtype, shape, self._device)
 
 
 class _Slice:
     """`safe_open(...).get_slice(name)`: reads only the bytes a slice covers."""
 
-    def __init__(self, path, offset, dtype, shape):
+    def __init__(self, path, offset, dtype, shape, device="cpu"):
         self._path, self._offset, self._dtype, self._shape = path, offset, dtype, list(shape)
+        self._device = device
 
     def get_shape(self):
         return list(self._shape)
@@ -254,4 +272,5 @@ class _Slice:
             pos += n
         if requests:
             _turboio._read_into(self._path, requests)
-        return buf.view(td).reshape(out_shape) if total else torch.empty(out_shape, dtype=td)
+        out = buf.view(td).reshape(out_shape) if total else torch.empty(out_shape, dtype=td)
+        return out if self._device == "cpu" else out.to(self._device)

@@ -1,6 +1,7 @@
 //! The `turboio` command-line tool.
 
 mod cipher;
+mod gpu;
 mod progress;
 mod size;
 
@@ -60,6 +61,8 @@ enum Command {
         check: bool,
         #[command(flatten)]
         cipher: cipher::CipherArgs,
+        #[command(flatten)]
+        gpu: gpu::GpuArgs,
     },
     /// Write a realistic sample checkpoint (mixed dtypes, random data).
     Gen {
@@ -110,11 +113,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect { file, json } => inspect(&file, json),
-        Command::Load { file, threads, cache, direct, mode, huge_pages, repeat, reuse_arena, check, cipher } => {
+        Command::Load { file, threads, cache, direct, mode, huge_pages, repeat, reuse_arena, check, cipher, gpu } => {
             cipher.encryption().map_err(Into::into).and_then(|encryption| {
                 let cache = direct.map_or(cache, CachePolicy::from);
                 let opts = LoadOptions { threads, cache, mode, huge_pages, encryption, ..Default::default() };
-                load(&file, opts, repeat, reuse_arena, check)
+                gpu.apply(opts).and_then(|opts| load(&file, opts, repeat, reuse_arena, check))
             })
         }
         Command::Gen { out, size, seed, cipher } => {
@@ -245,6 +248,9 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
             cached,
             r.cache,
         );
+        for why in &r.fallbacks {
+            println!("  fallback: {why}");
+        }
         if check {
             check_against_plain_read(&loaded, &opts)?;
         }

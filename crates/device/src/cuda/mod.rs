@@ -1,0 +1,692 @@
+//! NVIDIA GPUs through the CUDA driver API (feature `cuda`).
+//!
+//! Built on cudarc with dynamic loading: nothing CUDA is needed to build, libcuda is opened at the
+//! first [`CudaDevice::new`], and NVRTC (for the decryption kernel) at the first encrypted load.
+//! A missing library, a machine without a GPU and an ordinal out of range are each a clean
+//! [`DeviceError::Unavailable`] that says which; cudarc's panics on a missing library are never
+//! reached (see the `ffi` module).
+//!
+//! # Design
+//!
+//! - **Memory** is allocated with `cuMemAlloc` in the device's **primary context**, the one the
+//!   CUDA runtime (and so PyTorch) uses: pointers are valid in torch, and DLPack hands them over
+//!   without a copy. An allocation is freed with `cuMemFree` when the load (or the last tensor
+//!   viewing it) is dropped.
+//! - **Uploads** go round-robin over a few non-blocking streams (`TURBOIO_CUDA_STREAMS`, default
+//!   4). Each [`upload`](Device::upload) queues `cuMemcpyHtoDAsync` from a pinned staging buffer
+//!   and records an event; the [`Transfer`] waits on that event and hands the buffer back. With
+//!   two buffers per reader thread, reading chunk *n+1* overlaps copying chunk *n*, and the
+//!   copies of several readers run on several DMA queues at once.
+//! - **Staging buffers** are page-locked (`cuMemHostAlloc`, portable, not write-combined, since
+//!   the save path reads them back) and come from a [`StagingPool`] the device owns, reused
+//!   across loads: pinning costs milliseconds per buffer. [`CudaDevice::with_pinned_staging`]
+//!   turns pinning off (veTurboIO's `use_pinmem=False`).
+//! - **Decryption after upload**: [`prepare_key`](Device::prepare_key) compiles the kernel of
+//!   [`aes_kernel`](crate::aes_kernel) with NVRTC for the device's architecture (once per
+//!   device), expands the key on the host and copies the round keys to device memory;
+//!   [`AfterUpload::Keystream`] launches the kernel on the upload's stream right after its copy,
+//!   so the chunk is decrypted before its event fires and the CPU does no AES work. Dropping the
+//!   key zeroes the device copy (after the streams drain) and frees it; the host copy is zeroed
+//!   as soon as it is uploaded.
+//! - **Hot files without staging**: [`upload_from_host`](Device::upload_from_host) registers
+//!   host memory (the populated page-cache mapping of a cached file) with `cuMemHostRegister`,
+//!   read-only where the device supports it, and DMAs straight from it on every stream: no CPU
+//!   copy at all. Whether this beats pinned staging depends on the machine (page pinning cost
+//!   against a memcpy at memory bandwidth); `cargo xtask bench --device cuda:0` measures both.
+//! - **Downloads** (saves, `--check`) wait for the device's streams, then copy synchronously.
+//!
+//! Streams, the context and the compiled kernel are shared by every [`CudaDevice`] of one
+//! ordinal in a process; each `CudaDevice` value has its own staging pool unless given one.
+
+mod ffi;
+
+use crate::aes_kernel::{iv_halves, RoundKeys, KERNEL_NAME, SOURCE};
+use crate::{
+    check_range, AfterUpload, Allocation, Arena, Device, DeviceError, DeviceId, DeviceKey, DeviceKind, HostBuffer,
+    PendingTransfer, Result, Staging, StagingPool, Transfer,
+};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Bytes per copy when uploading straight from host memory.
+const HOST_UPLOAD_CHUNK: usize = 64 << 20;
+
+/// Threads per block of the decryption kernel.
+const AES_BLOCK: u32 = 256;
+
+/// How many CUDA devices this process sees; `Err` says why CUDA is unusable (no libcuda, no
+/// device), in words for the user.
+pub fn device_count() -> std::result::Result<u32, String> {
+    ffi::driver()?;
+    ffi::device_count()
+}
+
+/// Checks that `cuda:ordinal` exists and can be used, without allocating anything.
+pub fn check_device(ordinal: u32) -> Result<()> {
+    Shared::get(ordinal).map(|_| ())
+}
+
+/// Makes the primary context of `cuda:ordinal` current on the calling thread (for libraries
+/// such as cuFile that act on the current context).
+pub fn bind_context(ordinal: u32) -> Result<()> {
+    let shared = Shared::get(ordinal)?;
+    shared.ctx.bind_to_thread().map_err(|e| shared.driver_error("binding the context", e))
+}
+
+/// The decryption kernel, compiled to PTX for `arch` (e.g. `compute_90`; `None` for NVRTC's
+/// default) without touching a GPU: only NVRTC is needed.
+pub fn compile_kernel_ptx(arch: Option<&str>) -> std::result::Result<String, String> {
+    ffi::nvrtc()?;
+    Ok(ffi::compile_ptx(SOURCE, arch.map(str::to_owned))?.to_src())
+}
+
+struct Kernel {
+    func: CudaFunction,
+}
+
+/// What every `CudaDevice` of one ordinal shares.
+struct Shared {
+    id: DeviceId,
+    ctx: Arc<CudaContext>,
+    streams: Vec<Arc<CudaStream>>,
+    next: AtomicUsize,
+    kernel: OnceLock<std::result::Result<Kernel, String>>,
+    read_only_register: bool,
+    sm_count: u32,
+    arch: (i32, i32),
+}
+
+impl Shared {
+    fn get(ordinal: u32) -> Result<Arc<Shared>> {
+        static ALL: OnceLock<Mutex<HashMap<u32, Arc<Shared>>>> = OnceLock::new();
+        let name = format!("cuda:{ordinal}");
+        let unavailable = |reason: String| DeviceError::Unavailable { device: name.clone(), reason };
+        let mut all = ALL.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = all.get(&ordinal) {
+            return Ok(s.clone());
+        }
+        ffi::driver().map_err(&unavailable)?;
+        let count = ffi::device_count().map_err(&unavailable)?;
+        if ordinal >= count {
+            return Err(unavailable(match count {
+                0 => "no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)".into(),
+                1 => "this machine has 1 CUDA device (cuda:0)".into(),
+                n => format!("this machine has {n} CUDA devices (cuda:0 to cuda:{})", n - 1),
+            }));
+        }
+        let ctx = ffi::primary_context(ordinal).map_err(&unavailable)?;
+        let id = DeviceId { kind: DeviceKind::Cuda, ordinal };
+        let err = |what: &str, e| DeviceError::Driver { device: id, message: format!("{what}: {}", ffi::describe(e)) };
+        let n = std::env::var("TURBOIO_CUDA_STREAMS").ok().and_then(|v| v.parse().ok()).unwrap_or(4usize).clamp(1, 64);
+        let streams = (0..n)
+            .map(|_| ctx.new_stream())
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| err("creating streams", e))?;
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let attr = |a| ctx.attribute(a).unwrap_or(0);
+        let shared = Arc::new(Shared {
+            id,
+            read_only_register: attr(A::CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED) > 0,
+            sm_count: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).max(1) as u32,
+            arch: (
+                attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+            ),
+            ctx,
+            streams,
+            next: AtomicUsize::new(0),
+            kernel: OnceLock::new(),
+        });
+        all.insert(ordinal, shared.clone());
+        Ok(shared)
+    }
+
+    fn driver_error(&self, what: &str, e: cudarc::driver::DriverError) -> DeviceError {
+        DeviceError::Driver { device: self.id, message: format!("{what}: {}", ffi::describe(e)) }
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.streams.len();
+        &self.streams[i]
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        for s in &self.streams {
+            s.synchronize().map_err(|e| self.driver_error("synchronizing a stream", e))?;
+        }
+        Ok(())
+    }
+
+    /// The decryption kernel, compiled and loaded on first use.
+    fn kernel(&self) -> std::result::Result<&Kernel, String> {
+        self.kernel
+            .get_or_init(|| {
+                ffi::nvrtc()?;
+                let arch = (self.arch.0 > 0).then(|| format!("compute_{}{}", self.arch.0, self.arch.1));
+                let ptx = ffi::compile_ptx(SOURCE, arch)?;
+                let module = self.ctx.load_module(ptx).map_err(|e| {
+                    format!(
+                        "the driver could not load the kernel NVRTC compiled ({}); NVRTC may be newer than the driver",
+                        ffi::describe(e)
+                    )
+                })?;
+                let func = module.load_function(KERNEL_NAME).map_err(ffi::describe)?;
+                Ok(Kernel { func })
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+}
+
+/// An NVIDIA GPU. See the module docs.
+#[derive(Clone)]
+pub struct CudaDevice {
+    shared: Arc<Shared>,
+    pool: StagingPool,
+    pinned: bool,
+}
+
+impl fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("id", &self.shared.id)
+            .field("streams", &self.shared.streams.len())
+            .field("pinned", &self.pinned)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaDevice {
+    /// Opens `cuda:ordinal`. Fails cleanly ([`DeviceError::Unavailable`]) when libcuda is
+    /// missing, no device is visible, or the ordinal is out of range.
+    pub fn new(ordinal: u32) -> Result<CudaDevice> {
+        Ok(CudaDevice { shared: Shared::get(ordinal)?, pool: StagingPool::default(), pinned: true })
+    }
+
+    /// Uses `pool` for staging buffers (share one pool across devices or loads to reuse them).
+    pub fn with_staging_pool(mut self, pool: StagingPool) -> Self {
+        self.pool = pool;
+        self
+    }
+
+    /// Page-locked staging buffers (default) or ordinary ones (slower copies; veTurboIO's
+    /// `use_pinmem=False`).
+    pub fn with_pinned_staging(mut self, pinned: bool) -> Self {
+        self.pinned = pinned;
+        self
+    }
+
+    /// The staging pool.
+    pub fn staging_pool(&self) -> &StagingPool {
+        &self.pool
+    }
+
+    /// The compute capability, e.g. `(9, 0)` for an H100.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.shared.arch
+    }
+
+    /// The number of copy streams.
+    pub fn streams(&self) -> usize {
+        self.shared.streams.len()
+    }
+
+    fn own<'a>(&self, a: &'a dyn Allocation) -> Result<&'a CudaAllocation> {
+        a.as_any()
+            .downcast_ref::<CudaAllocation>()
+            .filter(|c| c.device == self.shared.id)
+            .ok_or(DeviceError::ForeignAllocation { device: self.shared.id, other: a.device() })
+    }
+
+    fn own_key<'a>(&self, k: &'a dyn DeviceKey) -> Result<&'a CudaKey> {
+        k.as_any()
+            .downcast_ref::<CudaKey>()
+            .filter(|c| c.device == self.shared.id)
+            .ok_or(DeviceError::Driver { device: self.shared.id, message: "a key prepared by another device".into() })
+    }
+
+    fn queue_keystream(&self, key: &CudaKey, stream: &CudaStream, data: u64, len: usize, pos: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let kernel = self
+            .shared
+            .kernel()
+            .map_err(|reason| DeviceError::Unavailable { device: self.shared.id.to_string(), reason })?;
+        let blocks = (len as u64 / 16 + 2).div_ceil(u64::from(AES_BLOCK));
+        let grid = blocks.min(u64::from(self.shared.sm_count) * 8).max(1) as u32;
+        let args = ffi::AesArgs {
+            data,
+            len: len as u64,
+            round_keys: key.round_keys,
+            rounds: key.rounds,
+            iv_hi: key.iv.0,
+            iv_lo: key.iv.1,
+            pos,
+        };
+        // SAFETY: `kernel.func` is turboio_aes_ctr_xor; `data .. data + len` lies in an
+        // allocation of this device (range-checked by the callers) that outlives the stream's
+        // work (allocations are freed with cuMemFree, which waits for it); the round keys live
+        // until the key is dropped, which first drains every stream.
+        unsafe { ffi::launch_aes(&kernel.func, stream, &args, grid, AES_BLOCK) }
+            .map_err(|e| self.shared.driver_error("launching the decryption kernel", e))
+    }
+
+    /// Measures host-to-device bandwidth from one pinned buffer of `bytes` copied in `chunk`
+    /// pieces over every stream, `repeats` times (the ceiling a staged load can reach); returns
+    /// GB/s (10^9 bytes per second) of the median run.
+    pub fn pinned_h2d_gbps(&self, bytes: usize, chunk: usize, repeats: usize) -> Result<f64> {
+        let src = ffi::PinnedMemory::new(&self.shared.ctx, bytes)
+            .map_err(|e| self.shared.driver_error("cuMemHostAlloc", e))?;
+        let dst = self.alloc(bytes)?;
+        let dst = self.own(dst.as_ref())?;
+        let mut times = Vec::new();
+        for _ in 0..repeats.max(1) {
+            self.shared.synchronize()?;
+            let t = std::time::Instant::now();
+            for (i, piece) in src.as_slice().chunks(chunk.max(1)).enumerate() {
+                let stream = &self.shared.streams[i % self.shared.streams.len()];
+                // SAFETY: the destination range lies inside `dst` (same offsets as `src`), and
+                // `src` outlives the copies (synchronized below, before it is dropped).
+                unsafe { ffi::htod_async(dst.ptr + (i * chunk) as u64, piece, stream) }
+                    .map_err(|e| self.shared.driver_error("cuMemcpyHtoDAsync", e))?;
+            }
+            self.shared.synchronize()?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(bytes as f64 / times[times.len() / 2] / 1e9)
+    }
+}
+
+/// Device memory from [`CudaDevice::alloc`] (owned, freed on drop) or [`Device::borrow`]
+/// (a view of someone else's memory).
+pub struct CudaAllocation {
+    device: DeviceId,
+    ptr: u64,
+    len: usize,
+    owned: bool,
+    ctx: Arc<CudaContext>,
+}
+
+impl fmt::Debug for CudaAllocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaAllocation")
+            .field("device", &self.device)
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("owned", &self.owned)
+            .finish()
+    }
+}
+
+impl Drop for CudaAllocation {
+    fn drop(&mut self) {
+        if self.owned {
+            // SAFETY: allocated by mem_alloc in this context and freed only here; nothing of
+            // ours uses it any more (the load or the last tensor viewing it is gone).
+            unsafe { ffi::mem_free(&self.ctx, self.ptr) };
+        }
+    }
+}
+
+impl Allocation for CudaAllocation {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    fn host(&self) -> Option<&[u8]> {
+        None
+    }
+
+    fn host_mut(&mut self) -> Option<&mut [u8]> {
+        None
+    }
+
+    fn address(&self) -> u64 {
+        self.ptr
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A pinned staging buffer.
+struct PinnedStaging(ffi::PinnedMemory);
+
+impl fmt::Debug for PinnedStaging {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PinnedStaging({} bytes)", self.0.as_slice().len())
+    }
+}
+
+impl HostBuffer for PinnedStaging {
+    fn as_slice(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.0.as_mut_slice()
+    }
+}
+
+/// An upload in flight: the event after its copy (and kernel), and the buffer it reads.
+struct CudaPending {
+    event: Option<ffi::Event>,
+    staging: Option<Staging>,
+    device: DeviceId,
+}
+
+impl PendingTransfer for CudaPending {
+    fn wait(mut self: Box<Self>) -> Result<Staging> {
+        if let Some(e) = self.event.take() {
+            e.wait().map_err(|e| DeviceError::Driver {
+                device: self.device,
+                message: format!("copy failed: {}", ffi::describe(e)),
+            })?;
+        }
+        self.staging.take().ok_or(DeviceError::Driver { device: self.device, message: "transfer waited twice".into() })
+    }
+}
+
+impl Drop for CudaPending {
+    fn drop(&mut self) {
+        // Never free a staging buffer under a running copy: dropping the event waits for it,
+        // and fields drop in order (event, then staging).
+        self.event.take();
+    }
+}
+
+/// AES round keys in device memory for one load.
+struct CudaKey {
+    device: DeviceId,
+    shared: Arc<Shared>,
+    round_keys: u64,
+    rounds: u32,
+    iv: (u64, u64),
+}
+
+impl fmt::Debug for CudaKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaKey").field("device", &self.device).field("rounds", &self.rounds).finish_non_exhaustive()
+    }
+}
+
+impl DeviceKey for CudaKey {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl Drop for CudaKey {
+    fn drop(&mut self) {
+        // Let every kernel that reads the keys finish, then zero and free them.
+        let _ = self.shared.synchronize();
+        // SAFETY: 240 bytes allocated by mem_alloc in prepare_key, no longer read by any kernel
+        // (streams drained above); zeroed then freed exactly once.
+        unsafe {
+            let _ = ffi::mem_zero(&self.shared.ctx, self.round_keys, 240);
+            ffi::mem_free(&self.shared.ctx, self.round_keys);
+        }
+    }
+}
+
+impl Device for CudaDevice {
+    fn id(&self) -> DeviceId {
+        self.shared.id
+    }
+
+    fn alloc(&self, len: usize) -> Result<Box<dyn Allocation>> {
+        let ptr = ffi::mem_alloc(&self.shared.ctx, len).map_err(|e| DeviceError::OutOfMemory {
+            device: self.shared.id,
+            len,
+            source: std::io::Error::other(ffi::describe(e)),
+        })?;
+        Ok(Box::new(CudaAllocation { device: self.shared.id, ptr, len, owned: true, ctx: self.shared.ctx.clone() }))
+    }
+
+    fn alloc_staging(&self, len: usize) -> Result<Staging> {
+        let pinned = self.pinned;
+        let ctx = self.shared.ctx.clone();
+        let id = self.shared.id;
+        let buf = self.pool.take(len, |len| -> Result<Staging> {
+            if pinned {
+                let m = ffi::PinnedMemory::new(&ctx, len).map_err(|e| DeviceError::OutOfMemory {
+                    device: id,
+                    len,
+                    source: std::io::Error::other(format!("pinned host memory: {}", ffi::describe(e))),
+                })?;
+                Ok(Box::new(PinnedStaging(m)))
+            } else {
+                Ok(Box::new(Arena::new(len, false)?))
+            }
+        })?;
+        Ok(Box::new(buf))
+    }
+
+    fn upload(&self, src: Staging, len: usize, dst: &dyn Allocation, dst_offset: usize) -> Result<Transfer> {
+        self.upload_with(src, len, dst, dst_offset, AfterUpload::Nothing)
+    }
+
+    fn upload_with(
+        &self,
+        src: Staging,
+        len: usize,
+        dst: &dyn Allocation,
+        dst_offset: usize,
+        after: AfterUpload<'_>,
+    ) -> Result<Transfer> {
+        let dst = self.own(dst)?;
+        check_range(self.shared.id, dst.len, dst_offset, len)?;
+        let bytes = src.as_slice().get(..len).ok_or(DeviceError::OutOfBounds {
+            device: self.shared.id,
+            offset: 0,
+            len,
+            alloc_len: src.as_slice().len(),
+        })?;
+        let stream = self.shared.stream();
+        let at = dst.ptr + dst_offset as u64;
+        // SAFETY: the destination range was checked against the allocation; `src` moves into
+        // the returned transfer, which waits for the event recorded below (after the copy)
+        // before handing it back or dropping it.
+        unsafe { ffi::htod_async(at, bytes, stream) }.map_err(|e| self.shared.driver_error("cuMemcpyHtoDAsync", e))?;
+        if let AfterUpload::Keystream { key, pos } = after {
+            self.queue_keystream(self.own_key(key)?, stream, at, len, pos)?;
+        }
+        let event = ffi::Event::record(stream).map_err(|e| self.shared.driver_error("recording an event", e))?;
+        Ok(Transfer::Pending(Box::new(CudaPending { event: Some(event), staging: Some(src), device: self.shared.id })))
+    }
+
+    fn download(&self, src: &dyn Allocation, src_offset: usize, dst: &mut [u8]) -> Result<()> {
+        let src = self.own(src)?;
+        check_range(self.shared.id, src.len, src_offset, dst.len())?;
+        self.shared.synchronize()?;
+        // SAFETY: the range was checked; our streams are drained, and a borrowed range is the
+        // caller's to keep unwritten (Device::borrow's contract).
+        unsafe { ffi::dtoh(&self.shared.ctx, dst, src.ptr + src_offset as u64) }
+            .map_err(|e| self.shared.driver_error("cuMemcpyDtoH", e))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.shared.synchronize()
+    }
+
+    fn decrypts_after_upload(&self) -> bool {
+        true
+    }
+
+    fn prepare_key(&self, key: &[u8], iv: &[u8; 16]) -> Result<Box<dyn DeviceKey>> {
+        self.shared
+            .kernel()
+            .map_err(|reason| DeviceError::Unavailable { device: self.shared.id.to_string(), reason })?;
+        let rk = RoundKeys::expand(key).ok_or(DeviceError::Driver {
+            device: self.shared.id,
+            message: format!("AES keys are 16 or 32 bytes, not {}", key.len()),
+        })?;
+        let ptr =
+            ffi::mem_alloc(&self.shared.ctx, 240).map_err(|e| self.shared.driver_error("allocating the key", e))?;
+        let cuda_key = CudaKey {
+            device: self.shared.id,
+            shared: self.shared.clone(),
+            round_keys: ptr,
+            rounds: rk.rounds(),
+            iv: iv_halves(iv),
+        };
+        let mut bytes = rk.to_ne_bytes();
+        // SAFETY: `ptr` holds 240 bytes, more than the 176 or 240 of the schedule; nothing else
+        // uses it yet.
+        let r = unsafe { ffi::htod(&self.shared.ctx, ptr, &bytes) };
+        for b in bytes.iter_mut() {
+            // SAFETY: a valid exclusive reference; volatile so the zeroing is not elided.
+            unsafe { std::ptr::write_volatile(b, 0) };
+        }
+        r.map_err(|e| self.shared.driver_error("copying the key", e))?;
+        Ok(Box::new(cuda_key))
+    }
+
+    fn apply_keystream(
+        &self,
+        key: &dyn DeviceKey,
+        dst: &dyn Allocation,
+        offset: usize,
+        len: usize,
+        pos: u64,
+    ) -> Result<()> {
+        let key = self.own_key(key)?;
+        let dst = self.own(dst)?;
+        check_range(self.shared.id, dst.len, offset, len)?;
+        // Split over the streams so several kernels run at once on big ranges.
+        let per = len.div_ceil(self.shared.streams.len()).next_multiple_of(16).max(16);
+        let mut done = 0;
+        while done < len {
+            let n = per.min(len - done);
+            self.queue_keystream(key, self.shared.stream(), dst.ptr + (offset + done) as u64, n, pos + done as u64)?;
+            done += n;
+        }
+        self.shared.synchronize()
+    }
+
+    fn uploads_from_host(&self) -> bool {
+        true
+    }
+
+    fn upload_from_host(&self, src: &[u8], dst: &dyn Allocation, dst_offset: usize) -> Result<()> {
+        let dst = self.own(dst)?;
+        check_range(self.shared.id, dst.len, dst_offset, src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `src` is borrowed for this whole call and the registration is dropped below,
+        // after every copy from it has completed.
+        let reg =
+            unsafe { ffi::Registered::new(&self.shared.ctx, src, self.shared.read_only_register) }.map_err(|e| {
+                DeviceError::Unsupported {
+                    device: self.shared.id,
+                    what: format!(
+                        "registering the file's mapping for DMA (cuMemHostRegister) was refused: {}",
+                        ffi::describe(e)
+                    ),
+                }
+            })?;
+        let mut result = Ok(());
+        for (i, piece) in src.chunks(HOST_UPLOAD_CHUNK).enumerate() {
+            let at = dst.ptr + (dst_offset + i * HOST_UPLOAD_CHUNK) as u64;
+            // SAFETY: inside the checked destination range; `src` is registered and borrowed
+            // until the synchronize below.
+            if let Err(e) = unsafe { ffi::htod_async(at, piece, self.shared.stream()) } {
+                result = Err(self.shared.driver_error("cuMemcpyHtoDAsync", e));
+                break;
+            }
+        }
+        let synced = self.shared.synchronize();
+        drop(reg);
+        result.and(synced)
+    }
+
+    unsafe fn borrow(&self, address: u64, len: usize) -> Result<Box<dyn Allocation>> {
+        Ok(Box::new(CudaAllocation {
+            device: self.shared.id,
+            ptr: address,
+            len,
+            owned: false,
+            ctx: self.shared.ctx.clone(),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Hardware tests run only with `TURBOIO_TEST_CUDA=1`.
+    fn gpu() -> Option<CudaDevice> {
+        if std::env::var("TURBOIO_TEST_CUDA").as_deref() != Ok("1") {
+            eprintln!("skipped: TURBOIO_TEST_CUDA is not 1 (no GPU test)");
+            return None;
+        }
+        Some(CudaDevice::new(0).expect("TURBOIO_TEST_CUDA=1 but cuda:0 cannot be opened"))
+    }
+
+    #[test]
+    fn without_a_gpu_opening_fails_cleanly() {
+        if std::env::var("TURBOIO_TEST_CUDA").as_deref() == Ok("1") {
+            eprintln!("skipped: this test is for machines without a GPU");
+            return;
+        }
+        let err = CudaDevice::new(0).unwrap_err().to_string();
+        assert!(err.starts_with("cuda:0 is not available: "), "{err}");
+        assert!(err.contains("libcuda") || err.contains("no CUDA device"), "names what is missing: {err}");
+        let err = CudaDevice::new(7).unwrap_err().to_string();
+        assert!(err.contains("cuda:7"), "{err}");
+        assert!(device_count().is_err());
+        assert!(crate::open_device(DeviceId::parse("cuda:1").unwrap()).is_err());
+    }
+
+    #[test]
+    fn gpu_round_trip_decrypt_and_host_uploads() {
+        let Some(dev) = gpu() else { return };
+        let n = (40 << 20) + 77;
+        let data: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
+        let a = dev.alloc(n + 16).unwrap();
+        let mut s = dev.alloc_staging(n).unwrap();
+        s.as_mut_slice()[..n].copy_from_slice(&data);
+        dev.upload(s, n, a.as_ref(), 16).unwrap().wait().unwrap();
+        let mut back = vec![0u8; n];
+        dev.download(a.as_ref(), 16, &mut back).unwrap();
+        assert!(back == data);
+        dev.upload_from_host(&data[..1 << 20], a.as_ref(), 3).unwrap();
+        let mut small = vec![0u8; 1 << 20];
+        dev.download(a.as_ref(), 3, &mut small).unwrap();
+        assert!(small[..] == data[..1 << 20]);
+        // Decrypt after upload against the CPU cipher.
+        let key = [3u8; 32];
+        let iv = [0xff; 16];
+        let mut enc = data.clone();
+        turboio_cipher_ref(&key, &iv, 777, &mut enc);
+        let k = dev.prepare_key(&key, &iv).unwrap();
+        let mut s = dev.alloc_staging(n).unwrap();
+        s.as_mut_slice()[..n].copy_from_slice(&enc);
+        dev.upload_with(s, n, a.as_ref(), 5, AfterUpload::Keystream { key: k.as_ref(), pos: 777 })
+            .unwrap()
+            .wait()
+            .unwrap();
+        dev.download(a.as_ref(), 5, &mut back).unwrap();
+        assert!(back == data, "GPU decryption matches the CPU cipher");
+        drop(k);
+        assert!(dev.pinned_h2d_gbps(64 << 20, 8 << 20, 2).unwrap() > 0.0);
+    }
+
+    fn turboio_cipher_ref(key: &[u8], iv: &[u8; 16], pos: u64, buf: &mut [u8]) {
+        turboio_cipher::CtrCipher::new(&turboio_cipher::Key::new(key).unwrap(), &turboio_cipher::Iv(*iv))
+            .apply_at(pos, buf);
+    }
+}
