@@ -45,8 +45,9 @@ pub enum Error {
         /// What went wrong.
         message: String,
     },
-    /// An encrypted file decrypted to an invalid safetensors file: almost always a wrong key or IV.
-    #[error("{}: the decrypted file is not a valid safetensors file ({source}); is the key right? (key from {key_source})", path.display())]
+    /// An encrypted file decrypted to neither a valid safetensors file nor a torch file: almost
+    /// always a wrong key or IV. Nothing was written or returned.
+    #[error("{}: the decrypted file is neither a valid safetensors file ({source}) nor a torch file: wrong key or IV? ({key_source})", path.display())]
     Decrypted {
         /// The file.
         path: PathBuf,
@@ -55,6 +56,18 @@ pub enum Error {
         source: FormatError,
         /// Where the key came from.
         key_source: String,
+    },
+    /// A file read without a key is not a valid safetensors file and looks encrypted (or may
+    /// be): the hint says why and how to pass a key.
+    #[error("{}: invalid safetensors file: {source}; {hint}", path.display())]
+    LooksEncrypted {
+        /// The file.
+        path: PathBuf,
+        /// What the format check found.
+        #[source]
+        source: FormatError,
+        /// Why it looks encrypted and how to pass a key.
+        hint: String,
     },
     /// The operation was cancelled.
     #[error("{}: cancelled", path.display())]
