@@ -104,7 +104,7 @@ fn a_wrong_key_is_a_clear_error_not_garbage() {
                 .unwrap_err();
         assert!(matches!(err, Error::Decrypted { .. }), "{err:?}");
         let msg = err.to_string();
-        assert!(msg.contains("enc.safetensors") && msg.contains("is the key right"), "{msg}");
+        assert!(msg.contains("enc.safetensors") && msg.contains("wrong key"), "{msg}");
     }
 }
 
