@@ -55,8 +55,13 @@ fn error_to_py(e: &Error) -> PyErr {
         Error::Storage(StorageError::NotFound { .. }) => PyFileNotFoundError::new_err(msg),
         Error::Storage(StorageError::PermissionDenied { .. }) => PyPermissionError::new_err(msg),
         Error::Storage(StorageError::Io { .. } | StorageError::ShortFile { .. }) => PyOSError::new_err(msg),
-        Error::Format { path, source } => invalid_file(path, source.to_string()),
-        Error::LooksEncrypted { path, source, hint } => invalid_file(path, format!("{source}; {hint}")),
+        Error::Format { path, source, hint } => invalid_file(
+            path,
+            match hint {
+                Some(h) => format!("{source}; {h}"),
+                None => source.to_string(),
+            },
+        ),
         Error::Decrypted { path, .. } => invalid_file(path, msg[path.display().to_string().len() + 2..].to_owned()),
         Error::Unsupported { .. } => PyValueError::new_err(msg),
         Error::Cancelled { .. } => PyKeyboardInterrupt::new_err(msg),
@@ -177,14 +182,11 @@ fn export_shape(name: &str, d: Dtype, shape: &[usize], nbytes: usize) -> PyResul
         }
         _ => vec![nbytes],
     };
-    dims.iter()
-        .map(|&x| i64::try_from(x))
-        .collect::<Result<Vec<i64>, _>>()
-        .map_err(|_| {
-            PyTypeError::new_err(format!(
-                "tensor `{name}` of shape {shape:?} cannot be represented by torch: a dimension is larger than 2^63 - 1"
-            ))
-        })
+    dims.iter().map(|&x| i64::try_from(x)).collect::<Result<Vec<i64>, _>>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "tensor `{name}` of shape {shape:?} cannot be represented by torch: a dimension is larger than 2^63 - 1"
+        ))
+    })
 }
 
 /// A tensor of a load, exportable with `__dlpack__` (zero copy; keeps the load alive).

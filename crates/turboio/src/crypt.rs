@@ -231,7 +231,7 @@ pub(crate) fn unkeyed_error(file: &dyn StorageFile, source: FormatError) -> Erro
                VETURBOIO_KEY / VETURBOIO_IV";
     if prefix.starts_with(MAGIC) {
         let hint = format!("it starts with veTurboIO's cipher header: the file is encrypted; {how}");
-        return Error::LooksEncrypted { path, source, hint };
+        return Error::Format { path, source, hint: Some(hint.into()) };
     }
     let at_length = matches!(
         source,
@@ -256,7 +256,7 @@ pub(crate) fn unkeyed_error(file: &dyn StorageFile, source: FormatError) -> Erro
     } else {
         format!("if the file is encrypted (veTurboIO's AES-CTR formats), {how}")
     };
-    Error::LooksEncrypted { path, source, hint }
+    Error::Format { path, source, hint: Some(hint.into()) }
 }
 
 /// A plausible safetensors start: a header length that fits the file, then `{` after optional

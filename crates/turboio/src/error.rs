@@ -8,13 +8,16 @@ use turboio_storage::StorageError;
 #[non_exhaustive]
 pub enum Error {
     /// The file is not a valid safetensors file (or the tensors given to a save are inconsistent).
-    #[error("{}: invalid safetensors file: {source}", path.display())]
+    #[error("{}: invalid safetensors file: {source}{}", path.display(), hint.as_deref().map(|h| format!("; {h}")).unwrap_or_default())]
     Format {
         /// The file.
         path: PathBuf,
         /// What is wrong.
         #[source]
         source: FormatError,
+        /// For a file read without a key that looks encrypted (or may be): why, and how to pass
+        /// a key.
+        hint: Option<Box<str>>,
     },
     /// Reading or writing failed (not found, permission, short file, I/O error, ...).
     #[error(transparent)]
@@ -57,18 +60,6 @@ pub enum Error {
         /// Where the key came from.
         key_source: String,
     },
-    /// A file read without a key is not a valid safetensors file and looks encrypted (or may
-    /// be): the hint says why and how to pass a key.
-    #[error("{}: invalid safetensors file: {source}; {hint}", path.display())]
-    LooksEncrypted {
-        /// The file.
-        path: PathBuf,
-        /// What the format check found.
-        #[source]
-        source: FormatError,
-        /// Why it looks encrypted and how to pass a key.
-        hint: String,
-    },
     /// The operation was cancelled.
     #[error("{}: cancelled", path.display())]
     Cancelled {
@@ -79,7 +70,7 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn format(path: &std::path::Path, source: FormatError) -> Self {
-        Error::Format { path: path.to_owned(), source }
+        Error::Format { path: path.to_owned(), source, hint: None }
     }
 
     pub(crate) fn device(path: &std::path::Path, source: DeviceError) -> Self {
