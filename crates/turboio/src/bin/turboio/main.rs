@@ -297,6 +297,15 @@ fn check_against_plain_read(loaded: &LoadedFile, opts: &LoadOptions) -> CliResul
 }
 
 fn gen(out: &Path, size: u64, seed: u64, encryption: Option<turboio::crypt::Encryption>) -> CliResult {
+    let min = turboio::sample::min_sample_size();
+    if size < min {
+        return Err(format!(
+            "{}: --size {size} is below the smallest sample, {min} bytes ({} KiB); give at least that",
+            out.display(),
+            min.div_ceil(1024)
+        )
+        .into());
+    }
     let bar = progress::Bar::start(size, &format!("writing {}", out.display()));
     let opts = SaveOptions { progress: bar.counter(), encryption, ..Default::default() };
     let start = Instant::now();
