@@ -104,7 +104,7 @@ fn a_wrong_key_is_a_clear_error_not_garbage() {
                 .unwrap_err();
         assert!(matches!(err, Error::Decrypted { .. }), "{err:?}");
         let msg = err.to_string();
-        assert!(msg.contains("enc.safetensors") && msg.contains("is the key right"), "{msg}");
+        assert!(msg.contains("enc.safetensors") && msg.contains("wrong key"), "{msg}");
     }
 }
 
@@ -143,7 +143,11 @@ fn encrypt_and_decrypt_files_of_any_kind() {
     let d = disk_dir();
     let enc = Encryption::new(fixed());
     let src = d.path().join("model.pt");
-    let data: Vec<u8> = (0..3_000_001u32).map(|i| (i * 7 % 251) as u8).collect();
+    // What torch.save writes: a zip archive (local header first, end record last).
+    let mut data = b"PK\x03\x04".to_vec();
+    data.extend((0..3_000_001u32).map(|i| (i * 7 % 251) as u8));
+    data.extend_from_slice(b"PK\x05\x06");
+    data.extend_from_slice(&[0u8; 18]);
     std::fs::write(&src, &data).unwrap();
     let e = d.path().join("model.pt.enc");
     turboio::crypt::encrypt_file(&src, &e, &enc, &SaveOptions::default()).unwrap();
@@ -157,4 +161,16 @@ fn encrypt_and_decrypt_files_of_any_kind() {
         turboio::crypt::encrypt_file(&src, &e, &Encryption { keys: fixed(), header: true }, &SaveOptions::default())
             .unwrap_err();
     assert!(err.to_string().contains("needs the KMS"), "{err}");
+
+    // Bytes that are neither safetensors nor a torch file are refused once decrypted, as a
+    // wrong key's output is: nothing is read, returned or written.
+    let junk = d.path().join("junk.bin");
+    std::fs::write(&junk, &data[4..]).unwrap();
+    let junk_enc = d.path().join("junk.enc");
+    turboio::crypt::encrypt_file(&junk, &junk_enc, &enc, &SaveOptions::default()).unwrap();
+    let err = turboio::read_all(&junk_enc, &opts).unwrap_err();
+    assert!(matches!(err, Error::Decrypted { .. }), "{err:?}");
+    let out = d.path().join("junk.out");
+    assert!(turboio::crypt::decrypt_file(&junk_enc, &out, &enc, &SaveOptions::default()).is_err());
+    assert!(!out.exists());
 }

@@ -71,8 +71,17 @@ pub fn nvidia_lib(python: &Path, name: &str) -> Option<PathBuf> {
     None
 }
 
-/// Builds the wheel (release) and installs it into the venv of `python`.
+/// Set by `cargo xtask test` for the bench smoke run it starts: the wheel it built and
+/// installed into `.venv` is current, so the bench does not build it a second time.
+pub const WHEEL_INSTALLED: &str = "TURBOIO_XTASK_WHEEL_INSTALLED";
+
+/// Builds the wheel (release) and installs it into the venv of `python` (once per
+/// `cargo xtask test`: see [`WHEEL_INSTALLED`]).
 pub fn install_wheel(python: &Path) -> Result<()> {
+    if std::env::var_os(WHEEL_INSTALLED).is_some() {
+        eprintln!("\n==> the wheel `cargo xtask test` built is installed; not building it again");
+        return Ok(());
+    }
     let out = root().join("target/wheels");
     let _ = std::fs::remove_dir_all(&out);
     step(
@@ -140,7 +149,9 @@ pub fn run(args: Args) -> Result<()> {
         step("docs", cargo().args(["doc", "--workspace", "--no-deps", "--locked"]).env("RUSTDOCFLAGS", "-D warnings"))?;
         step(
             "bench smoke run",
-            cargo().args(["run", "--release", "--locked", "-p", "xtask", "--", "bench", "--quick"]),
+            cargo()
+                .args(["run", "--release", "--locked", "-p", "xtask", "--", "bench", "--quick"])
+                .env(WHEEL_INSTALLED, "1"),
         )?;
     }
     eprintln!("\nall checks passed in {:.0} s", start.elapsed().as_secs_f64());

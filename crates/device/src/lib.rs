@@ -183,6 +183,13 @@ pub trait Allocation: Send + Sync + fmt::Debug {
 
     /// The address of the first byte in the device's address space (a host pointer for the
     /// CPU, a device pointer for CUDA), for DLPack export and DMA engines.
+    ///
+    /// Getting it creates no reference to the memory. Code that hands it to a foreign writer
+    /// (a DLPack consumer such as torch may write through it, from any thread, while the
+    /// allocation lives) makes the memory shared and mutable: from then on it must not read
+    /// the memory through [`Allocation::host`] (or anything built on it), since a `&[u8]` may
+    /// not coexist with writes. The Python extension is built that way: it only ever uses the
+    /// address.
     fn address(&self) -> u64;
 
     /// For the owning device to recognise its own allocations.

@@ -26,12 +26,16 @@ pub(crate) struct RawMap {
     len: usize,
 }
 
-// SAFETY: RawMap owns its mapping exclusively (like a Vec<u8> owns its buffer); the memory is
-// plain bytes with no thread affinity, so moving or sharing the owner between threads is sound.
-// Mutation goes through &mut self only.
+// SAFETY: RawMap owns its mapping (like a Vec<u8> owns its buffer); the memory is plain bytes
+// with no thread affinity, so moving or sharing the owner between threads is sound. Within Rust
+// the bytes are mutated only through &mut self (`as_mut_slice`). Its address (`addr`, a plain
+// integer: no reference is created) may also be exported to foreign code that writes through it
+// (DLPack consumers such as torch); whoever exports it must not read the memory through
+// `as_slice` while such writes can happen (see `Allocation::address`), and RawMap itself never
+// reads or writes the bytes.
 unsafe impl Send for RawMap {}
-// SAFETY: see Send; &RawMap only hands out shared byte slices or calls madvise, which the
-// kernel serializes.
+// SAFETY: see Send; &RawMap hands out shared byte slices (under the rule above), the address,
+// or calls madvise, which the kernel serializes.
 unsafe impl Sync for RawMap {}
 
 impl RawMap {
@@ -148,8 +152,9 @@ impl RawMap {
     }
 
     pub(crate) fn as_slice(&self) -> &[u8] {
-        // SAFETY: the mapping is len bytes, readable, alive as long as self, and only mutated
-        // through &mut self.
+        // SAFETY: the mapping is len bytes, readable, and alive as long as self. Within Rust it
+        // is mutated only through &mut self; foreign writers reach it only through an exported
+        // address, whose exporter must not call this meanwhile (see the Send impl above).
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 

@@ -18,7 +18,7 @@ mod dlpack;
 
 use dlpack::{DLDataType, Export};
 use pyo3::exceptions::{
-    PyFileNotFoundError, PyKeyboardInterrupt, PyOSError, PyPermissionError, PyRuntimeError, PyValueError,
+    PyFileNotFoundError, PyKeyboardInterrupt, PyOSError, PyPermissionError, PyRuntimeError, PyTypeError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -30,19 +30,40 @@ use turboio::crypt::{Encryption, Keys};
 use turboio::device::{ArenaPool, Device, DeviceId, DeviceKind, StagingPool};
 use turboio::format::{FormatError, Header};
 use turboio::storage::StorageError;
-use turboio::{CachePolicy, Dtype, Error, LoadMode, LoadOptions, LoadedFile, SaveOptions, TensorSpec};
+use turboio::{CachePolicy, Dtype, Error, LoadMode, LoadOptions, SaveOptions, TensorSpec};
 
+/// The one mapping of turboio's errors to Python exceptions. Invalid files raise `ValueError`
+/// with two extra attributes that the drop-in APIs use to word their own exceptions as the
+/// reference does (`turboio.torch` turns them into `SafetensorError`): `reason`, the format
+/// check's message (which starts with the reference's wording), and `filename`.
 fn to_py(e: Error) -> PyErr {
     error_to_py(&e)
 }
 
 fn error_to_py(e: &Error) -> PyErr {
     let msg = e.to_string();
+    let invalid_file = |path: &std::path::Path, reason: String| {
+        let err = PyValueError::new_err(msg.clone());
+        Python::attach(|py| {
+            let v = err.value(py);
+            let _ = v.setattr("reason", reason);
+            let _ = v.setattr("filename", path.display().to_string());
+        });
+        err
+    };
     match e {
         Error::Storage(StorageError::NotFound { .. }) => PyFileNotFoundError::new_err(msg),
         Error::Storage(StorageError::PermissionDenied { .. }) => PyPermissionError::new_err(msg),
         Error::Storage(StorageError::Io { .. } | StorageError::ShortFile { .. }) => PyOSError::new_err(msg),
-        Error::Format { .. } | Error::Unsupported { .. } | Error::Decrypted { .. } => PyValueError::new_err(msg),
+        Error::Format { path, source, hint } => invalid_file(
+            path,
+            match hint {
+                Some(h) => format!("{source}; {h}"),
+                None => source.to_string(),
+            },
+        ),
+        Error::Decrypted { path, .. } => invalid_file(path, msg[path.display().to_string().len() + 2..].to_owned()),
+        Error::Unsupported { .. } => PyValueError::new_err(msg),
         Error::Cancelled { .. } => PyKeyboardInterrupt::new_err(msg),
         _ => PyRuntimeError::new_err(msg),
     }
@@ -90,7 +111,15 @@ fn interruptible<T: Send>(
         let result = py.detach(|| handle.join());
         match (interrupted, result) {
             (Some(e), _) => Err(e),
-            (None, Ok(r)) => r.map_err(to_py),
+            (None, Ok(Ok(r))) => {
+                // The last call reports where the work ended (every byte, for a load), however
+                // the 50 ms polls fell.
+                if let Some((cb, done)) = progress {
+                    cb.call1((done.load(Ordering::Relaxed),))?;
+                }
+                Ok(r)
+            }
+            (None, Ok(Err(e))) => Err(to_py(e)),
             (None, Err(_)) => Err(PyRuntimeError::new_err("turboio: internal error: a worker thread panicked")),
         }
     })
@@ -215,26 +244,34 @@ fn dl_type(d: Dtype) -> (DLDataType, bool) {
     }
 }
 
-/// The shape a raw-bytes export gets: one byte per element for the 8-bit types, the packed
-/// shape (last dimension halved) for F4 when it is even, else a flat byte count.
-fn raw_shape(d: Dtype, shape: &[usize], nbytes: usize) -> Vec<i64> {
-    match d.bits() {
-        8 => shape.iter().map(|&x| x as i64).collect(),
-        4 if shape.last().is_some_and(|l| l % 2 == 0) => {
-            let mut s: Vec<i64> = shape.iter().map(|&x| x as i64).collect();
+/// The shape an export gets, in DLPack's `int64`: the shape itself, or for a raw-bytes export
+/// one byte per element for the 8-bit types, the packed shape (last dimension halved) for F4
+/// when it is even, else a flat byte count. A dimension above `i64::MAX` (legal in a file when
+/// the tensor has no elements) cannot be represented by torch: `TypeError`, as the reference
+/// raises for it.
+fn export_shape(name: &str, d: Dtype, shape: &[usize], nbytes: usize) -> PyResult<Vec<i64>> {
+    let dims: Vec<usize> = match (dl_type(d).1, d.bits()) {
+        (false, _) | (true, 8) => shape.to_vec(),
+        (true, 4) if shape.last().is_some_and(|l| l % 2 == 0) => {
+            let mut s = shape.to_vec();
             if let Some(l) = s.last_mut() {
                 *l /= 2;
             }
             s
         }
-        _ => vec![nbytes as i64],
-    }
+        _ => vec![nbytes],
+    };
+    dims.iter().map(|&x| i64::try_from(x)).collect::<Result<Vec<i64>, _>>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "tensor `{name}` of shape {shape:?} cannot be represented by torch: a dimension is larger than 2^63 - 1"
+        ))
+    })
 }
 
 /// A tensor of a load, exportable with `__dlpack__` (zero copy; keeps the load alive).
 #[pyclass(name = "Tensor", module = "turboio._turboio", frozen)]
 struct PyTensor {
-    file: Arc<LoadedFile>,
+    file: Arc<ExportedLoad>,
     device: DeviceId,
     name: String,
     dtype: Dtype,
@@ -304,25 +341,11 @@ impl PyTensor {
                 "turboio exports without copying; copy the result instead",
             ));
         }
-        let memory = self.file.memory();
-        let base = match memory.host() {
-            Some(h) => h.as_ptr() as *mut u8,
-            // Device memory: the device pointer, valid in the device's primary context (the one
-            // torch uses), owned by the load that the capsule keeps alive.
-            None if self.device.kind == DeviceKind::Cuda => memory.address() as usize as *mut u8,
-            None => {
-                return Err(PyRuntimeError::new_err(format!(
-                    "this load is on {}, which DLPack cannot export",
-                    self.device
-                )))
-            }
-        };
-        let (dtype, raw) = dl_type(self.dtype);
-        let shape = if raw {
-            raw_shape(self.dtype, &self.shape, self.nbytes)
-        } else {
-            self.shape.iter().map(|&x| x as i64).collect()
-        };
+        let base = self.file.export_address().ok_or_else(|| {
+            PyRuntimeError::new_err(format!("this load is on {}, which DLPack cannot export", self.device))
+        })?;
+        let dtype = dl_type(self.dtype).0;
+        let shape = export_shape(&self.name, self.dtype, &self.shape, self.nbytes)?;
         let owner: Arc<dyn Send + Sync> = self.file.clone();
         let export = Export { owner, data: base.wrapping_add(self.offset), device: here, shape, dtype };
         dlpack::capsule(py, export, max_version.is_some_and(|(major, _)| major >= 1))
@@ -347,10 +370,69 @@ impl PyTensor {
     }
 }
 
+mod exported {
+    use turboio::device::DeviceKind;
+    use turboio::{Header, LoadReport, LoadedFile};
+
+    /// A load whose memory is handed to Python by address (DLPack), where consumers such as
+    /// torch may write to it at any time, from any thread: the bytes are shared and mutable.
+    ///
+    /// So that this is sound by construction, the `LoadedFile` is reachable only through this
+    /// type, which never forms a Rust reference (`&[u8]` or `&mut [u8]`) to the loaded bytes:
+    /// it gives their address ([`Allocation::address`](turboio::device::Allocation::address),
+    /// a raw pointer that creates no reference) and the header, never `host()`, `bytes()` or
+    /// `to_host()`. Rust code in this crate therefore never reads memory that Python may be
+    /// writing.
+    pub struct ExportedLoad(LoadedFile);
+
+    impl ExportedLoad {
+        pub fn new(file: LoadedFile) -> Self {
+            ExportedLoad(file)
+        }
+
+        pub fn header(&self) -> &Header {
+            self.0.header()
+        }
+
+        pub fn path(&self) -> &std::path::Path {
+            self.0.path()
+        }
+
+        pub fn report(&self) -> &LoadReport {
+            self.0.report()
+        }
+
+        pub fn aliases(&self) -> Vec<(&str, &str)> {
+            self.0.aliases()
+        }
+
+        /// `(name, dtype, shape, offset in memory, bytes)` of every tensor, in file order.
+        pub fn tensors(&self) -> impl Iterator<Item = (&str, turboio::Dtype, &[usize], usize, usize)> {
+            self.0.tensors().map(|t| (t.name(), t.dtype(), t.shape(), t.offset_in_memory(), t.len()))
+        }
+
+        /// The address of the first byte of the load's memory, when DLPack can export it: host
+        /// memory, or a CUDA device pointer (valid in the device's primary context, the one
+        /// torch uses).
+        pub fn export_address(&self) -> Option<*mut u8> {
+            let memory = self.0.memory();
+            matches!(memory.device().kind, DeviceKind::Cpu | DeviceKind::Cuda)
+                .then(|| memory.address() as usize as *mut u8)
+        }
+
+        /// Where the memory is.
+        pub fn device_id(&self) -> turboio::device::DeviceId {
+            self.0.device_id()
+        }
+    }
+}
+
+use exported::ExportedLoad;
+
 /// A loaded safetensors file.
 #[pyclass(name = "LoadedFile", module = "turboio._turboio", frozen)]
 struct PyLoaded {
-    inner: Arc<LoadedFile>,
+    inner: Arc<ExportedLoad>,
 }
 
 fn infos(h: &Header) -> Vec<(&str, &'static str, Vec<usize>, usize, usize)> {
@@ -381,7 +463,7 @@ impl PyLoaded {
 
     /// `__metadata__` or None.
     fn metadata(&self) -> Option<BTreeMap<String, String>> {
-        self.inner.metadata().cloned()
+        self.inner.header().metadata().cloned()
     }
 
     /// `[(alias, target)]` recorded in `__metadata__`.
@@ -393,14 +475,14 @@ impl PyLoaded {
     fn tensors(&self) -> Vec<PyTensor> {
         self.inner
             .tensors()
-            .map(|t| PyTensor {
+            .map(|(name, dtype, shape, offset, nbytes)| PyTensor {
                 file: self.inner.clone(),
                 device: self.inner.device_id(),
-                name: t.name().to_owned(),
-                dtype: t.dtype(),
-                shape: t.shape().to_vec(),
-                offset: t.offset_in_memory(),
-                nbytes: t.len(),
+                name: name.to_owned(),
+                dtype,
+                shape: shape.to_vec(),
+                offset,
+                nbytes,
             })
             .collect()
     }
@@ -425,7 +507,7 @@ impl PyLoaded {
     }
 
     fn __len__(&self) -> usize {
-        self.inner.len()
+        self.inner.header().len()
     }
 }
 
@@ -495,8 +577,14 @@ fn load(
         encryption: encryption(cipher, false),
         ..Default::default()
     };
-    let loaded = interruptible(py, &cancel, progress.as_ref().map(|cb| (cb, &*done)), || turboio::load(&path, &opts))?;
-    Ok(PyLoaded { inner: Arc::new(loaded) })
+    let loaded = interruptible(py, &cancel, progress.as_ref().map(|cb| (cb, &*done)), || {
+        let loaded = turboio::load(&path, &opts)?;
+        // Progress counts the bytes read; the header (and, for an unaligned data section, the
+        // bytes before it) were read too: the total is the whole file.
+        done.store(loaded.header().file_len(), Ordering::Relaxed);
+        Ok(loaded)
+    })?;
+    Ok(PyLoaded { inner: Arc::new(ExportedLoad::new(loaded)) })
 }
 
 type HeaderInfo = (u64, u64, Option<BTreeMap<String, String>>, Vec<(String, &'static str, Vec<usize>, usize, usize)>);
@@ -590,18 +678,99 @@ fn _read_into(
         cancel: Some(cancel.clone()),
         ..Default::default()
     };
+    let plan = plan_destinations(&requests);
     interruptible(py, &cancel, None, move || {
-        let reqs = requests
+        // Overlaid requests are read into buffers of their own, in the same parallel pass.
+        let mut own: Vec<Vec<u8>> = plan.overlaid.iter().map(|&i| vec![0u8; requests[i].2]).collect();
+        let mut reqs: Vec<turboio::storage::ReadRequest<'_>> = plan
+            .direct
             .iter()
-            .map(|&(offset, addr, len)| turboio::storage::ReadRequest {
-                offset,
-                // SAFETY: see this function's doc: the Python layer owns these buffers for
-                // the whole call and nothing else touches them meanwhile.
-                dst: unsafe { dlpack::host_slice_mut(addr, len) },
+            .map(|&i| {
+                let (offset, addr, len) = requests[i];
+                turboio::storage::ReadRequest {
+                    offset,
+                    // SAFETY: see this function's doc: the Python layer owns these buffers for
+                    // the whole call and nothing else touches them meanwhile; and the direct
+                    // destinations are pairwise disjoint and disjoint from every overlaid one
+                    // (`plan_destinations`), so no two of these `&mut` alias.
+                    dst: unsafe { dlpack::host_slice_mut(addr, len) },
+                }
             })
             .collect();
-        turboio::read_into(&path, reqs, &opts).map(|_| ())
+        for (&i, buf) in plan.overlaid.iter().zip(own.iter_mut()) {
+            reqs.push(turboio::storage::ReadRequest { offset: requests[i].0, dst: buf });
+        }
+        turboio::read_into(&path, reqs, &opts)?;
+        // Every `&mut` of the parallel pass is gone. Destinations shared by several requests
+        // get their bytes now, one request after another in the order given, so the last one
+        // wins exactly as if each tensor had been read in turn.
+        for (&i, buf) in plan.overlaid.iter().zip(&own) {
+            let (_, addr, len) = requests[i];
+            // SAFETY: `addr` holds `len` writable bytes owned by the caller for the call (see
+            // above); `buf` is our own allocation, so the two do not overlap; no reference to
+            // the destination exists while this copies.
+            unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), addr as *mut u8, len) };
+        }
+        Ok(())
     })
+}
+
+/// How [`_read_into`] fills its destinations.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct DestinationPlan {
+    /// Requests read straight into their destination, in parallel: pairwise disjoint, and
+    /// disjoint from every other request's destination.
+    direct: Vec<usize>,
+    /// Requests whose destination overlaps another's (e.g. tied weights in a `state_dict`):
+    /// read into a buffer, then copied into place one after another, in request order.
+    overlaid: Vec<usize>,
+}
+
+/// Sorts requests `(file_offset, address, len)` into direct and overlaid ones. A request whose
+/// destination is exactly that of a later request is dropped: the later one would overwrite
+/// all of it, so a shared destination is filled once. Empty requests are dropped.
+fn plan_destinations(requests: &[(u64, usize, usize)]) -> DestinationPlan {
+    let mut last_for = std::collections::HashMap::new();
+    for (i, &(_, addr, len)) in requests.iter().enumerate() {
+        if len > 0 {
+            last_for.insert((addr, len), i);
+        }
+    }
+    let mut kept: Vec<usize> = last_for.into_values().collect();
+    kept.sort_by_key(|&i| (requests[i].1, i));
+    let mut shared = vec![false; requests.len()];
+    let mut group: Vec<usize> = Vec::new();
+    let mut group_end = 0usize;
+    let mut close = |group: &mut Vec<usize>| {
+        if group.len() > 1 {
+            for &i in group.iter() {
+                shared[i] = true;
+            }
+        }
+        group.clear();
+    };
+    for &i in &kept {
+        let (_, addr, len) = requests[i];
+        if !group.is_empty() && addr >= group_end {
+            close(&mut group);
+        }
+        if group.is_empty() {
+            group_end = addr;
+        }
+        group.push(i);
+        group_end = group_end.max(addr.saturating_add(len));
+    }
+    close(&mut group);
+    let mut plan = DestinationPlan::default();
+    kept.sort_unstable();
+    for i in kept {
+        if shared[i] {
+            plan.overlaid.push(i);
+        } else {
+            plan.direct.push(i);
+        }
+    }
+    plan
 }
 
 /// A tensor to write: `(name, dtype, shape, address, nbytes)`.
@@ -835,10 +1004,7 @@ fn _serialize<'py>(
 /// after optional whitespace). Used to tell safetensors from torch pickles by content.
 #[pyfunction]
 fn looks_like_safetensors(prefix: &[u8], file_len: u64) -> bool {
-    let Ok(n) = turboio::format::read_header_len(prefix, file_len) else { return false };
-    let json = prefix.get(8..).unwrap_or(&[]);
-    let first = json.iter().take(n as usize).find(|b| !b.is_ascii_whitespace());
-    first == Some(&b'{')
+    turboio::crypt::looks_like_safetensors(prefix, file_len)
 }
 
 /// The extension module.

@@ -113,7 +113,7 @@ def test_wrong_or_missing_key(tmp, env_key, monkeypatch):
     path = str(tmp / "x.safetensors")
     veturboio.save_file({"w": torch.randn(100)}, path, use_cipher=True)
     monkeypatch.setenv("VETURBOIO_KEY", base64.b64encode(b"abcdefgh12345679").decode())
-    with pytest.raises(ValueError, match="is the key right"):
+    with pytest.raises(ValueError, match="wrong key"):
         veturboio.load(path, use_cipher=True)
     monkeypatch.delenv("VETURBOIO_KEY")
     with pytest.raises(RuntimeError) as e:

@@ -11,7 +11,8 @@ use std::fmt;
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use turboio_cipher::{CipherHeader, CtrCipher, HEADER_SIZE};
+use turboio_cipher::{CipherHeader, CtrCipher, HEADER_SIZE, MAGIC};
+use turboio_format::{read_header_len, FormatError, Header, N_LEN};
 use turboio_storage::{StorageFile, WriteSource};
 
 pub use turboio_cipher::{Iv, Key};
@@ -93,7 +94,15 @@ impl fmt::Debug for Crypt {
 }
 
 fn key_error(path: &Path, message: impl fmt::Display) -> Error {
-    Error::Key { path: path.to_owned(), message: message.to_string() }
+    let message = message.to_string();
+    // The key chain names the file in its own message ("no key for PATH: ..."); the error
+    // names it once, in front.
+    let named = format!("no key for {}: ", crate::backend::key_path(path).display());
+    let message = match message.strip_prefix(&named) {
+        Some(rest) => format!("no key found: {rest}"),
+        None => message,
+    };
+    Error::Key { path: path.to_owned(), message }
 }
 
 /// The resolver, giving up once `cancel` is set.
@@ -130,17 +139,136 @@ pub(crate) fn for_read(
     let header = CipherHeader::parse(&first, len).map_err(|e| key_error(path, format!("bad cipher header: {e}")))?;
     let offset = if header.is_some() { HEADER_SIZE } else { 0 };
     let (key, iv, source) = match &enc.keys {
-        Keys::Fixed { key, iv } => (key.clone(), *iv, "the given key".to_string()),
+        Keys::Fixed { key, iv } => {
+            (key.clone(), *iv, "the key and IV given (VETURBOIO_KEY / VETURBOIO_IV with --key-env)".to_string())
+        }
         Keys::Chain(resolver) => {
             let r = cancellable(resolver, cancel);
             let m = r
                 .key_for_read(&crate::backend::key_path(path), header.as_ref())
                 .map_err(|e| key_lookup_error(path, e))?;
-            let source = format!("{:?}", m.source);
+            let source = format!("the key came from {}", m.source.label());
             (m.key.clone(), m.iv, source)
         }
     };
-    Ok(Crypt { offset, cipher: CtrCipher::new(&key, &iv), key, iv, source })
+    let crypt = Crypt { offset, cipher: CtrCipher::new(&key, &iv), key, iv, source };
+    check_plaintext(file, &crypt, &io)?;
+    Ok(crypt)
+}
+
+/// What a decrypted file turned out to be.
+enum Plain {
+    Safetensors,
+    Torch,
+}
+
+/// Legacy `torch.save` files (not zip) start with a pickle of this magic number
+/// (`PROTO 2, LONG1 10 bytes`).
+const TORCH_LEGACY_MAGIC: &[u8] = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19";
+
+/// Reads `len` plain bytes at plain offset `pos` through the decrypting layer (with the
+/// caller's I/O options: `O_DIRECT` when the load bypasses the page cache).
+fn read_plain(
+    file: &dyn StorageFile,
+    crypt: &Crypt,
+    pos: u64,
+    len: usize,
+    io: &turboio_storage::IoOptions<'_>,
+) -> Result<Vec<u8>> {
+    let mut buf = vec![0u8; len];
+    let request = turboio_storage::ReadRequest { offset: crypt.offset + pos, dst: &mut buf };
+    file.read_ranges(vec![request], io).map_err(|e| Error::storage(file.path(), e))?;
+    crypt.cipher.apply_at(pos, &mut buf);
+    Ok(buf)
+}
+
+/// Checks that the key decrypts the file to something valid before any byte of it is written
+/// or returned: a safetensors header that parses, or a file `torch.load` opens (a zip archive
+/// with its end record, or a legacy torch pickle). A wrong key gives random bytes, which fail
+/// this (a safetensors length and `{`, or a 4-byte zip signature plus an end record, or a
+/// 14-byte magic number, by chance: far below one in a billion).
+fn check_plaintext(file: &dyn StorageFile, crypt: &Crypt, io: &turboio_storage::IoOptions<'_>) -> Result<Plain> {
+    let path = file.path();
+    let len = file.len().saturating_sub(crypt.offset);
+    let first = read_plain(file, crypt, 0, len.min(4096) as usize, io)?;
+    let safetensors = match read_header_len(&first, len) {
+        Ok(n) => {
+            let header = if first.len() as u64 >= N_LEN as u64 + n {
+                first.clone()
+            } else {
+                read_plain(file, crypt, 0, N_LEN + n as usize, io)?
+            };
+            Header::parse(&header, len).map(|_| ())
+        }
+        Err(e) => Err(e),
+    };
+    let source = match safetensors {
+        Ok(()) => return Ok(Plain::Safetensors),
+        Err(e) => e,
+    };
+    if first.starts_with(TORCH_LEGACY_MAGIC) {
+        return Ok(Plain::Torch);
+    }
+    if first.starts_with(b"PK\x03\x04") {
+        // A zip archive opens from its end-of-central-directory record, within the last
+        // 64 KiB + 22 bytes.
+        let tail_len = len.min(65_536 + 22);
+        let tail = read_plain(file, crypt, len - tail_len, tail_len as usize, io)?;
+        if tail.windows(4).any(|w| w == b"PK\x05\x06") {
+            return Ok(Plain::Torch);
+        }
+    }
+    Err(Error::Decrypted { path: path.to_owned(), source, key_source: crypt.source.clone() })
+}
+
+/// The hint for a safetensors file read without a key whose header does not parse: whether it
+/// looks encrypted (veTurboIO's cipher header, or a length that decrypts to a plausible header
+/// with `VETURBOIO_KEY` / `VETURBOIO_IV`), and how to pass a key.
+pub(crate) fn unkeyed_error(file: &dyn StorageFile, source: FormatError) -> Error {
+    let path = file.path().to_owned();
+    let mut prefix = vec![0u8; file.len().min(4096) as usize];
+    if file.read_exact_at(0, &mut prefix).is_err() {
+        return Error::format(&path, source);
+    }
+    let prefix = &prefix[..];
+    let how = "pass --cipher or --key-env (Python: use_cipher=True) with a key from KMS, the datapipe or \
+               VETURBOIO_KEY / VETURBOIO_IV";
+    if prefix.starts_with(MAGIC) {
+        let hint = format!("it starts with veTurboIO's cipher header: the file is encrypted; {how}");
+        return Error::Format { path, source, hint: Some(hint.into()) };
+    }
+    let at_length = matches!(
+        source,
+        FormatError::HeaderTooLarge { .. }
+            | FormatError::InvalidHeaderLength { .. }
+            | FormatError::InvalidHeader(_)
+            | FormatError::InvalidHeaderDeserialization(_)
+    );
+    if !at_length || looks_like_safetensors(prefix, file.len()) {
+        return Error::format(&path, source);
+    }
+    let decrypts = Keys::env_only().ok().is_some_and(|keys| match keys {
+        Keys::Fixed { key, iv } => {
+            let mut p = prefix.to_vec();
+            CtrCipher::new(&key, &iv).apply_at(0, &mut p);
+            looks_like_safetensors(&p, file.len())
+        }
+        Keys::Chain(_) => false,
+    });
+    let hint = if decrypts {
+        format!("it decrypts to a safetensors header with VETURBOIO_KEY / VETURBOIO_IV: the file is encrypted; {how}")
+    } else {
+        format!("if the file is encrypted (veTurboIO's AES-CTR formats), {how}")
+    };
+    Error::Format { path, source, hint: Some(hint.into()) }
+}
+
+/// A plausible safetensors start: a header length that fits the file, then `{` after optional
+/// whitespace.
+pub fn looks_like_safetensors(prefix: &[u8], file_len: u64) -> bool {
+    let Ok(n) = read_header_len(prefix, file_len) else { return false };
+    let json = prefix.get(N_LEN..).unwrap_or(&[]);
+    json.iter().take(n as usize).find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
 }
 
 /// Gets the key of a file about to be written, and the plain prefix (the cipher header) to

@@ -8,13 +8,16 @@ use turboio_storage::StorageError;
 #[non_exhaustive]
 pub enum Error {
     /// The file is not a valid safetensors file (or the tensors given to a save are inconsistent).
-    #[error("{}: invalid safetensors file: {source}", path.display())]
+    #[error("{}: invalid safetensors file: {source}{}", path.display(), hint.as_deref().map(|h| format!("; {h}")).unwrap_or_default())]
     Format {
         /// The file.
         path: PathBuf,
         /// What is wrong.
         #[source]
         source: FormatError,
+        /// For a file read without a key that looks encrypted (or may be): why, and how to pass
+        /// a key.
+        hint: Option<Box<str>>,
     },
     /// Reading or writing failed (not found, permission, short file, I/O error, ...).
     #[error(transparent)]
@@ -45,8 +48,9 @@ pub enum Error {
         /// What went wrong.
         message: String,
     },
-    /// An encrypted file decrypted to an invalid safetensors file: almost always a wrong key or IV.
-    #[error("{}: the decrypted file is not a valid safetensors file ({source}); is the key right? (key from {key_source})", path.display())]
+    /// An encrypted file decrypted to neither a valid safetensors file nor a torch file: almost
+    /// always a wrong key or IV. Nothing was written or returned.
+    #[error("{}: the decrypted file is neither a valid safetensors file ({source}) nor a torch file: wrong key or IV? ({key_source})", path.display())]
     Decrypted {
         /// The file.
         path: PathBuf,
@@ -66,7 +70,7 @@ pub enum Error {
 
 impl Error {
     pub(crate) fn format(path: &std::path::Path, source: FormatError) -> Self {
-        Error::Format { path: path.to_owned(), source }
+        Error::Format { path: path.to_owned(), source, hint: None }
     }
 
     pub(crate) fn device(path: &std::path::Path, source: DeviceError) -> Self {

@@ -78,6 +78,7 @@ mod background;
 #[cfg(feature = "cipher")]
 pub mod crypt;
 mod error;
+pub mod inspect;
 mod load;
 mod loaded;
 mod options;

@@ -41,6 +41,9 @@ fn read_header(file: &Opened, bypass: bool) -> Result<Header> {
         if let Some(c) = &file.crypt {
             return Error::Decrypted { path: path.to_owned(), source: e, key_source: c.source.clone() };
         }
+        #[cfg(feature = "cipher")]
+        return crate::crypt::unkeyed_error(file.raw(), e);
+        #[cfg(not(feature = "cipher"))]
         Error::format(path, e)
     };
     let n = read_header_len(&prefix, len).map_err(format_error)?;

@@ -17,27 +17,63 @@ fn bytes_of(dtype: Dtype, shape: &[usize]) -> u64 {
     shape.iter().product::<usize>() as u64 * dtype.bits() as u64 / 8
 }
 
-/// The tensors of a sample of about `target` bytes of tensor data.
+/// Bytes of one transformer layer of hidden size `h` (BF16 attention and MLP weights, two F32 norms).
+fn per_layer(h: u64) -> u64 {
+    2 * (4 * h * h + 3 * h * (h * 11 / 4)) + 2 * 4 * h
+}
+
+/// Sequence length of the position ids and mask for hidden size `h`.
+fn positions(h: u64) -> u64 {
+    (8 * h).min(2048)
+}
+
+/// Bytes of the tensors every sample has besides its layers (embeddings, head, norm, ids, mask).
+fn fixed(h: u64) -> u64 {
+    let p = positions(h);
+    2 * (8 * h * h * 2) + 4 * h + 8 * p + p * (p / 8)
+}
+
+/// The smallest and largest hidden sizes of a sample (multiples of 64, as real models use).
+const MIN_HIDDEN: u64 = 64;
+const MAX_HIDDEN: u64 = 8192;
+
+/// Layers of a sample of `target` bytes: they grow with the size (about 4 more per doubling,
+/// 2 at the smallest sample, 48 at 1 GiB), so bigger samples always have more tensors.
+fn layers_for(target: u64) -> u64 {
+    let doublings = (target / (256 << 10)).max(1).ilog2() as u64;
+    let fit = target.saturating_sub(fixed(MIN_HIDDEN)) / per_layer(MIN_HIDDEN);
+    (4 * doublings).clamp(2, 96).min(fit)
+}
+
+/// The smallest sample [`sample_tensors`] can make: [`write_sample`] refuses smaller targets.
+pub fn min_sample_size() -> u64 {
+    fixed(MIN_HIDDEN) + 2 * per_layer(MIN_HIDDEN)
+}
+
+/// The tensors of a sample of about `target` bytes of tensor data (at least
+/// [`min_sample_size`]; smaller targets get the smallest sample).
+///
+/// The tensor count never decreases as `target` grows: the number of layers grows with the
+/// size and the hidden size is the largest multiple of 64 that fits them.
 pub fn sample_tensors(target: u64) -> Vec<SampleTensor> {
-    // Hidden size: the largest power of two (256..=4096) giving at least 16 layers.
-    let per_layer = |h: u64| 2 * (4 * h * h + 3 * h * (h * 11 / 4)) + 2 * 4 * h;
-    let mut h: u64 = 256;
-    while h < 4096 && per_layer(h * 2) * 16 <= target {
-        h *= 2;
+    let target = target.max(min_sample_size());
+    let layers = layers_for(target);
+    let fits = |h: u64| fixed(h) + layers * per_layer(h) <= target;
+    let mut h = MIN_HIDDEN;
+    while h < MAX_HIDDEN && fits(h + 64) {
+        h += 64;
     }
     let hu = h as usize;
     let inter = hu * 11 / 4;
     let vocab = 8 * hu;
-    let positions = 2048usize;
+    let p = positions(h) as usize;
     let mut out: Vec<SampleTensor> = vec![
         ("model.embed_tokens.weight".into(), Dtype::BF16, vec![vocab, hu]),
         ("model.norm.weight".into(), Dtype::F32, vec![hu]),
-        ("model.position_ids".into(), Dtype::I64, vec![1, positions]),
-        ("model.causal_mask".into(), Dtype::BOOL, vec![positions, positions / 8]),
+        ("model.position_ids".into(), Dtype::I64, vec![1, p]),
+        ("model.causal_mask".into(), Dtype::BOOL, vec![p, p / 8]),
         ("lm_head.weight".into(), Dtype::F16, vec![vocab, hu]),
     ];
-    let fixed: u64 = out.iter().map(|(_, d, s)| bytes_of(*d, s)).sum();
-    let layers = (target.saturating_sub(fixed) / per_layer(h)).max(1);
     for l in 0..layers {
         let p = format!("model.layers.{l}");
         for w in ["q_proj", "k_proj", "v_proj", "o_proj"] {
@@ -49,11 +85,11 @@ pub fn sample_tensors(target: u64) -> Vec<SampleTensor> {
         out.push((format!("{p}.input_layernorm.weight"), Dtype::F32, vec![hu]));
         out.push((format!("{p}.post_attention_layernorm.weight"), Dtype::F32, vec![hu]));
     }
+    // The rest of the target, so that the file is as big as asked (always present, maybe
+    // empty, so that the tensor count depends on the layers alone).
     let total: u64 = out.iter().map(|(_, d, s)| bytes_of(*d, s)).sum();
-    if target > total + 8 {
-        let rest = ((target - total) / 4) as usize;
-        out.push(("model.extra_state".into(), Dtype::F32, vec![rest]));
-    }
+    let rest = (target.saturating_sub(total) / 4) as usize;
+    out.push(("model.extra_state".into(), Dtype::F32, vec![rest]));
     out
 }
 
@@ -133,6 +169,9 @@ impl TensorData for SampleData {
 }
 
 /// Writes a sample checkpoint of about `target` bytes to `path` and returns its tensors.
+///
+/// A `target` below [`min_sample_size`] gets the smallest sample (the CLI's `gen` refuses such
+/// sizes instead of writing a file of another size than asked).
 pub fn write_sample(path: impl AsRef<Path>, target: u64, seed: u64, opts: &SaveOptions) -> Result<Vec<SampleTensor>> {
     let tensors = sample_tensors(target);
     let specs: Vec<TensorSpec<'_>> = tensors
@@ -153,18 +192,37 @@ mod tests {
 
     #[test]
     fn sizes_track_the_target_and_mix_dtypes() {
-        for target in [1u64 << 20, 64 << 20, 1 << 30, 4 << 30] {
+        for target in [min_sample_size(), 1u64 << 20, 64 << 20, 1 << 30, 4 << 30] {
             let t = sample_tensors(target);
             let total: u64 = t.iter().map(|(_, d, s)| bytes_of(*d, s)).sum();
             assert!(total + 8 >= target, "{target}: {total}");
-            if target >= 64 << 20 {
-                assert!(total <= target, "{target}: {total}");
-            }
+            assert!(total <= target, "{target}: {total}");
             for d in [Dtype::F32, Dtype::BF16, Dtype::F16, Dtype::I64, Dtype::BOOL] {
                 assert!(t.iter().any(|x| x.1 == d), "{target}: no {d}");
             }
         }
         assert!(sample_tensors(4 << 30).len() > 100);
+    }
+
+    #[test]
+    fn bigger_samples_have_more_tensors() {
+        let mut last = 0;
+        let mut target = min_sample_size();
+        while target <= 64 << 30 {
+            let n = sample_tensors(target).len();
+            assert!(n >= last, "{target} bytes: {n} tensors, fewer than the {last} of a smaller sample");
+            last = n;
+            target = target * 9 / 8;
+        }
+        assert!(sample_tensors(2 << 30).len() > sample_tensors(1 << 30).len());
+    }
+
+    #[test]
+    fn too_small_targets_get_the_smallest_sample() {
+        let t = sample_tensors(1);
+        assert_eq!(t, sample_tensors(min_sample_size()));
+        let total: u64 = t.iter().map(|(_, d, s)| bytes_of(*d, s)).sum();
+        assert_eq!(total, min_sample_size());
     }
 
     #[test]

@@ -111,3 +111,268 @@ fn help_describes_every_command() {
         assert!(out.contains(flag), "{out}");
     }
 }
+
+/// A safetensors file of zero-sized F32 tensors with these names.
+fn empty_tensors_file(path: &Path, names: &[String]) {
+    let entries: Vec<String> =
+        names.iter().map(|n| format!(r#""{n}":{{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}"#)).collect();
+    let json = format!("{{{}}}", entries.join(","));
+    let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(json.as_bytes());
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// Runs turboio with its standard output closed by the reader before it writes anything.
+fn with_closed_stdout(args: &[&str]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_turboio"))
+        .args(args)
+        .env("RUST_BACKTRACE", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run turboio");
+    drop(child.stdout.take());
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn a_closed_pipe_ends_every_command_quietly() {
+    let d = scratch();
+    // A table and a JSON document far larger than a pipe's buffer.
+    let big = d.path().join("many.safetensors");
+    empty_tensors_file(&big, &(0..5000).map(|i| format!("layer.{i}.weight")).collect::<Vec<_>>());
+    let sample = d.path().join("s.safetensors");
+    let o = turboio(&["gen", sample.to_str().unwrap(), "--size", "1MiB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (b, s) = (big.to_str().unwrap(), sample.to_str().unwrap());
+    let gen_out = d.path().join("g.safetensors");
+    let dir = d.path().join("demo");
+    let runs: Vec<Vec<&str>> = vec![
+        vec!["inspect", b],
+        vec!["inspect", b, "--json"],
+        vec!["load", s, "--check", "--repeat", "3"],
+        vec!["gen", gen_out.to_str().unwrap(), "--size", "1MiB"],
+        vec!["demo", "--size", "1MiB", "--runs", "1", "--dir", dir.to_str().unwrap()],
+        vec!["--help"],
+        vec!["load", "--help"],
+    ];
+    for args in runs {
+        let o = with_closed_stdout(&args);
+        let err = stderr(&o);
+        assert!(matches!(o.status.code(), Some(0) | Some(141)), "{args:?}: {:?} {err}", o.status);
+        assert!(err.is_empty(), "{args:?} printed to stderr: {err}");
+    }
+}
+
+#[test]
+fn inspect_prints_names_of_any_length() {
+    let d = scratch();
+    let file = d.path().join("long.safetensors");
+    let name = "n".repeat(65_536);
+    empty_tensors_file(&file, &[name.clone(), "short".into()]);
+    for extra in [None, Some("--json")] {
+        let mut args = vec!["inspect", file.to_str().unwrap()];
+        args.extend(extra);
+        let o = turboio(&args);
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+        assert!(stdout(&o).contains(&name), "{extra:?}");
+    }
+}
+
+#[test]
+fn gen_refuses_sizes_it_cannot_honour() {
+    let d = scratch();
+    let out = d.path().join("g.safetensors");
+    let f = out.to_str().unwrap();
+    for size in ["1", "10KiB"] {
+        let o = turboio(&["gen", f, "--size", size]);
+        assert_eq!(o.status.code(), Some(1), "{size}: {}", stdout(&o));
+        let err = stderr(&o);
+        assert!(err.contains("at least") && err.lines().count() == 1, "{err}");
+        assert!(!out.exists());
+    }
+    for cmd in [vec!["gen", f, "--size", "-1GiB"], vec!["demo", "--size", "-1GiB"]] {
+        let o = turboio(&cmd);
+        assert_eq!(o.status.code(), Some(2));
+        let err = stderr(&o);
+        assert!(err.contains("negative") && !err.contains("-- -1"), "{err}");
+    }
+    // A small size is honoured, and reported in the unit that fits it.
+    let o = turboio(&["gen", f, "--size", "1MiB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let len = std::fs::metadata(&out).unwrap().len();
+    assert!((1 << 20..(1 << 20) + 65536).contains(&len), "{len}");
+    assert!(stdout(&o).contains(" MB") && !stdout(&o).contains("0.00 GB"), "{}", stdout(&o));
+}
+
+#[test]
+fn zero_counts_are_refused() {
+    let d = scratch();
+    let file = d.path().join("s.safetensors");
+    let o = turboio(&["gen", file.to_str().unwrap(), "--size", "1MiB"]);
+    assert!(o.status.success());
+    for args in [vec!["demo", "--runs", "0"], vec!["load", file.to_str().unwrap(), "--repeat", "0"]] {
+        let o = turboio(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stdout(&o));
+        assert!(stderr(&o).contains("at least 1"), "{}", stderr(&o));
+        assert!(stdout(&o).is_empty());
+    }
+}
+
+#[test]
+fn help_speaks_to_users() {
+    let o = turboio(&["--help"]);
+    assert!(!stdout(&o).contains("orchestrator"), "{}", stdout(&o));
+    let o = turboio(&["load", "--help"]);
+    let out = stdout(&o);
+    assert!(out.contains("lazy") && out.contains("--key-env"), "{out}");
+    assert!(!out.contains("--cipher-header") && !out.contains("When writing"), "{out}");
+    let o = turboio(&["inspect", "--help"]);
+    assert!(stdout(&o).contains("--key-env") && stdout(&o).contains("--cipher"));
+}
+
+const KEY: &str = "YWJjZGVmZ2gxMjM0NTY3OA=="; // abcdefgh12345678
+const IV: &str = "MTIzNDU2Nzg4NzY1NDMyMQ=="; // 1234567887654321
+const WRONG_KEY: &str = "MDAwMDAwMDAwMDAwMDAwMA=="; // 0000000000000000
+
+fn turboio_env(args: &[&str], key: Option<&str>) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_turboio"));
+    c.args(args).env("RUST_BACKTRACE", "1");
+    for (k, _) in std::env::vars() {
+        if k.starts_with("VETURBOIO_") {
+            c.env_remove(k);
+        }
+    }
+    c.env("DATAPIPE_SOCKET_PATH", "/nonexistent/turboio-test/datapipe.sock");
+    if let Some(key) = key {
+        c.env("VETURBOIO_KEY", key).env("VETURBOIO_IV", IV);
+    }
+    c.output().expect("run turboio")
+}
+
+#[test]
+fn encrypted_files_say_so_and_inspect_takes_a_key() {
+    let d = scratch();
+    let plain = d.path().join("m.safetensors");
+    let enc = d.path().join("m.enc.safetensors");
+    let (p, e) = (plain.to_str().unwrap(), enc.to_str().unwrap());
+    assert!(turboio(&["gen", p, "--size", "1MiB"]).status.success());
+    let o = turboio_env(&["encrypt", p, e, "--key-env"], Some(KEY));
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    // Without a key: the error says the file looks encrypted and how to pass a key.
+    for key in [Some(KEY), None] {
+        for cmd in ["inspect", "load"] {
+            let o = turboio_env(&[cmd, e], key);
+            assert_eq!(o.status.code(), Some(1));
+            let err = stderr(&o);
+            assert_eq!(err.lines().count(), 1, "{err}");
+            assert!(err.contains("encrypted") && err.contains("--cipher") && err.contains("--key-env"), "{err}");
+            if key.is_some() {
+                assert!(err.contains("decrypts"), "{err}");
+            }
+        }
+    }
+    // With the key, inspect shows the plain file's tensors.
+    let o = turboio_env(&["inspect", e, "--key-env", "--json"], Some(KEY));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let doc: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let header = turboio::read_header_of(&plain, &turboio::LoadOptions::default()).unwrap();
+    assert_eq!(doc["tensors"].as_array().unwrap().len(), header.len());
+
+    // No key anywhere: the file is named once, the sources tried are listed.
+    let o = turboio_env(&["load", e, "--cipher"], None);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert_eq!(err.matches("m.enc.safetensors").count(), 1, "{err}");
+    assert!(err.contains("VETURBOIO_KEY"), "{err}");
+
+    // A wrong key: "wrong key", and the message does not talk of "the given key" twice.
+    let o = turboio_env(&["load", e, "--key-env"], Some(WRONG_KEY));
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(err.contains("wrong key") && !err.contains("key from the given key"), "{err}");
+}
+
+#[test]
+fn a_wrong_key_never_replaces_the_output_of_decrypt() {
+    let d = scratch();
+    let plain = d.path().join("m.safetensors");
+    let enc = d.path().join("m.enc.safetensors");
+    let out = d.path().join("out.safetensors");
+    let (p, e, o_) = (plain.to_str().unwrap(), enc.to_str().unwrap(), out.to_str().unwrap());
+    assert!(turboio(&["gen", p, "--size", "1MiB"]).status.success());
+    assert!(turboio_env(&["encrypt", p, e, "--key-env"], Some(KEY)).status.success());
+    let o = turboio_env(&["decrypt", e, o_, "--key-env"], Some(KEY));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let good = std::fs::read(&out).unwrap();
+    assert_eq!(good, std::fs::read(&plain).unwrap());
+
+    let o = turboio_env(&["decrypt", e, o_, "--key-env"], Some(WRONG_KEY));
+    assert_eq!(o.status.code(), Some(1), "{}", stdout(&o));
+    let err = stderr(&o);
+    assert!(err.contains("wrong key") && err.lines().count() == 1, "{err}");
+    assert_eq!(std::fs::read(&out).unwrap(), good, "a wrong key replaced the output");
+
+    // A .pt file (a zip archive) round-trips; with a wrong key it is refused the same way.
+    let pt = d.path().join("m.pt");
+    let mut zip = b"PK\x03\x04".to_vec();
+    zip.extend_from_slice(&[7u8; 5000]);
+    zip.extend_from_slice(b"PK\x05\x06");
+    zip.extend_from_slice(&[0u8; 18]);
+    std::fs::write(&pt, &zip).unwrap();
+    let pt_enc = d.path().join("m.pt.enc");
+    let pt_out = d.path().join("m.pt.out");
+    assert!(turboio_env(&["encrypt", pt.to_str().unwrap(), pt_enc.to_str().unwrap(), "--key-env"], Some(KEY))
+        .status
+        .success());
+    let o = turboio_env(&["decrypt", pt_enc.to_str().unwrap(), pt_out.to_str().unwrap(), "--key-env"], Some(KEY));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(std::fs::read(&pt_out).unwrap(), zip);
+    let o = turboio_env(&["decrypt", pt_enc.to_str().unwrap(), pt_out.to_str().unwrap(), "--key-env"], Some(WRONG_KEY));
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(std::fs::read(&pt_out).unwrap(), zip);
+}
+
+#[test]
+fn check_reports_a_file_rewritten_during_the_load() {
+    let d = scratch();
+    let file = d.path().join("race.safetensors");
+    let (a, b) = (d.path().join("a.safetensors"), d.path().join("b.safetensors"));
+    assert!(turboio(&["gen", a.to_str().unwrap(), "--size", "8MiB", "--seed", "1"]).status.success());
+    assert!(turboio(&["gen", b.to_str().unwrap(), "--size", "12MiB", "--seed", "2"]).status.success());
+    std::fs::copy(&a, &file).unwrap();
+    // A writer that rewrites the file in place (truncate, then write), alternating two
+    // versions, for as long as the loads below run; it pauses between rewrites so that some
+    // loads complete and then meet a rewrite during their check.
+    let stop = d.path().join("stop");
+    let script = format!(
+        "while [ ! -e '{stop}' ]; do cat '{a}' > '{f}'; sleep 0.03; cat '{b}' > '{f}'; sleep 0.03; done",
+        stop = stop.display(),
+        a = a.display(),
+        b = b.display(),
+        f = file.display()
+    );
+    let mut writer = Command::new("sh").args(["-c", &script]).spawn().unwrap();
+    let mut outcomes = std::collections::BTreeMap::<String, usize>::new();
+    for round in 0..60 {
+        let mode = ["copied", "auto", "mapped"][round % 3];
+        let o = turboio(&["load", file.to_str().unwrap(), "--check", "--mode", mode, "--repeat", "3"]);
+        let err = stderr(&o);
+        assert!(!err.contains("panicked"), "{mode}: {err}");
+        match o.status.code() {
+            Some(0) => *outcomes.entry("ok".into()).or_default() += 1,
+            Some(1) => {
+                assert_eq!(err.lines().count(), 1, "{mode}: {err}");
+                assert!(err.starts_with("turboio: error: ") && err.contains("race.safetensors"), "{err}");
+                let kind = if err.contains("changed") || err.contains("rewritten") { "changed" } else { "other" };
+                *outcomes.entry(kind.into()).or_default() += 1;
+            }
+            other => panic!("{mode}: exit {other:?} ({:?}): {err}", o.status),
+        }
+    }
+    std::fs::write(&stop, b"").unwrap();
+    writer.wait().unwrap();
+    eprintln!("outcomes: {outcomes:?}");
+    assert!(outcomes.get("changed").copied().unwrap_or(0) > 0, "the race was never seen: {outcomes:?}");
+}

@@ -12,20 +12,23 @@ Loaded tensors are views into the loader's memory, handed to torch through DLPac
 copy; the memory is freed when the last tensor viewing it is garbage collected.
 """
 
-import os
-import random
-import string
-import warnings
+import atexit as _atexit
+import importlib.util as _importlib_util
+import os as _os
 
-import atexit
+if _importlib_util.find_spec("torch") is None:
+    raise ImportError(
+        "turboio needs PyTorch, which is not installed: install it with `pip install torch` "
+        "(or install turboio with its extra, `pip install 'turboio[torch]'`)"
+    )
 
 from . import _cuda, _turboio
 from ._turboio import __version__
 
 # Background saves (`save_file(..., blocking=False)`) finish before the interpreter exits.
-atexit.register(_turboio.wait_for_saves)
-from ._dtypes import torch_dtype
-from ._torch import alias_shared, raw_tensors, tensors_of, threads as _threads
+_atexit.register(_turboio.wait_for_saves)
+from ._dtypes import torch_dtype as _torch_dtype
+from ._torch import alias_shared as _alias_shared, tensors_of as _tensors_of, threads as _threads
 from .fastsafetensors import SafeTensorsFileLoader, SingleGroup, fastsafe_open
 
 __all__ = [
@@ -72,15 +75,15 @@ def _not_yet(what):
 def _cipher_for_load(use_cipher):
     """veTurboIO's rule for loads: None means "as VETURBOIO_USE_CIPHER says"."""
     if use_cipher is None:
-        return os.environ.get("VETURBOIO_USE_CIPHER", "0") == "1"
+        return _os.environ.get("VETURBOIO_USE_CIPHER", "0") == "1"
     return bool(use_cipher)
 
 
 def _cipher_for_save(use_cipher):
     """veTurboIO's rule for saves: `use_cipher or VETURBOIO_USE_CIPHER == "1"`, with the 256 KiB
     header (a fresh key wrapped by KMS) iff VETURBOIO_CIPHER_HEADER == "1"."""
-    cipher = bool(use_cipher) or os.environ.get("VETURBOIO_USE_CIPHER", "0") == "1"
-    return cipher, cipher and os.environ.get("VETURBOIO_CIPHER_HEADER", "0") == "1"
+    cipher = bool(use_cipher) or _os.environ.get("VETURBOIO_USE_CIPHER", "0") == "1"
+    return cipher, cipher and _os.environ.get("VETURBOIO_CIPHER_HEADER", "0") == "1"
 
 
 def _local_path(file):
@@ -88,15 +91,15 @@ def _local_path(file):
     stays local, and with VETURBOIO_USE_SFCS_SDK=1 every other path goes to SFCS. SFCS paths
     are handed to the extension as `sfcs://...` (a plain path routed by the variable becomes
     `sfcs:/` + its absolute form, the same SFCS path veTurboIO uses)."""
-    path = os.fspath(file)
+    path = _os.fspath(file)
     if isinstance(path, bytes):
-        path = os.fsdecode(path)
+        path = _os.fsdecode(path)
     if len(path) > 7 and path.startswith("sfcs://"):
         return path
     if len(path) > 9 and path.startswith("/dev/shm/"):
         return path
-    if os.environ.get("VETURBOIO_USE_SFCS_SDK", "0") == "1":
-        return "sfcs:/" + os.path.abspath(path)
+    if _os.environ.get("VETURBOIO_USE_SFCS_SDK", "0") == "1":
+        return "sfcs:/" + _os.path.abspath(path)
     return path
 
 
@@ -113,10 +116,10 @@ def _cache_policy(use_direct_io, cache):
     return cache
 
 
-def is_safetensors(path, use_cipher=False):
+def _is_safetensors(path, use_cipher=False):
     """True if the file's content (decrypted with `use_cipher`) is a safetensors file, which
     tells it from a torch pickle whatever its name."""
-    return _turboio.file_kind(os.fspath(path), cipher=bool(use_cipher)) == "safetensors"
+    return _turboio.file_kind(_os.fspath(path), cipher=bool(use_cipher)) == "safetensors"
 
 
 def _kind(path, cipher):
@@ -124,7 +127,7 @@ def _kind(path, cipher):
     if kind == "unknown":
         if cipher:
             raise ValueError(
-                f"{path}: the decrypted file is neither a safetensors file nor a torch file; is the key right?"
+                f"{path}: the decrypted file is neither a safetensors file nor a torch file: wrong key?"
             )
         # Let the safetensors parser say precisely what is wrong with it.
         return "safetensors"
@@ -157,7 +160,12 @@ def load(
     loads; what `use_direct_io=True` asks for).
 
     `progress` (a turboio extension) is called as `progress(bytes_done)` about every 50 ms
-    from the calling thread; an exception it raises aborts the load. Ctrl-C aborts it too.
+    from the calling thread, and a last time with the file's size when the load is done; an
+    exception it raises aborts the load. Ctrl-C aborts it too.
+
+    With `state_dict`, entries that share memory (tied weights) are filled once: where
+    destinations overlap, the tensor stored later in the file wins, as if each were read in
+    turn.
 
     `map_location="cuda"` / `"cuda:N"` loads straight into that GPU (pinned staging buffers,
     several copy streams, decryption on the GPU for encrypted files) and returns CUDA tensors
@@ -175,7 +183,7 @@ def load(
     device = _cuda.target(map_location)
     cache = _cache_policy(use_direct_io, cache)
     n = _threads(num_thread)
-    if not _is_sfcs(path) and not os.path.exists(path):
+    if not _is_sfcs(path) and not _os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
     if _kind(path, cipher) == "torch":
         if cipher or _is_sfcs(path):
@@ -199,7 +207,7 @@ def load(
         gds=_cuda.gds_setting(),
         staging=staging,
     )
-    return tensors_of(loaded, aliases=enable_fast_mode)
+    return _tensors_of(loaded, aliases=enable_fast_mode)
 
 
 def _load_into(path, state_dict, num_thread, cache, cipher, helper=None):
@@ -214,7 +222,7 @@ def _load_into(path, state_dict, num_thread, cache, cipher, helper=None):
             raise _not_yet(f"loading into {t.device} tensors")
         if not t.is_contiguous():
             raise RuntimeError("allocated tensor not contiguous")
-        if t.dtype != torch_dtype(dtype):
+        if t.dtype != _torch_dtype(dtype):
             raise RuntimeError("allocated tensor dtype not match")
         if t.numel() * t.element_size() < end - begin:
             raise RuntimeError("allocated tensor size not enough")
@@ -238,7 +246,7 @@ def _load_into_cuda(path, state_dict, infos, num_thread, cache, cipher, helper, 
         t = state_dict[name]
         if not t.is_contiguous():
             raise RuntimeError("allocated tensor not contiguous")
-        if t.dtype != torch_dtype(dtype):
+        if t.dtype != _torch_dtype(dtype):
             raise RuntimeError("allocated tensor dtype not match")
         if t.numel() * t.element_size() < end - begin:
             raise RuntimeError("allocated tensor size not enough")
@@ -246,7 +254,7 @@ def _load_into_cuda(path, state_dict, infos, num_thread, cache, cipher, helper, 
     loaded = _turboio.load(
         path, threads=num_thread, cache=cache, cipher=cipher, device=_cuda.target(device), staging=staging
     )
-    src = tensors_of(loaded, aliases=False)
+    src = _tensors_of(loaded, aliases=False)
     for name, dtype, shape, begin, end in infos:
         t = state_dict[name]
         if list(t.shape) != list(shape):
@@ -260,6 +268,8 @@ def load_to_shmem(file, num_thread=32, helper=None, use_direct_io=False, use_cip
     """Copies a file into a new `multiprocessing.shared_memory.SharedMemory` (named with 10
     random letters); the caller must `close()` and `unlink()` it."""
     import ctypes
+    import random
+    import string
     from multiprocessing import shared_memory
 
     path = _local_path(file)
@@ -271,7 +281,7 @@ def load_to_shmem(file, num_thread=32, helper=None, use_direct_io=False, use_cip
         data = _turboio.read_all(path, cipher=cipher)
         size = len(data)
     else:
-        size = os.path.getsize(path)
+        size = _os.path.getsize(path)
     name = "".join(random.sample(string.ascii_letters, 10))
     shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
     try:
@@ -314,9 +324,11 @@ def save_file(
     path = _local_path(file)
     cipher, header = _cipher_for_save(use_cipher)
     if force_clone_shared_tensor and not force_save_shared_tensor:
+        import warnings
+
         warnings.warn("force_clone_shared_tensor has no effect without force_save_shared_tensor")
     if force_save_shared_tensor:
-        metadata = alias_shared(state_dict, metadata, clone=force_clone_shared_tensor)
+        metadata = _alias_shared(state_dict, metadata, clone=force_clone_shared_tensor)
     tensors = state_dict
     if force_contiguous:
         tensors = {k: (v.contiguous() if hasattr(v, "contiguous") else v) for k, v in state_dict.items()}

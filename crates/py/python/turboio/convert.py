@@ -105,8 +105,13 @@ def main(argv=None):
                     raise Exception(f"tensor {k} differs")
             logger.info("validated %d tensors", len(a))
         return 0
-    except Exception:
-        traceback.print_exc()
+    except Exception as e:
+        # One line, like the turboio CLI: the message names the file and the problem.
+        # TURBOIO_TRACEBACK=1 shows where it came from.
+        if os.environ.get("TURBOIO_TRACEBACK") == "1":
+            traceback.print_exc()
+        what = "" if type(e) is Exception else f"{type(e).__name__}: "
+        print(f"python -m turboio.convert: error: {what}{e}", file=sys.stderr)
         return 1
 
 

@@ -14,8 +14,40 @@ from ._torch import alias_shared, raw_tensors, remove_duplicate_names, single_cu
 __all__ = ["load_file", "save_file", "load", "save", "save_model", "load_model", "safe_open", "SafetensorError"]
 
 
-class SafetensorError(Exception):
-    """Raised for invalid files and misuse, as `safetensors.SafetensorError` is."""
+try:
+    from safetensors import SafetensorError as _ReferenceError
+except ImportError:  # safetensors is not installed: nothing to be caught as
+    _ReferenceError = Exception
+
+
+class SafetensorError(_ReferenceError):
+    """Raised for invalid files and misuse, as `safetensors.SafetensorError` is. When the
+    `safetensors` package is installed this is a subclass of its `SafetensorError`, so code that
+    catches that catches turboio's errors too."""
+
+
+def _error(e, doing):
+    """The one mapping of the extension's errors to `SafetensorError`: the reference's wording
+    (`Error while deserializing header: header too large`), then turboio's detail and the file."""
+    reason = getattr(e, "reason", None)
+    if reason is None:
+        return SafetensorError(f"Error while {doing}: {e}")
+    filename = getattr(e, "filename", None)
+    return SafetensorError(f"Error while {doing}: {reason}" + (f" (file {filename})" if filename else ""))
+
+
+def _check_metadata(metadata):
+    """`metadata` must be None or a dict of str to str (TypeError otherwise, as safetensors)."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise TypeError(f"argument 'metadata': '{type(metadata).__name__}' object is not an instance of 'dict'")
+    for k, v in metadata.items():
+        for x in (k, v):
+            if not isinstance(x, str):
+                what = "'None'" if x is None else f"'{type(x).__name__}' object"
+                raise TypeError(f"argument 'metadata': {what} is not an instance of 'str'")
+    return metadata
 
 
 def _check_device(device):
@@ -29,7 +61,7 @@ def _load(filename, mode="auto", device="cpu"):
     except FileNotFoundError:
         raise
     except ValueError as e:
-        raise SafetensorError(f"Error while deserializing header: {e}") from None
+        raise _error(e, "deserializing header") from None
 
 
 def load_file(filename, device="cpu"):
@@ -52,10 +84,9 @@ def save_file(tensors, filename, metadata=None, *, blocking=True):
 def _write(tensors, filename, metadata=None, cipher=False, cipher_header=False, blocking=True):
     # CUDA tensors saved while the caller waits are written from device memory; background
     # saves snapshot host copies (the caller may change the tensors as soon as save returns).
+    metadata = _check_metadata(metadata)
     device = single_cuda_device(tensors) if blocking else None
     records, keep = raw_tensors(tensors, keep_device=device is not None)
-    if metadata is not None:
-        metadata = {str(k): str(v) for k, v in metadata.items()}
     save = _turboio._save if blocking else _turboio._save_async
     try:
         if device is not None:
@@ -75,18 +106,19 @@ def _write(tensors, filename, metadata=None, cipher=False, cipher_header=False, 
         else:
             handle = save(os.fspath(filename), records, metadata, cipher=cipher, cipher_header=cipher_header)
     except ValueError as e:
-        raise SafetensorError(f"Error while serializing: {e}") from None
+        raise _error(e, "serializing") from None
     del keep
     return handle
 
 
 def save(tensors, metadata=None):
     """Serializes a dict of tensors into bytes."""
+    metadata = _check_metadata(metadata)
     records, keep = raw_tensors(tensors)
     try:
         out = _turboio._serialize(records, metadata)
     except ValueError as e:
-        raise SafetensorError(f"Error while serializing: {e}") from None
+        raise _error(e, "serializing") from None
     del keep
     return out
 
@@ -100,7 +132,7 @@ def load(data):
     try:
         data_start, _, _, infos = _turboio.parse_bytes(bytes(data))
     except ValueError as e:
-        raise SafetensorError(f"Error while deserializing header: {e}") from None
+        raise _error(e, "deserializing") from None
     buf = bytearray(data)
     out = {}
     for name, dtype, shape, begin, end in infos:
@@ -231,15 +263,19 @@ class safe_open:
         self._check_open()
         if name not in self._infos:
             raise SafetensorError(f"File does not contain tensor {name}")
-        dtype, shape, begin, end = self._infos[name]
-        return _Slice(self._path, self._data_start + begin, dtype, shape, self._device)
+        dtype, shape, _, _ = self._infos[name]
+        return _Slice(self._pt(name), dtype, shape, self._device)
 
 
 class _Slice:
-    """`safe_open(...).get_slice(name)`: reads only the bytes a slice covers."""
+    """`safe_open(...).get_slice(name)`: `[...]` indexes the tensor as torch does (the
+    reference's semantics for every index form: ints, slices, None, Ellipsis, bools, lists,
+    tensors), on the bytes this `safe_open` holds (its mapping of the file as it was opened,
+    even if the file was replaced since). Basic indexing returns a view: only the pages the
+    slice covers are ever read."""
 
-    def __init__(self, path, offset, dtype, shape, device="cpu"):
-        self._path, self._offset, self._dtype, self._shape = path, offset, dtype, list(shape)
+    def __init__(self, pt, dtype, shape, device="cpu"):
+        self._pt, self._dtype, self._shape = pt, dtype, list(shape)
         self._device = device
 
     def get_shape(self):
@@ -249,28 +285,7 @@ class _Slice:
         return self._dtype
 
     def __getitem__(self, index):
-        import torch
-
-        from ._slicing import plan_slice
-
-        elem_bits = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}.get(self._dtype)
-        if elem_bits is not None:
-            raise SafetensorError(f"slicing {self._dtype} tensors is not supported (sub-byte elements)")
-        td = torch_dtype(self._dtype) or torch.uint8
-        esize = torch.empty((), dtype=td).element_size()
-        try:
-            out_shape, ranges = plan_slice(self._shape, index, esize)
-        except (IndexError, TypeError, ValueError) as e:
-            raise SafetensorError(f"Error during slicing {index} with shape {self._shape}: {e}") from None
-        total = sum(n for _, n in ranges)
-        buf = torch.empty(total, dtype=torch.uint8)
-        requests, pos = [], 0
-        base = buf.data_ptr()
-        for off, n in ranges:
-            if n:
-                requests.append((self._offset + off, base + pos, n))
-            pos += n
-        if requests:
-            _turboio._read_into(self._path, requests)
-        out = buf.view(td).reshape(out_shape) if total else torch.empty(out_shape, dtype=td)
+        if self._dtype in ("F6_E2M3", "F6_E3M2"):
+            raise SafetensorError(f"Dtype not understood: {self._dtype}")
+        out = tensor_from(self._pt)[index]
         return out if self._device == "cpu" else out.to(self._device)

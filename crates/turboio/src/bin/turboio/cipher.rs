@@ -1,21 +1,37 @@
 //! `--cipher`, `--key-env`, `--cipher-header` and the `encrypt` / `decrypt` commands.
 
+use crate::out::outln;
 use std::path::Path;
 use turboio::crypt::{Encryption, Keys};
 
-/// Encryption options shared by the commands that read or write checkpoints.
+/// Key options of the commands that read encrypted checkpoints (`load`, `inspect`, `decrypt`).
 #[derive(clap::Args, Debug, Clone, Default)]
-pub struct CipherArgs {
-    /// The file is (or is to be) encrypted with AES-CTR, veTurboIO's formats. Keys come from
-    /// veTurboIO's chain: a cipher header's KMS-wrapped key (VETURBOIO_KMS_*), the datapipe
-    /// socket (DATAPIPE_SOCKET_PATH), then VETURBOIO_KEY / VETURBOIO_IV.
+pub struct ReadCipherArgs {
+    /// The file is encrypted with AES-CTR, veTurboIO's formats (detected: with or without the
+    /// 256 KiB cipher header). Keys come from veTurboIO's chain: a cipher header's KMS-wrapped
+    /// key (VETURBOIO_KMS_*), the datapipe socket (DATAPIPE_SOCKET_PATH), then VETURBOIO_KEY /
+    /// VETURBOIO_IV.
     #[arg(long)]
     pub cipher: bool,
     /// Like --cipher, with the key and IV taken only from VETURBOIO_KEY / VETURBOIO_IV (base64).
     #[arg(long)]
     pub key_env: bool,
-    /// When writing: add veTurboIO's 256 KiB header holding a fresh key wrapped by KMS Encrypt
-    /// (needs VETURBOIO_KMS_*). Reads detect the header by themselves.
+}
+
+impl ReadCipherArgs {
+    /// The decryption asked for, if any.
+    pub fn encryption(&self) -> Result<Option<Encryption>, String> {
+        CipherArgs { read: self.clone(), cipher_header: false }.encryption()
+    }
+}
+
+/// Key options of the commands that write encrypted checkpoints (`gen`, `encrypt`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct CipherArgs {
+    #[command(flatten)]
+    pub read: ReadCipherArgs,
+    /// Write veTurboIO's 256 KiB cipher header, holding a fresh key wrapped by KMS Encrypt
+    /// (needs VETURBOIO_KMS_*); implies --cipher.
     #[arg(long)]
     pub cipher_header: bool,
 }
@@ -23,19 +39,21 @@ pub struct CipherArgs {
 impl CipherArgs {
     /// The encryption asked for, if any.
     pub fn encryption(&self) -> Result<Option<Encryption>, String> {
-        if !(self.cipher || self.key_env || self.cipher_header) {
+        if !(self.read.cipher || self.read.key_env || self.cipher_header) {
             return Ok(None);
         }
-        let keys = if self.key_env { Keys::env_only()? } else { Keys::from_env() };
+        let keys = if self.read.key_env { Keys::env_only()? } else { Keys::from_env() };
         Ok(Some(Encryption { keys, header: self.cipher_header }))
     }
 }
 
 /// `turboio encrypt IN OUT`: any file (safetensors or .pt) to veTurboIO's encrypted format.
 pub fn encrypt(input: &Path, output: &Path, args: &CipherArgs) -> Result<(), Box<dyn std::error::Error>> {
-    let enc = CipherArgs { cipher: true, ..args.clone() }.encryption()?.ok_or("no encryption")?;
+    let mut args = args.clone();
+    args.read.cipher = true;
+    let enc = args.encryption()?.ok_or("no encryption")?;
     turboio::crypt::encrypt_file(input, output, &enc, &turboio::SaveOptions::default())?;
-    println!(
+    outln!(
         "encrypted {} -> {}{}",
         input.display(),
         output.display(),
@@ -45,9 +63,9 @@ pub fn encrypt(input: &Path, output: &Path, args: &CipherArgs) -> Result<(), Box
 }
 
 /// `turboio decrypt IN OUT`: back to the plain file (the header layout is detected).
-pub fn decrypt(input: &Path, output: &Path, args: &CipherArgs) -> Result<(), Box<dyn std::error::Error>> {
-    let enc = CipherArgs { cipher: true, cipher_header: false, ..args.clone() }.encryption()?.ok_or("no encryption")?;
+pub fn decrypt(input: &Path, output: &Path, args: &ReadCipherArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let enc = ReadCipherArgs { cipher: true, ..args.clone() }.encryption()?.ok_or("no encryption")?;
     turboio::crypt::decrypt_file(input, output, &enc, &turboio::SaveOptions::default())?;
-    println!("decrypted {} -> {}", input.display(), output.display());
+    outln!("decrypted {} -> {}", input.display(), output.display());
     Ok(())
 }

@@ -2,18 +2,22 @@
 
 mod cipher;
 mod gpu;
+mod out;
 mod progress;
+mod sigbus;
 mod size;
 
 use clap::{Parser, Subcommand};
+use out::outln;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 use turboio::{parse_direct, CachePolicy, DirectIo, LoadMode, LoadOptions, LoadedFile, SaveOptions};
 
-/// Load and save safetensors checkpoints as fast as the storage and memory allow.
+/// Load, inspect, generate and encrypt safetensors checkpoints as fast as the storage and memory
+/// allow.
 #[derive(Parser, Debug)]
-#[command(name = "turboio", version, about, long_about = None)]
+#[command(name = "turboio", version, long_about = None)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -28,6 +32,8 @@ enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        cipher: cipher::ReadCipherArgs,
     },
     /// Load every tensor into memory exactly as the library does and report the speed.
     Load {
@@ -44,14 +50,16 @@ enum Command {
         /// Older spelling of --cache: on = bypass, off = keep, auto = auto.
         #[arg(long, hide = true, value_parser = parse_direct, conflicts_with = "cache")]
         direct: Option<DirectIo>,
-        /// How to hold the bytes: auto, mapped (zero copy from the page cache), copied (a private arena).
+        /// How to hold the bytes: auto (mapped when the page cache is kept and the file can be
+        /// mapped, else copied), mapped (zero copy from the page cache), copied (a private arena),
+        /// lazy (mapped, nothing read until touched).
         #[arg(long, default_value = "auto")]
         mode: LoadMode,
         /// Transparent huge pages for copied loads: on, off (default: TURBOIO_HUGE_PAGES, else off).
         #[arg(long, value_parser = parse_on_off)]
         huge_pages: Option<bool>,
-        /// Load this many times (each load is dropped before the next).
-        #[arg(long, default_value_t = 1)]
+        /// Load this many times (each load is dropped before the next); at least 1.
+        #[arg(long, default_value_t = 1, value_parser = parse_count)]
         repeat: usize,
         /// Reuse one arena across repeats (veTurboIO's init_io_helper).
         #[arg(long)]
@@ -60,7 +68,7 @@ enum Command {
         #[arg(long)]
         check: bool,
         #[command(flatten)]
-        cipher: cipher::CipherArgs,
+        cipher: cipher::ReadCipherArgs,
         #[command(flatten)]
         gpu: gpu::GpuArgs,
     },
@@ -68,8 +76,8 @@ enum Command {
     Gen {
         /// Output file.
         out: PathBuf,
-        /// Approximate size, e.g. 4GiB, 512MiB, 100MB, 123456.
-        #[arg(long, default_value = "1GiB", value_parser = size::parse_size)]
+        /// Approximate size, e.g. 4GiB, 512MiB, 100MB, 123456 (at least the smallest sample, about 362 KiB).
+        #[arg(long, default_value = "1GiB", value_parser = size::parse_size, allow_hyphen_values = true)]
         size: u64,
         /// Seed of the random data.
         #[arg(long, default_value_t = 0)]
@@ -90,21 +98,21 @@ enum Command {
     Decrypt {
         /// The encrypted file.
         input: PathBuf,
-        /// The plain file to write.
+        /// The plain file to write (left untouched unless the decrypted file is valid).
         output: PathBuf,
         #[command(flatten)]
-        cipher: cipher::CipherArgs,
+        cipher: cipher::ReadCipherArgs,
     },
     /// Generate a sample checkpoint and print a load table (mapped, copied, auto vs std::fs::read).
     Demo {
         /// Size of the sample.
-        #[arg(long, default_value = "1GiB", value_parser = size::parse_size)]
+        #[arg(long, default_value = "1GiB", value_parser = size::parse_size, allow_hyphen_values = true)]
         size: u64,
         /// Where to put the sample (default: target/turboio-demo under the current directory).
         #[arg(long)]
         dir: Option<PathBuf>,
-        /// Runs per loader (the median is shown).
-        #[arg(long, default_value_t = 5)]
+        /// Runs per loader (the median is shown); at least 1.
+        #[arg(long, default_value_t = 5, value_parser = parse_count)]
         runs: usize,
     },
 }
@@ -112,7 +120,10 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Inspect { file, json } => inspect(&file, json),
+        Command::Inspect { file, json, cipher } => cipher
+            .encryption()
+            .map_err(Into::into)
+            .and_then(|encryption| inspect(&file, json, &LoadOptions { encryption, ..Default::default() })),
         Command::Load { file, threads, cache, direct, mode, huge_pages, repeat, reuse_arena, check, cipher, gpu } => {
             cipher.encryption().map_err(Into::into).and_then(|encryption| {
                 let cache = direct.map_or(cache, CachePolicy::from);
@@ -129,6 +140,7 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.is::<out::Closed>() => ExitCode::from(out::CLOSED_STATUS),
         Err(e) => {
             eprintln!("turboio: error: {e}");
             ExitCode::FAILURE
@@ -139,11 +151,20 @@ fn main() -> ExitCode {
 type CliResult = Result<(), Box<dyn std::error::Error>>;
 
 fn gb(bytes: u64) -> String {
-    format!("{:.2} GB", bytes as f64 / 1e9)
+    turboio::inspect::human_bytes(bytes)
 }
 
-fn inspect(file: &Path, json: bool) -> CliResult {
-    let header = turboio::read_header_of(file, &LoadOptions::default())?;
+/// `--repeat` and `--runs`: a count of at least 1.
+fn parse_count(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("`{s}` is not a whole number (at least 1)")),
+    }
+}
+
+fn inspect(file: &Path, json: bool, opts: &LoadOptions) -> CliResult {
+    let header = turboio::read_header_of(file, opts)?;
     if json {
         let tensors: Vec<serde_json::Value> = header
             .tensors()
@@ -169,39 +190,11 @@ fn inspect(file: &Path, json: bool) -> CliResult {
             "aliases": aliases,
             "tensors": tensors,
         });
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        outln!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(());
     }
-    println!("{}", file.display());
-    println!(
-        "  {} tensors, {} of data, header {} bytes, file {} bytes",
-        header.len(),
-        gb(header.data_len()),
-        header.header_len(),
-        header.file_len()
-    );
-    let mut by_dtype: std::collections::BTreeMap<&str, (usize, u64)> = Default::default();
-    for t in header.tensors() {
-        let e = by_dtype.entry(t.dtype.name()).or_default();
-        e.0 += 1;
-        e.1 += t.len() as u64;
-    }
-    for (d, (n, b)) in &by_dtype {
-        println!("  {d:>12}: {n:>6} tensors, {b:>14} bytes");
-    }
-    if let Some(meta) = header.metadata() {
-        println!("  metadata:");
-        for (k, v) in meta {
-            println!("    {k}: {v}");
-        }
-    }
-    let width = header.tensors().iter().map(|t| t.name.len()).max().unwrap_or(4).max(4);
-    println!("  {:<width$}  {:>11}  {:<24}  {:>14}", "name", "dtype", "shape", "bytes");
-    for t in header.tensors() {
-        let shape = format!("{:?}", t.shape);
-        println!("  {:<width$}  {:>11}  {:<24}  {:>14}", t.name, t.dtype.name(), shape, t.len());
-    }
-    Ok(())
+    let mut line = |l: &str| out::line(format_args!("{l}"));
+    turboio::inspect::table(file, &header, &mut line)
 }
 
 fn parse_on_off(s: &str) -> Result<bool, String> {
@@ -213,13 +206,14 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
 }
 
 fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, check: bool) -> CliResult {
+    sigbus::report_for(file);
     if reuse_arena {
         let huge = opts.huge_pages.unwrap_or_else(turboio::device::default_huge_pages);
         opts.arenas = Some(turboio::device::ArenaPool::with_huge_pages(1, huge));
     }
     let file_len = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
     let mut times = Vec::new();
-    for run in 1..=repeat.max(1) {
+    for run in 1..=repeat {
         let bar = progress::Bar::start(file_len, &format!("loading {}", file.display()));
         opts.progress = bar.counter();
         let loaded = turboio::load(file, &opts);
@@ -235,7 +229,7 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
         } else {
             ""
         };
-        println!(
+        outln!(
             "run {run}: {} tensors, {} in {:.3} s = {:.2} GB/s ({}, {}{}{}{}; {})",
             loaded.len(),
             gb(file_len),
@@ -258,7 +252,7 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
     if times.len() > 1 {
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
-        println!("median: {median:.3} s = {:.2} GB/s", file_len as f64 / median / 1e9);
+        outln!("median: {median:.3} s = {:.2} GB/s", file_len as f64 / median / 1e9);
     }
     Ok(())
 }
@@ -274,20 +268,50 @@ fn check_against_plain_read(loaded: &LoadedFile, opts: &LoadOptions) -> CliResul
             std::fs::read(loaded.path()).map_err(|e| format!("{}: plain read failed: {e}", loaded.path().display()))?
         }
     };
-    let start = loaded.header().data_start() as usize;
+    let path = loaded.path().display();
+    let header = loaded.header();
+    // The plain read must be of the file that was loaded: same length, same header bytes. A
+    // file rewritten in between is reported as such, never sliced by the old header's offsets.
+    let changed = |why: String| format!("{path}: the file changed during the check ({why}); nothing was compared");
+    if plain.len() as u64 != header.file_len() {
+        return Err(changed(format!(
+            "it had {} bytes when loaded and {} when read again",
+            header.file_len(),
+            plain.len()
+        ))
+        .into());
+    }
+    let start = header.data_start() as usize;
+    match turboio::Header::parse(&plain, plain.len() as u64) {
+        Ok(again) if again == *header => {}
+        _ => return Err(changed("its header is not the one that was loaded".into()).into()),
+    }
     for t in loaded.tensors() {
         let (b, e) = t.info().data_offsets;
         let expect = &plain[start + b..start + e];
         let got = loaded.to_host(t.name())?;
         if got != expect {
-            return Err(format!("{}: tensor `{}` differs from a plain read", loaded.path().display(), t.name()).into());
+            return Err(format!(
+                "{path}: tensor `{}` differs from a plain read (was the file rewritten in place while loaded?)",
+                t.name()
+            )
+            .into());
         }
     }
-    println!("check: all {} tensors match a plain read of the file", loaded.len());
+    outln!("check: all {} tensors match a plain read of the file", loaded.len());
     Ok(())
 }
 
 fn gen(out: &Path, size: u64, seed: u64, encryption: Option<turboio::crypt::Encryption>) -> CliResult {
+    let min = turboio::sample::min_sample_size();
+    if size < min {
+        return Err(format!(
+            "{}: --size {size} is below the smallest sample, {min} bytes ({} KiB); give at least that",
+            out.display(),
+            min.div_ceil(1024)
+        )
+        .into());
+    }
     let bar = progress::Bar::start(size, &format!("writing {}", out.display()));
     let opts = SaveOptions { progress: bar.counter(), encryption, ..Default::default() };
     let start = Instant::now();
@@ -296,13 +320,13 @@ fn gen(out: &Path, size: u64, seed: u64, encryption: Option<turboio::crypt::Encr
     let tensors = result?;
     let len = std::fs::metadata(out)?.len();
     let secs = start.elapsed().as_secs_f64();
-    println!(
-        "wrote {}: {} tensors, {} in {:.2} s ({:.2} GB/s)",
+    outln!(
+        "wrote {}: {} tensors, {} in {:.2} s ({}/s)",
         out.display(),
         tensors.len(),
         gb(len),
         secs,
-        len as f64 / secs / 1e9
+        gb((len as f64 / secs.max(1e-9)) as u64)
     );
     Ok(())
 }
@@ -321,13 +345,12 @@ fn demo(size: u64, dir: Option<PathBuf>, runs: usize) -> CliResult {
     }
     let len = std::fs::metadata(&path)?.len();
     let header = turboio::read_header_of(&path, &LoadOptions::default())?;
-    println!(
+    outln!(
         "\nsample: {} ({} tensors, {}), page cache warm, median of {runs} runs\n",
         path.display(),
         header.len(),
         gb(len)
     );
-    let runs = runs.max(1);
     let loaders: Vec<(&str, LoadMode)> = vec![
         ("turboio auto", LoadMode::Auto),
         ("turboio mapped", LoadMode::Mapped),
@@ -352,12 +375,12 @@ fn demo(size: u64, dir: Option<PathBuf>, runs: usize) -> CliResult {
         drop(v);
     }
     let base = median(results[loaders.len()].1.clone());
-    println!("| loader | seconds | GB/s | vs std::fs::read | how |");
-    println!("|---|---:|---:|---:|---|");
+    outln!("| loader | seconds | GB/s | vs std::fs::read | how |");
+    outln!("|---|---:|---:|---:|---|");
     for (name, times, how) in &results {
         let m = median(times.clone());
-        println!("| {name} | {m:.3} | {:.2} | {:.1}x | {how} |", len as f64 / m / 1e9, base / m);
+        outln!("| {name} | {m:.3} | {:.2} | {:.1}x | {how} |", len as f64 / m / 1e9, base / m);
     }
-    println!("\nMore: `turboio load FILE --check`, `turboio inspect FILE`, `cargo xtask bench` (hot and cold, all baselines).");
+    outln!("\nMore: `turboio load FILE --check`, `turboio inspect FILE`, `cargo xtask bench` (hot and cold, all baselines).");
     Ok(())
 }

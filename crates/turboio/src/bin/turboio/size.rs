@@ -3,6 +3,9 @@
 /// Parses `4GiB`, `512MiB`, `100MB`, `1G`, `123456`.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
+    if t.starts_with('-') {
+        return Err(format!("size `{s}` is negative; give a positive size such as 4GiB, 512MiB or 100MB"));
+    }
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let value: f64 = num.parse().map_err(|_| format!("invalid size `{s}` (try 4GiB, 512MiB, 100MB)"))?;
@@ -49,6 +52,7 @@ mod tests {
         assert!(parse_size("4 parsecs").is_err());
         assert!(parse_size("").is_err());
         assert!(parse_size("0").is_err());
+        assert!(parse_size("-1GiB").unwrap_err().contains("negative"));
         assert_eq!(format_size(4 << 30), "4GiB");
         assert_eq!(format_size(3 << 20), "3MiB");
         assert_eq!(format_size(1000), "1000B");
