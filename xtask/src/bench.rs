@@ -510,6 +510,8 @@ pub fn run(args: Args) -> Result<()> {
         args.sizes.iter().map(|s| parse_size(s)).collect::<Result<_>>()?
     };
     let runs = args.runs.unwrap_or(if args.quick { 2 } else { 5 }).max(1);
+    // The sections that start many Python processes (each imports torch) run once in a smoke run.
+    let process_runs = if args.quick { 1 } else { runs };
     let pool = ArenaPool::with_huge_pages(1, false);
     let python = if args.no_python { None } else { Some(crate::pybench::setup()?) };
     let mut all: Vec<Row> = Vec::new();
@@ -530,9 +532,9 @@ pub fn run(args: Args) -> Result<()> {
                 std::fs::remove_file(&pt)?;
             }
             if !args.no_cold {
-                eprintln!("{}: page cache across processes, {runs} runs ...", size_name(size));
+                eprintln!("{}: page cache across processes, {process_runs} runs ...", size_name(size));
                 let enc = encrypted_twin(&path)?;
-                let rows = crate::cachebench::measure(py, &path, &enc, runs)?;
+                let rows = crate::cachebench::measure(py, &path, &enc, process_runs)?;
                 cache_tables.push((len, rows));
             }
         }
@@ -558,8 +560,8 @@ pub fn run(args: Args) -> Result<()> {
         }
         all.extend(cold);
         if !args.no_save {
-            eprintln!("{}: saves, {runs} runs ...", size_name(size));
-            save_tables.push((len, crate::savebench::measure(python.as_deref(), &path, runs)?));
+            eprintln!("{}: saves, {process_runs} runs ...", size_name(size));
+            save_tables.push((len, crate::savebench::measure(python.as_deref(), &path, process_runs)?));
         }
         all.extend(sfcs_rows(args.sfcs_path.as_deref(), size, runs)?);
         if let Some(device) = &args.device {
@@ -687,11 +689,11 @@ pub fn run(args: Args) -> Result<()> {
     }
     for (len, rows) in &save_tables {
         report.push('\n');
-        report.push_str(&crate::savebench::render(rows, *len, runs));
+        report.push_str(&crate::savebench::render(rows, *len, process_runs));
     }
     for (len, rows) in &cache_tables {
         report.push('\n');
-        report.push_str(&crate::cachebench::render(rows, *len, runs));
+        report.push_str(&crate::cachebench::render(rows, *len, process_runs));
     }
     println!("{report}");
     std::fs::create_dir_all(&args.out)?;
