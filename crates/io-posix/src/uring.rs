@@ -48,23 +48,9 @@ impl Ring {
         offset: u64,
         user_data: u64,
     ) -> io::Result<()> {
-        if self.in_flight >= self.depth {
-            return Err(io::Error::other("io_uring queue is full"));
-        }
         let entry = opcode::Read::new(types::Fd(fd), buf, len).offset(offset).build().user_data(user_data);
-        // SAFETY: the caller guarantees that the buffer outlives the request; the entry is
-        // copied into the submission ring.
-        let pushed = unsafe { self.ring.submission().push(&entry) };
-        if pushed.is_err() {
-            // The submission ring is full of entries the kernel has not taken yet: hand them
-            // over and try once more.
-            self.ring.submit()?;
-            // SAFETY: as above.
-            unsafe { self.ring.submission().push(&entry) }
-                .map_err(|_| io::Error::other("io_uring submission queue is full"))?;
-        }
-        self.in_flight += 1;
-        Ok(())
+        // SAFETY: the caller's guarantees are `push`'s.
+        unsafe { self.push(&entry) }
     }
 
     /// Queues a write of `len` bytes from `buf` at `offset` of `fd`, like
@@ -82,17 +68,30 @@ impl Ring {
         offset: u64,
         user_data: u64,
     ) -> io::Result<()> {
+        let entry = opcode::Write::new(types::Fd(fd), buf, len).offset(offset).build().user_data(user_data);
+        // SAFETY: the caller's guarantees are `push`'s.
+        unsafe { self.push(&entry) }
+    }
+
+    /// Queues one entry, handing queued ones to the kernel first if the submission ring is full.
+    ///
+    /// # Safety
+    ///
+    /// Every buffer and descriptor the entry refers to must stay valid (and buffers untouched
+    /// by anything else) until `reap` has returned its completion.
+    unsafe fn push(&mut self, entry: &io_uring::squeue::Entry) -> io::Result<()> {
         if self.in_flight >= self.depth {
             return Err(io::Error::other("io_uring queue is full"));
         }
-        let entry = opcode::Write::new(types::Fd(fd), buf, len).offset(offset).build().user_data(user_data);
-        // SAFETY: the caller guarantees that the buffer outlives the request; the entry is
-        // copied into the submission ring.
-        let pushed = unsafe { self.ring.submission().push(&entry) };
+        // SAFETY: the caller guarantees that what the entry refers to outlives the request; the
+        // entry itself is copied into the submission ring.
+        let pushed = unsafe { self.ring.submission().push(entry) };
         if pushed.is_err() {
+            // The submission ring is full of entries the kernel has not taken yet: hand them
+            // over and try once more.
             self.ring.submit()?;
             // SAFETY: as above.
-            unsafe { self.ring.submission().push(&entry) }
+            unsafe { self.ring.submission().push(entry) }
                 .map_err(|_| io::Error::other("io_uring submission queue is full"))?;
         }
         self.in_flight += 1;
