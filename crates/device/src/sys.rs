@@ -126,6 +126,8 @@ impl RawMap {
             // Find a free aligned range, then give it back (dropping the reservation unmaps
             // exactly what it mapped: it owns that range until then).
             let aligned = RawMap::anonymous(len, HUGE_PAGE)?.addr();
+            #[cfg(test)]
+            tests::race(aligned);
             match map_at(aligned, libc::MAP_FIXED_NOREPLACE) {
                 // (A kernel older than 4.17 takes the flag as a hint and may map elsewhere:
                 // that mapping is ours too, only unaligned.)
@@ -202,4 +204,66 @@ pub(crate) fn touch_pages(bytes: &[u8]) {
         sum ^= unsafe { std::ptr::read_volatile(bytes.as_ptr().add(i)) };
     }
     std::hint::black_box(sum);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+    use std::io::Write;
+
+    thread_local! {
+        /// Addresses a simulated other thread maps into, between the reservation being given
+        /// back and the file being mapped (each entry used once).
+        static RACES: Cell<u32> = const { Cell::new(0) };
+        static TAKEN: std::cell::RefCell<Vec<RawMap>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// Called by `file_private` after it gave its reservation back: while races are pending,
+    /// maps a page of "someone else's" memory at the address it is about to use, and marks it.
+    pub(super) fn race(addr: usize) {
+        if RACES.get() == 0 {
+            return;
+        }
+        RACES.set(RACES.get() - 1);
+        // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; the range is free (the
+        // reservation was just given back), and the new mapping is owned by the RawMap below.
+        let p = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                page_size(),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED, "the simulated racer could not map at {addr:#x}");
+        let mut other = RawMap::owning(p as usize, page_size()).unwrap();
+        other.as_mut_slice().fill(0xA5);
+        TAKEN.with_borrow_mut(|t| t.push(other));
+    }
+
+    /// Issue 15 item 11: memory another thread mapped where a file mapping was about to go is
+    /// never replaced or unmapped, whether the mapper retries (a lost race) or gives up on
+    /// alignment (every race lost).
+    #[test]
+    fn a_lost_race_never_touches_foreign_memory() {
+        let path = std::env::temp_dir().join(format!("turboio-race-{}", std::process::id()));
+        let mut f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        f.write_all(&vec![7u8; 3 << 20]).unwrap();
+        for races in [1, 4] {
+            RACES.set(races);
+            let map = RawMap::file_private(&f, 3 << 20).unwrap();
+            assert!(map.as_slice().iter().all(|&b| b == 7), "the file's bytes");
+            let taken = TAKEN.take();
+            assert_eq!(taken.len(), races as usize);
+            for other in &taken {
+                assert!(other.as_slice().iter().all(|&b| b == 0xA5), "foreign memory was replaced");
+                let (a, b) = (other.addr(), map.addr());
+                assert!(a + other.len() <= b || b + map.len() <= a, "the file was mapped over foreign memory");
+            }
+        }
+    }
 }
