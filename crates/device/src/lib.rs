@@ -175,11 +175,16 @@ pub trait Allocation: Send + Sync + fmt::Debug {
     /// The device it lives on.
     fn device(&self) -> DeviceId;
 
-    /// The bytes, when the CPU can address them.
-    fn host(&self) -> Option<&[u8]>;
+    /// The bytes, when the CPU can address them (`None`, the default, for device memory).
+    fn host(&self) -> Option<&[u8]> {
+        None
+    }
 
-    /// The bytes, writable, when the CPU can address them.
-    fn host_mut(&mut self) -> Option<&mut [u8]>;
+    /// The bytes, writable, when the CPU can address them (`None`, the default, for device
+    /// memory).
+    fn host_mut(&mut self) -> Option<&mut [u8]> {
+        None
+    }
 
     /// The address of the first byte in the device's address space (a host pointer for the
     /// CPU, a device pointer for CUDA), for DLPack export and DMA engines.

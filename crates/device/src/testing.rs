@@ -337,14 +337,6 @@ impl Allocation for OpaqueAllocation {
         self.device
     }
 
-    fn host(&self) -> Option<&[u8]> {
-        None
-    }
-
-    fn host_mut(&mut self) -> Option<&mut [u8]> {
-        None
-    }
-
     /// `handle << 32 | offset`: distinct per allocation, and what [`Device::borrow`] takes.
     fn address(&self) -> u64 {
         (self.handle << 32) + self.base as u64

@@ -343,14 +343,6 @@ impl Allocation for CudaAllocation {
         self.device
     }
 
-    fn host(&self) -> Option<&[u8]> {
-        None
-    }
-
-    fn host_mut(&mut self) -> Option<&mut [u8]> {
-        None
-    }
-
     fn address(&self) -> u64 {
         self.ptr
     }
