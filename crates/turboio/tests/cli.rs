@@ -1,25 +1,10 @@
 //! The `turboio` binary, as a user runs it.
 
+mod common;
+
+use common::{scratch, stderr, stdout, turboio};
 use std::path::Path;
 use std::process::{Command, Output};
-
-fn turboio(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_turboio")).args(args).env("RUST_BACKTRACE", "1").output().expect("run turboio")
-}
-
-fn scratch() -> tempfile::TempDir {
-    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-scratch");
-    std::fs::create_dir_all(&base).unwrap();
-    tempfile::tempdir_in(base).unwrap()
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
 
 #[test]
 fn gen_inspect_load_check() {

@@ -2,22 +2,10 @@
 //! point must exit with status 1 and one line naming what is missing; with `TURBOIO_TEST_CUDA=1`
 //! the loads must succeed and match a plain read.
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod common;
 
-fn turboio(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_turboio")).args(args).env("RUST_BACKTRACE", "1").output().expect("run turboio")
-}
-
-fn scratch() -> tempfile::TempDir {
-    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-scratch");
-    std::fs::create_dir_all(&base).unwrap();
-    tempfile::tempdir_in(base).unwrap()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use common::{scratch, stderr, turboio};
+use std::process::Output;
 
 fn gpu() -> bool {
     std::env::var("TURBOIO_TEST_CUDA").as_deref() == Ok("1")
