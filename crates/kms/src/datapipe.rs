@@ -70,8 +70,8 @@ impl DatapipeConfig {
     }
 }
 
-/// Temporary KMS credentials from the `kms-sts` task.
-#[derive(Clone)]
+/// Temporary KMS credentials from the `kms-sts` task (`Debug` shows the secrets as `<redacted>`).
+#[derive(Clone, Debug)]
 pub struct StsCredentials {
     /// `Cred.AccessKeyId`.
     pub access_key: String,
@@ -81,19 +81,9 @@ pub struct StsCredentials {
     pub session_token: Secret,
 }
 
-impl fmt::Debug for StsCredentials {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("StsCredentials")
-            .field("access_key", &self.access_key)
-            .field("secret_key", &self.secret_key)
-            .field("session_token", &self.session_token)
-            .finish()
-    }
-}
-
 /// Temporary SFCS credentials from the `sfcs-sts` task, with their validity and the name node
-/// to use.
-#[derive(Clone)]
+/// to use (`Debug` shows the secrets as `<redacted>`).
+#[derive(Clone, Debug)]
 pub struct SfcsSts {
     /// `Cred.AccessKeyId`.
     pub access_key: String,
@@ -107,19 +97,6 @@ pub struct SfcsSts {
     pub expired_time: SystemTime,
     /// `SfcsNameNodeAddress`.
     pub namenode_address: String,
-}
-
-impl fmt::Debug for SfcsSts {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SfcsSts")
-            .field("access_key", &self.access_key)
-            .field("secret_key", &self.secret_key)
-            .field("session_token", &self.session_token)
-            .field("current_time", &self.current_time)
-            .field("expired_time", &self.expired_time)
-            .field("namenode_address", &self.namenode_address)
-            .finish()
-    }
 }
 
 // Answers, parsed straight into zeroizing types: no secret passes through a `serde_json::Value`.
