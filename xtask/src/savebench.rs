@@ -21,7 +21,7 @@ const SAVERS: [&str; 9] = [
     "turboio save_async",
     "turboio.save_file",
     "turboio.torch.save_file",
-    "turboio.save_file(blocking=False)",
+    "turboio.save_file(blocking=False), buffers reused",
     "safetensors.torch.save_file + fsync",
     "torch.save + fsync",
     "ceiling: O_DIRECT write QD32 + fsync",
