@@ -150,3 +150,43 @@ def test_metadata_must_be_str_to_str(tmp, metadata):
             ours_fn()
         assert str(ours.value) == str(ref.value)
     assert not (tmp / "o.safetensors").exists() and not (tmp / "v.safetensors").exists()
+
+
+@pytest.mark.parametrize("shape", [[2, 3], [4, 1], [2, 5, 3]])
+def test_packed_f4_that_does_not_pack_comes_out_as_bytes(tmp, shape):
+    """Issue 10 item 5: an F4 tensor whose last dimension is odd (the element count is even, as
+    the format requires) cannot be a
+    `float4_e2m1fn_x2` tensor (two values per byte along the last dimension): every API gives its
+    bytes as flat uint8, as for dtypes torch has not; slicing it is a clear error. An even last
+    dimension still comes out packed."""
+    n = 1
+    for d in shape:
+        n *= d
+    nbytes = (n * 4 + 7) // 8
+    even = [2, 4]
+    payload = bytes(range(1, nbytes + 1)) + bytes(range(100, 104))
+    header = {
+        "odd": {"dtype": "F4", "shape": shape, "data_offsets": [0, nbytes]},
+        "even": {"dtype": "F4", "shape": even, "data_offsets": [nbytes, nbytes + 4]},
+    }
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path = tmp / "f4.safetensors"
+    path.write_bytes(struct.pack("<Q", len(h)) + h + payload)
+    want = torch.tensor(list(payload[:nbytes]), dtype=torch.uint8)
+    results = {
+        "turboio.load": turboio.load(str(path)),
+        "turboio.torch.load_file": tt.load_file(str(path)),
+        "turboio.torch.load": tt.load(path.read_bytes()),
+    }
+    with tt.safe_open(str(path), framework="pt") as f:
+        results["safe_open.get_tensor"] = {"odd": f.get_tensor("odd"), "even": f.get_tensor("even")}
+        with pytest.raises(tt.SafetensorError, match="F4"):
+            f.get_slice("odd")[:1]
+        assert f.get_slice("even")[:1].dtype == torch.float4_e2m1fn_x2
+    for api, out in results.items():
+        odd, ev = out["odd"], out["even"]
+        assert odd.dtype == torch.uint8 and list(odd.shape) == [nbytes], api
+        assert torch.equal(odd, want), api
+        assert ev.dtype == torch.float4_e2m1fn_x2 and list(ev.shape) == [2, 2], api
+        assert torch.equal(ev.view(torch.uint8).reshape(-1), torch.tensor([100, 101, 102, 103], dtype=torch.uint8)), api

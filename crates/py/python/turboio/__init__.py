@@ -27,7 +27,7 @@ from ._turboio import __version__
 
 # Background saves (`save_file(..., blocking=False)`) finish before the interpreter exits.
 _atexit.register(_turboio.wait_for_saves)
-from ._dtypes import torch_dtype as _torch_dtype
+from ._dtypes import torch_dtype_for as _torch_dtype_for
 from ._torch import alias_shared as _alias_shared, tensors_of as _tensors_of, threads as _threads
 from .fastsafetensors import SafeTensorsFileLoader, SingleGroup, fastsafe_open
 
@@ -222,7 +222,7 @@ def _load_into(path, state_dict, num_thread, cache, cipher, helper=None):
             raise _not_yet(f"loading into {t.device} tensors")
         if not t.is_contiguous():
             raise RuntimeError("allocated tensor not contiguous")
-        if t.dtype != _torch_dtype(dtype):
+        if t.dtype != _torch_dtype_for(dtype, shape):
             raise RuntimeError("allocated tensor dtype not match")
         if t.numel() * t.element_size() < end - begin:
             raise RuntimeError("allocated tensor size not enough")
@@ -246,7 +246,7 @@ def _load_into_cuda(path, state_dict, infos, num_thread, cache, cipher, helper, 
         t = state_dict[name]
         if not t.is_contiguous():
             raise RuntimeError("allocated tensor not contiguous")
-        if t.dtype != _torch_dtype(dtype):
+        if t.dtype != _torch_dtype_for(dtype, shape):
             raise RuntimeError("allocated tensor dtype not match")
         if t.numel() * t.element_size() < end - begin:
             raise RuntimeError("allocated tensor size not enough")

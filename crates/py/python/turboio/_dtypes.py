@@ -24,6 +24,9 @@ _TORCH_NAMES = {
     # F6_E2M3 and F6_E3M2 have no torch dtype: they come out as uint8 bytes.
 }
 
+# Sub-byte dtypes that torch stores packed along the last dimension: values per byte.
+_PACKED = {"F4": 2}
+
 
 def torch_dtype(name):
     """The torch dtype of a safetensors dtype, or None when torch has none (bytes then)."""
@@ -31,6 +34,35 @@ def torch_dtype(name):
 
     attr = _TORCH_NAMES.get(name)
     return getattr(torch, attr, None) if attr else None
+
+
+def torch_dtype_for(name, shape):
+    """The torch dtype a tensor of this safetensors dtype and shape comes out as, or None when it
+    comes out as flat uint8 bytes: dtypes torch has not, and packed dtypes (F4, two values per
+    byte of `float4_e2m1fn_x2` along the last dimension) whose last dimension does not pack into
+    whole bytes (a scalar, or an odd last dimension such as [2, 3])."""
+    per_byte = _PACKED.get(name)
+    if per_byte is not None and (not shape or shape[-1] % per_byte != 0):
+        return None
+    return torch_dtype(name)
+
+
+def torch_shape(name, shape):
+    """The shape of the torch tensor for a safetensors dtype and shape: the packed shape (last
+    dimension divided by the values per byte) for packed dtypes that pack, the flat byte count
+    for tensors that come out as bytes, else the shape itself."""
+    per_byte = _PACKED.get(name)
+    if per_byte is not None and shape and shape[-1] % per_byte == 0:
+        return list(shape[:-1]) + [shape[-1] // per_byte]
+    if name in _TORCH_NAMES and torch_dtype_for(name, shape) is not None:
+        return list(shape)
+    bits = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}.get(name)
+    if bits is None:
+        return list(shape)
+    n = 1
+    for d in shape:
+        n *= d
+    return [(n * bits + 7) // 8]
 
 
 def safetensors_name(dtype):

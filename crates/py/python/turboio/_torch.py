@@ -4,7 +4,7 @@ from collections import defaultdict
 import os
 
 from . import _turboio
-from ._dtypes import safetensors_name, torch_dtype
+from ._dtypes import safetensors_name, torch_dtype_for
 
 
 def tensor_from(pt):
@@ -13,7 +13,9 @@ def tensor_from(pt):
 
     t = torch.from_dlpack(pt)
     if pt.raw:
-        td = torch_dtype(pt.dtype)
+        # Exported as bytes; viewed as the torch dtype only where torch can hold the shape
+        # (an F4 tensor with an odd last dimension stays flat uint8 bytes).
+        td = torch_dtype_for(pt.dtype, pt.shape)
         if td is not None:
             t = t.view(td)
     return t

@@ -8,7 +8,7 @@ import os
 import struct
 
 from . import _cuda, _turboio
-from ._dtypes import torch_dtype
+from ._dtypes import torch_dtype_for, torch_shape
 from ._torch import alias_shared, raw_tensors, remove_duplicate_names, single_cuda_device, tensor_from, tensors_of
 
 __all__ = ["load_file", "save_file", "load", "save", "save_model", "load_model", "safe_open", "SafetensorError"]
@@ -136,24 +136,13 @@ def load(data):
     buf = bytearray(data)
     out = {}
     for name, dtype, shape, begin, end in infos:
-        td = torch_dtype(dtype) or torch.uint8
+        td = torch_dtype_for(dtype, shape) or torch.uint8
         if end == begin:
-            out[name] = torch.empty(_torch_shape(dtype, shape), dtype=td)
+            out[name] = torch.empty(torch_shape(dtype, shape), dtype=td)
             continue
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=data_start + begin)
-        out[name] = raw.view(td).reshape(_torch_shape(dtype, shape)) if td != torch.uint8 or dtype == "U8" else raw
+        out[name] = raw.view(td).reshape(torch_shape(dtype, shape))
     return out
-
-
-def _torch_shape(dtype, shape):
-    if dtype == "F4" and shape and shape[-1] % 2 == 0:
-        return shape[:-1] + [shape[-1] // 2]
-    if dtype in ("F6_E2M3", "F6_E3M2"):
-        n = 1
-        for d in shape:
-            n *= d
-        return [n * 6 // 8]
-    return shape
 
 
 def save_model(model, filename, metadata=None, force_contiguous=True):
@@ -287,5 +276,11 @@ class _Slice:
     def __getitem__(self, index):
         if self._dtype in ("F6_E2M3", "F6_E3M2"):
             raise SafetensorError(f"Dtype not understood: {self._dtype}")
+        if self._dtype == "F4" and torch_dtype_for(self._dtype, self._shape) is None:
+            # It comes out as flat bytes: indexing them by the logical shape would be wrong.
+            raise SafetensorError(
+                f"cannot slice an F4 tensor of shape {list(self._shape)}: torch packs two F4 values per byte"
+                " along the last dimension, which must be even (get_tensor gives its bytes as uint8)"
+            )
         out = tensor_from(self._pt)[index]
         return out if self._device == "cpu" else out.to(self._device)
