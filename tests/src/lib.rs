@@ -103,3 +103,63 @@ pub mod crash {
         Ok(v)
     }
 }
+
+/// The model-directory version of the crash tests (`tests/tests/models.rs`, `model_saver`).
+pub mod model_crash {
+    use turboio::{Dtype, LoadedModel, SaveTensor};
+
+    /// Tensors of the test model.
+    pub const TENSORS: usize = 6;
+    /// Bytes per tensor.
+    pub const LEN: usize = 48 << 10;
+
+    /// The bytes of tensor `i` in version `v`: `v` in the first 8 bytes, then a pattern of both.
+    pub fn tensor_bytes(v: u64, i: usize) -> Vec<u8> {
+        let mut b: Vec<u8> = (0..LEN).map(|k| ((v as usize * 31 + i * 7 + k) % 251) as u8).collect();
+        b[..8].copy_from_slice(&v.to_le_bytes());
+        b
+    }
+
+    /// Names of the tensors (the same in every version).
+    pub fn names() -> Vec<String> {
+        (0..TENSORS).map(|i| format!("layers.{i}.weight")).collect()
+    }
+
+    /// The largest shard of version `v`: even versions in 2 shards, odd ones in 3, so that the
+    /// sets differ in count as well as content.
+    pub fn max_shard(v: u64) -> u64 {
+        if v % 2 == 0 {
+            (3 * LEN) as u64
+        } else {
+            (2 * LEN) as u64
+        }
+    }
+
+    /// Save-ready views of version `v`'s data (held in `data`).
+    pub fn views<'a>(names: &'a [String], data: &'a [Vec<u8>]) -> Vec<SaveTensor<'a>> {
+        const SHAPE: [usize; 1] = [LEN / 4];
+        names.iter().zip(data).map(|(n, d)| SaveTensor { name: n, dtype: Dtype::F32, shape: &SHAPE, data: d }).collect()
+    }
+
+    /// Which version a loaded model is, if it is exactly one version: every tensor present,
+    /// every byte that version's, and the shard count that version's.
+    pub fn check(m: &LoadedModel) -> Result<u64, String> {
+        let names = names();
+        if m.len() != names.len() {
+            return Err(format!("{} tensors, expected {}", m.len(), names.len()));
+        }
+        let first = m.tensor(&names[0]).and_then(|t| t.bytes()).ok_or("no first tensor")?;
+        let v = u64::from_le_bytes(first[..8].try_into().unwrap());
+        for (i, n) in names.iter().enumerate() {
+            let got = m.tensor(n).and_then(|t| t.bytes()).ok_or_else(|| format!("no tensor {n}"))?;
+            if got != tensor_bytes(v, i).as_slice() {
+                return Err(format!("tensor {n} is not version {v}'s (a mix of saves)"));
+            }
+        }
+        let want = if v % 2 == 0 { 2 } else { 3 };
+        if m.shards().len() != want {
+            return Err(format!("version {v} loaded from {} shards, it has {want}", m.shards().len()));
+        }
+        Ok(v)
+    }
+}

@@ -81,6 +81,7 @@ mod error;
 pub mod inspect;
 mod load;
 mod loaded;
+pub mod model;
 mod options;
 pub mod sample;
 mod save;
@@ -91,6 +92,7 @@ pub use background::{default_snapshot_pool, save_async, wait_for_saves, SaveHand
 pub use error::{Error, Result};
 pub use load::{load, read_all, read_header_of, read_into, read_prefix};
 pub use loaded::{CacheUse, Held, LoadReport, LoadedFile, TensorView};
+pub use model::{load_model, save_model_dir, LoadedModel, ModelFiles, ModelReport, ModelSaveReport};
 pub use options::{parse_direct, CachePolicy, DirectIo, LoadMode, LoadOptions, SaveOptions};
 pub use save::{save, save_from_device, save_with, write_bytes, DeviceTensor, SaveReport, SaveTensor, TensorData};
 

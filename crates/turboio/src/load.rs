@@ -259,6 +259,19 @@ fn check_cancel(path: &Path, opts: &LoadOptions) -> Result<()> {
 }
 
 impl Planned {
+    /// The validated header.
+    pub(crate) fn header(&self) -> &Header {
+        &self.header
+    }
+
+    /// For a cold mapped load, asks the kernel for the whole file now, without waiting (a
+    /// model load asks for every shard before it fills any).
+    pub(crate) fn read_ahead(&self) {
+        if let Fill::Mapped { mapping, lazy: false, cold: true } = &self.fill {
+            mapping.will_need();
+        }
+    }
+
     /// Bytes this load brings into memory when filled.
     pub(crate) fn bytes(&self) -> u64 {
         match &self.fill {

@@ -361,3 +361,49 @@ fn check_reports_a_file_rewritten_during_the_load() {
     eprintln!("outcomes: {outcomes:?}");
     assert!(outcomes.get("changed").copied().unwrap_or(0) > 0, "the race was never seen: {outcomes:?}");
 }
+
+#[test]
+fn model_directories_generate_inspect_and_load() {
+    let d = scratch();
+    let dir = d.path().join("model");
+    let m = dir.to_str().unwrap();
+    let o = turboio(&["gen", m, "--shards", "4", "--size", "8MiB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("in 4 shards"), "{}", stdout(&o));
+    let index = dir.join("model.safetensors.index.json");
+    assert!(index.is_file());
+
+    let o = turboio(&["inspect", m]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("in 4 shard(s)") && out.contains("model-00001-of-00004.safetensors") && out.contains("dtypes:"),
+        "{out}"
+    );
+    let o = turboio(&["inspect", index.to_str().unwrap(), "--json"]);
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(doc["shards"].as_array().unwrap().len(), 4);
+    let dtype_bytes: u64 = doc["dtypes"].as_object().unwrap().values().map(|v| v["bytes"].as_u64().unwrap()).sum();
+    assert_eq!(dtype_bytes, doc["bytes"].as_u64().unwrap());
+
+    for mode in ["auto", "copied"] {
+        let o = turboio(&["load", m, "--mode", mode, "--check"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let out = stdout(&o);
+        assert!(out.contains("in 4 shards"), "{out}");
+        assert_eq!(out.matches("check: all").count(), 4, "{out}");
+    }
+
+    // A broken index: one clear line naming it, exit 1.
+    std::fs::write(&index, "{\"weight_map\": {\"nope\": \"model-00001-of-00004.safetensors\"}}").unwrap();
+    for cmd in ["load", "inspect"] {
+        let o = turboio(&[cmd, m]);
+        assert_eq!(o.status.code(), Some(1));
+        let e = stderr(&o);
+        assert!(
+            e.contains("model.safetensors.index.json") && e.contains("tensor `nope` is named by the index but"),
+            "{e}"
+        );
+        assert_eq!(e.lines().count(), 1, "{e}");
+    }
+}

@@ -45,6 +45,12 @@ impl FileMapping {
         self.populate_with(threads, true)
     }
 
+    /// Asks the kernel to read the whole file into the page cache, without waiting for it
+    /// (`MADV_WILLNEED`; advisory: a kernel that ignores it only loses the speed-up).
+    pub fn will_need(&self) {
+        let _ = self.map.advise(0, self.map.len(), libc::MADV_WILLNEED);
+    }
+
     fn populate_with(&self, threads: usize, read_ahead: bool) -> Result<()> {
         if read_ahead {
             // Advisory: a kernel or file system that ignores it only loses the speed-up.

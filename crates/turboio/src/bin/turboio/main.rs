@@ -26,8 +26,10 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Show a file's tensors (name, dtype, shape, size) and metadata; only the header is read.
+    /// For a model directory (or its index JSON): the shards, tensors, sizes and a dtype
+    /// histogram, with the index checked against the shards' headers.
     Inspect {
-        /// A safetensors file.
+        /// A safetensors file, a model directory, or a model's index JSON.
         file: PathBuf,
         /// Print JSON instead of a table.
         #[arg(long)]
@@ -35,9 +37,12 @@ enum Command {
         #[command(flatten)]
         cipher: cipher::ReadCipherArgs,
     },
-    /// Load every tensor into memory exactly as the library does and report the speed.
+    /// Load every tensor into memory exactly as the library does and report the speed. A model
+    /// directory (or its index JSON) is loaded as one job: every shard validated first, then all
+    /// shards read in one pipeline.
     Load {
-        /// A safetensors file.
+        /// A safetensors file, a model directory, or a model's index JSON
+        /// (model.safetensors.index.json).
         file: PathBuf,
         /// Reader threads (0 = one per core).
         #[arg(long, default_value_t = 0)]
@@ -74,8 +79,12 @@ enum Command {
     },
     /// Write a realistic sample checkpoint (mixed dtypes, random data).
     Gen {
-        /// Output file.
+        /// Output file (with --shards: the model directory).
         out: PathBuf,
+        /// Write a sharded model directory of about this many shards (with its
+        /// model.safetensors.index.json) instead of one file.
+        #[arg(long, value_parser = parse_count)]
+        shards: Option<usize>,
         /// Approximate size, e.g. 4GiB, 512MiB, 100MB, 123456 (at least the smallest sample, about 362 KiB).
         #[arg(long, default_value = "1GiB", value_parser = size::parse_size, allow_hyphen_values = true)]
         size: u64,
@@ -131,8 +140,11 @@ fn main() -> ExitCode {
                 gpu.apply(opts).and_then(|opts| load(&file, opts, repeat, reuse_arena, check))
             })
         }
-        Command::Gen { out, size, seed, cipher } => {
-            cipher.encryption().map_err(Into::into).and_then(|encryption| gen(&out, size, seed, encryption))
+        Command::Gen { out, shards, size, seed, cipher } => {
+            cipher.encryption().map_err(Into::into).and_then(|encryption| match shards {
+                Some(n) => gen_model(&out, n, size, seed, encryption),
+                None => gen(&out, size, seed, encryption),
+            })
         }
         Command::Encrypt { input, output, cipher } => cipher::encrypt(&input, &output, &cipher),
         Command::Decrypt { input, output, cipher } => cipher::decrypt(&input, &output, &cipher),
@@ -163,7 +175,15 @@ fn parse_count(s: &str) -> Result<usize, String> {
     }
 }
 
+/// Whether a path names a model (a directory or an index JSON) rather than one file.
+fn is_model(path: &Path) -> bool {
+    path.is_dir() || path.extension().is_some_and(|e| e == "json")
+}
+
 fn inspect(file: &Path, json: bool, opts: &LoadOptions) -> CliResult {
+    if is_model(file) {
+        return inspect_model(file, json, opts);
+    }
     let header = turboio::read_header_of(file, opts)?;
     if json {
         let tensors: Vec<serde_json::Value> = header
@@ -206,6 +226,9 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
 }
 
 fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, check: bool) -> CliResult {
+    if is_model(file) {
+        return load_model(file, opts, repeat, check);
+    }
     sigbus::report_for(file);
     if reuse_arena {
         let huge = opts.huge_pages.unwrap_or_else(turboio::device::default_huge_pages);
@@ -329,6 +352,146 @@ fn gen(out: &Path, size: u64, seed: u64, encryption: Option<turboio::crypt::Encr
         gb((len as f64 / secs.max(1e-9)) as u64)
     );
     Ok(())
+}
+
+fn inspect_model(path: &Path, json: bool, opts: &LoadOptions) -> CliResult {
+    let files = turboio::ModelFiles::resolve(path)?;
+    let summary = turboio::model::summarize(&files, opts)?;
+    if json {
+        let shards: Vec<serde_json::Value> = summary
+            .shards
+            .iter()
+            .map(|(p, n, b)| serde_json::json!({"path": p.display().to_string(), "tensors": n, "bytes": b}))
+            .collect();
+        let dtypes: serde_json::Map<String, serde_json::Value> = summary
+            .dtypes
+            .iter()
+            .map(|(d, (n, b))| (d.clone(), serde_json::json!({"tensors": n, "bytes": b})))
+            .collect();
+        let doc = serde_json::json!({
+            "path": path.display().to_string(),
+            "index": files.index.as_ref().map(|p| p.display().to_string()),
+            "metadata": files.metadata,
+            "tensors": summary.tensors(),
+            "bytes": summary.bytes(),
+            "shards": shards,
+            "dtypes": dtypes,
+        });
+        outln!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(());
+    }
+    let index = files.index.as_ref().map(|p| format!(" (index {})", p.display())).unwrap_or_default();
+    outln!(
+        "{}: {} tensors, {} in {} shard(s){index}",
+        path.display(),
+        summary.tensors(),
+        gb(summary.bytes()),
+        summary.shards.len()
+    );
+    outln!("shards:");
+    for (p, n, b) in &summary.shards {
+        outln!("  {}  {n} tensors  {}", p.file_name().unwrap_or_default().to_string_lossy(), gb(*b));
+    }
+    outln!("dtypes:");
+    for (d, (n, b)) in &summary.dtypes {
+        outln!("  {d:<12} {n:>6} tensors  {}", gb(*b));
+    }
+    Ok(())
+}
+
+fn load_model(path: &Path, mut opts: LoadOptions, repeat: usize, check: bool) -> CliResult {
+    let files = turboio::ModelFiles::resolve(path)?;
+    let total: u64 = files.shards.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
+    let mut times = Vec::new();
+    for run in 1..=repeat {
+        let bar = progress::Bar::start(total, &format!("loading {}", path.display()));
+        opts.progress = bar.counter();
+        let loaded = turboio::load_model(path, &opts);
+        bar.finish();
+        let loaded = loaded?;
+        let r = loaded.report();
+        times.push(r.elapsed.as_secs_f64());
+        let mut how: Vec<String> =
+            loaded.shard_reports().map(|s| format!("{}, {}; {}", s.held, s.read.method, s.cache)).collect();
+        how.sort();
+        how.dedup();
+        outln!(
+            "run {run}: {} tensors in {} shards, {} in {:.3} s = {:.2} GB/s ({} shards at a time x {} threads; {})",
+            loaded.len(),
+            r.files,
+            gb(total),
+            r.elapsed.as_secs_f64(),
+            total as f64 / r.elapsed.as_secs_f64().max(1e-9) / 1e9,
+            r.workers,
+            r.threads_per_fill,
+            how.join(" | "),
+        );
+        for s in loaded.shard_reports() {
+            for why in &s.fallbacks {
+                println!("  fallback: {why}");
+            }
+        }
+        if check {
+            for shard in loaded.shards() {
+                check_against_plain_read(shard, &opts)?;
+            }
+        }
+    }
+    if times.len() > 1 {
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        outln!("median: {median:.3} s = {:.2} GB/s", total as f64 / median / 1e9);
+    }
+    Ok(())
+}
+
+/// `gen --shards N`: a sample of `size` bytes written as a model directory of about N shards.
+fn gen_model(
+    dir: &Path,
+    shards: usize,
+    size: u64,
+    seed: u64,
+    encryption: Option<turboio::crypt::Encryption>,
+) -> CliResult {
+    let min = turboio::sample::min_sample_size();
+    if size < min {
+        return Err(format!(
+            "{}: --size {size} is below the smallest sample, {min} bytes; give at least that",
+            dir.display()
+        )
+        .into());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: cannot create the directory: {e}", dir.display()))?;
+    let start = Instant::now();
+    // The sample is written once as a single file beside the shards, then split.
+    let single = dir.join(".turboio-gen-sample.safetensors");
+    turboio::sample::write_sample(&single, size, seed, &SaveOptions::default())?;
+    let result = (|| -> CliResult {
+        let loaded = turboio::load(&single, &LoadOptions::default())?;
+        let list: Vec<turboio::SaveTensor<'_>> = loaded
+            .tensors()
+            .map(|t| turboio::SaveTensor {
+                name: t.name(),
+                dtype: t.dtype(),
+                shape: t.shape(),
+                data: t.bytes().unwrap_or(&[]),
+            })
+            .collect();
+        let data: u64 = list.iter().map(|t| t.data.len() as u64).sum();
+        let max = data.div_ceil(shards as u64).max(1);
+        let report = turboio::save_model_dir(dir, &list, None, max, &SaveOptions { encryption, ..Default::default() })?;
+        outln!(
+            "wrote {}: {} tensors in {} shards, {} in {:.2} s",
+            dir.display(),
+            list.len(),
+            report.shards.len(),
+            gb(report.total_size),
+            start.elapsed().as_secs_f64()
+        );
+        Ok(())
+    })();
+    let _ = std::fs::remove_file(&single);
+    result
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -1,0 +1,654 @@
+//! Whole models: a directory of safetensors shards with `model.safetensors.index.json`, loaded
+//! as one job, and saved as a set that a crash can never leave half-replaced.
+//!
+//! # Loading
+//!
+//! [`load_model`] takes a safetensors file, a directory, or an index JSON:
+//!
+//! - **an index** (`model.safetensors.index.json`, Hugging Face's format: `{"metadata":
+//!   {"total_size": N}, "weight_map": {tensor: shard}}`; a directory holding one uses it): the
+//!   shards it names, and only those, are loaded. It is validated against the shards' headers
+//!   before any tensor byte is read: a shard it names that is missing, a tensor it names that
+//!   its shard does not hold, a tensor a shard holds that it does not name, a tensor held by
+//!   two shards, a shard name that leaves the directory (`/`, `..`), or a malformed index is an
+//!   error naming the index (or the shard) and what is wrong;
+//! - **a directory without an index**: every `*.safetensors` file in it (sorted by name), a
+//!   tensor name held by two files being an error;
+//! - **a file**: that file (as [`crate::load`]).
+//!
+//! Then every shard is opened, its header validated and its memory allocated (the plan of
+//! [`crate::load`], for each file), and only then are the bytes read, **all shards in one
+//! pipeline**: the files are filled concurrently by workers sharing the cores (largest first,
+//! so no shard waits for the previous one and small shards do not serialise the load), and cold
+//! mapped shards are all asked for from the disk up front. Nothing partial is ever returned.
+//!
+//! # Saving
+//!
+//! [`save_model_dir`] writes tensors as shards of at most `max_shard_size` bytes (a larger
+//! tensor gets a shard of its own), named as `transformers`' `save_pretrained` names them,
+//! `model-0000N-of-0000M.safetensors`, plus the index. Shard names of a new save collide with
+//! the old set's, so replacing shards one by one would let a reader (or a crash) see a mix.
+//! Instead, in order:
+//!
+//! 1. the new shards are written under names the current index does not use (the plain names
+//!    when they are free, else `model-0000N-of-0000M-<tag>.safetensors` with a fresh random
+//!    tag), each through the one atomic writer (temporary file, fsync, rename, directory fsync);
+//!    a reader following the index still sees only the old set;
+//! 2. the index is written through the same writer: its rename is the commit point. Before it,
+//!    the directory loads as the old model; after it, as the new one;
+//! 3. the old set's shards (and shards of earlier saves that were killed before their commit:
+//!    files named like this module's shards that the new index does not name) are removed.
+//!
+//! A crash (or `SIGKILL`) at any point leaves a directory that loads as exactly the old or the
+//! new model; what a crash leaves behind at worst is unreferenced shards, which the next save
+//! removes. The index is always written, even for a single shard, so that this holds for
+//! every save.
+
+use crate::load::{cpu_device, load_device, plan, Planned};
+use crate::{Error, LoadOptions, LoadReport, LoadedFile, Result, SaveOptions, SaveTensor, TensorView};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use turboio_format::Dtype;
+use turboio_storage::IoOptions;
+
+/// The index file's name in a model directory.
+pub const INDEX_NAME: &str = "model.safetensors.index.json";
+
+fn model_error(path: &Path, message: impl Into<String>) -> Error {
+    Error::Unsupported { path: path.to_owned(), message: message.into() }
+}
+
+/// The files of a model and, when an index gives it, which tensor each shard must hold.
+#[derive(Debug, Clone)]
+pub struct ModelFiles {
+    /// The index JSON, when the model has one.
+    pub index: Option<PathBuf>,
+    /// The shard files, in the order they are listed (index order of first appearance, or by
+    /// name).
+    pub shards: Vec<PathBuf>,
+    /// From the index: tensor name -> position in `shards`.
+    pub weight_map: Option<BTreeMap<String, usize>>,
+    /// From the index: `metadata` (its values as JSON text when they are not strings).
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl ModelFiles {
+    /// Finds the files of the model at `path` (a file, a directory, or an index JSON) and
+    /// parses the index, without reading any shard.
+    pub fn resolve(path: impl AsRef<Path>) -> Result<ModelFiles> {
+        let path = path.as_ref();
+        let meta =
+            std::fs::metadata(path).map_err(|e| model_error(path, format!("cannot read the model path: {e}")))?;
+        if meta.is_dir() {
+            let index = path.join(INDEX_NAME);
+            if index.is_file() {
+                return Self::from_index(&index);
+            }
+            let mut shards: Vec<PathBuf> = std::fs::read_dir(path)
+                .map_err(|e| model_error(path, format!("cannot list the directory: {e}")))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors") && p.is_file())
+                .collect();
+            shards.sort();
+            if shards.is_empty() {
+                return Err(model_error(path, format!("no {INDEX_NAME} and no *.safetensors file in this directory")));
+            }
+            return Ok(ModelFiles { index: None, shards, weight_map: None, metadata: BTreeMap::new() });
+        }
+        if path.to_string_lossy().ends_with(".json") {
+            return Self::from_index(path);
+        }
+        Ok(ModelFiles { index: None, shards: vec![path.to_owned()], weight_map: None, metadata: BTreeMap::new() })
+    }
+
+    fn from_index(index: &Path) -> Result<ModelFiles> {
+        let text = std::fs::read(index).map_err(|e| model_error(index, format!("cannot read the index: {e}")))?;
+        let json: serde_json::Value = serde_json::from_slice(&text)
+            .map_err(|e| model_error(index, format!("the index is not valid JSON: {e}")))?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| model_error(index, "the index has no \"weight_map\" object"))?;
+        let mut metadata = BTreeMap::new();
+        match json.get("metadata") {
+            None | Some(serde_json::Value::Null) => {}
+            Some(serde_json::Value::Object(m)) => {
+                for (k, v) in m {
+                    let v = v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string());
+                    metadata.insert(k.clone(), v);
+                }
+            }
+            Some(_) => return Err(model_error(index, "the index's \"metadata\" is not an object")),
+        }
+        let dir = index.parent().unwrap_or(Path::new("."));
+        let mut shards: Vec<PathBuf> = Vec::new();
+        let mut position: HashMap<&str, usize> = HashMap::new();
+        let mut weight_map = BTreeMap::new();
+        for (tensor, shard) in map {
+            let shard = shard
+                .as_str()
+                .ok_or_else(|| model_error(index, format!("weight_map[{tensor:?}] is not a file name")))?;
+            if shard.is_empty() || shard.contains('/') || shard.contains('\\') || shard == "." || shard == ".." {
+                return Err(model_error(
+                    index,
+                    format!("weight_map[{tensor:?}] = {shard:?} is not a file name in the index's directory"),
+                ));
+            }
+            let i = *position.entry(shard).or_insert_with(|| {
+                shards.push(dir.join(shard));
+                shards.len() - 1
+            });
+            weight_map.insert(tensor.clone(), i);
+        }
+        if shards.is_empty() {
+            return Err(model_error(index, "the index's weight_map is empty"));
+        }
+        for s in &shards {
+            if !s.is_file() {
+                return Err(model_error(
+                    index,
+                    format!(
+                        "shard {} named by the index does not exist",
+                        s.file_name().unwrap_or_default().to_string_lossy()
+                    ),
+                ));
+            }
+        }
+        Ok(ModelFiles { index: Some(index.to_owned()), shards, weight_map: Some(weight_map), metadata })
+    }
+
+    /// Where errors about the model as a whole point: the index, else the first shard.
+    fn origin(&self) -> &Path {
+        self.index.as_deref().unwrap_or(&self.shards[0])
+    }
+
+    /// Checks the shards' tensor lists (one per shard, in `shards` order) against the index and
+    /// against each other; returns tensor name -> shard.
+    fn check<'a>(&self, names: &[Vec<&'a str>]) -> Result<HashMap<&'a str, usize>> {
+        let mut owner: HashMap<&'a str, usize> = HashMap::new();
+        for (i, list) in names.iter().enumerate() {
+            for &name in list {
+                if let Some(j) = owner.insert(name, i) {
+                    return Err(model_error(
+                        self.origin(),
+                        format!(
+                            "tensor `{name}` is held by two shards: {} and {}",
+                            file_name(&self.shards[j]),
+                            file_name(&self.shards[i])
+                        ),
+                    ));
+                }
+            }
+        }
+        if let (Some(index), Some(map)) = (&self.index, &self.weight_map) {
+            for (name, &i) in map {
+                match owner.get(name.as_str()) {
+                    Some(&j) if j == i => {}
+                    Some(&j) => {
+                        return Err(model_error(
+                            index,
+                            format!(
+                                "the index puts tensor `{name}` in {}, but {} holds it",
+                                file_name(&self.shards[i]),
+                                file_name(&self.shards[j])
+                            ),
+                        ))
+                    }
+                    None => {
+                        return Err(model_error(
+                            index,
+                            format!(
+                                "tensor `{name}` is named by the index but {} does not hold it",
+                                file_name(&self.shards[i])
+                            ),
+                        ))
+                    }
+                }
+            }
+            if let Some((name, &i)) = owner.iter().find(|(n, _)| !map.contains_key(**n)) {
+                return Err(model_error(
+                    index,
+                    format!("{} holds tensor `{name}`, which the index does not name", file_name(&self.shards[i])),
+                ));
+            }
+        }
+        Ok(owner)
+    }
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| p.display().to_string())
+}
+
+/// What a model load did: one line for the whole model, the shards' own reports beside it.
+#[derive(Debug)]
+pub struct ModelReport {
+    /// Shards loaded.
+    pub files: usize,
+    /// Bytes brought into memory, all shards together.
+    pub bytes: u64,
+    /// Wall time of the whole load (opening and validating every shard included).
+    pub elapsed: Duration,
+    /// Concurrent shard fills (workers) and threads per fill.
+    pub workers: usize,
+    /// Threads each worker's fill used.
+    pub threads_per_fill: usize,
+}
+
+impl ModelReport {
+    /// Throughput in GB/s (10^9 bytes per second) over the bytes brought in.
+    pub fn gb_per_s(&self) -> f64 {
+        self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-9) / 1e9
+    }
+}
+
+/// A loaded model: every shard's [`LoadedFile`] and which one holds each tensor.
+#[derive(Debug)]
+pub struct LoadedModel {
+    files: ModelFiles,
+    shards: Vec<LoadedFile>,
+    owner: HashMap<String, usize>,
+    report: ModelReport,
+}
+
+impl LoadedModel {
+    /// The files the model was loaded from.
+    pub fn files(&self) -> &ModelFiles {
+        &self.files
+    }
+
+    /// The loaded shards, in [`ModelFiles::shards`] order.
+    pub fn shards(&self) -> &[LoadedFile] {
+        &self.shards
+    }
+
+    /// What the load did, for the whole model.
+    pub fn report(&self) -> &ModelReport {
+        &self.report
+    }
+
+    /// Every shard's own report.
+    pub fn shard_reports(&self) -> impl Iterator<Item = &LoadReport> {
+        self.shards.iter().map(|s| s.report())
+    }
+
+    /// Number of tensors, all shards together.
+    pub fn len(&self) -> usize {
+        self.owner.len()
+    }
+
+    /// True if the model has no tensor.
+    pub fn is_empty(&self) -> bool {
+        self.owner.is_empty()
+    }
+
+    /// A tensor by name, from whichever shard holds it.
+    pub fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
+        self.shards[*self.owner.get(name)?].tensor(name)
+    }
+
+    /// The shard holding a tensor.
+    pub fn shard_of(&self, name: &str) -> Option<&LoadedFile> {
+        self.owner.get(name).map(|&i| &self.shards[i])
+    }
+
+    /// Every tensor, shard after shard, each in file order.
+    pub fn tensors(&self) -> impl Iterator<Item = TensorView<'_>> {
+        self.shards.iter().flat_map(|s| s.tensors())
+    }
+
+    /// Total bytes of the tensors' data.
+    pub fn data_bytes(&self) -> u64 {
+        self.tensors().map(|t| t.len() as u64).sum()
+    }
+}
+
+/// Loads a whole model (a file, a directory of shards, or an index JSON) as one job; see the
+/// [module docs](self).
+pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedModel> {
+    let started = Instant::now();
+    let files = ModelFiles::resolve(path)?;
+    let cpu = cpu_device(opts);
+    let device = load_device(opts, &cpu);
+
+    // Open, validate and allocate every shard before reading any tensor byte.
+    let mut planned: Vec<Planned> = Vec::with_capacity(files.shards.len());
+    for shard in &files.shards {
+        planned.push(plan(shard, opts, device)?);
+    }
+    let names: Vec<Vec<&str>> =
+        planned.iter().map(|p| p.header().tensors().iter().map(|t| t.name.as_str()).collect()).collect();
+    let owner: HashMap<String, usize> =
+        files.check(&names)?.into_iter().map(|(name, i)| (name.to_owned(), i)).collect();
+    drop(names);
+
+    // Fill every shard in one pipeline: `workers` fills at a time, largest first, sharing the
+    // cores; cold mapped shards are all asked for from the disk first.
+    let threads = if opts.threads == 0 { turboio_storage::default_threads() } else { opts.threads };
+    let workers = planned.len().clamp(1, threads);
+    let per_fill = (threads / workers).max(1);
+    for p in &planned {
+        p.read_ahead();
+    }
+    let mut order: Vec<usize> = (0..planned.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(planned[i].bytes()));
+    let io = IoOptions {
+        threads: per_fill,
+        progress: opts.progress.as_deref(),
+        cancel: opts.cancel.as_deref(),
+        ..Default::default()
+    };
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let slots: Vec<std::sync::Mutex<Option<Planned>>> =
+        planned.into_iter().map(|p| std::sync::Mutex::new(Some(p))).collect();
+    let results: Vec<std::sync::Mutex<Option<Result<crate::ReadInfo>>>> =
+        slots.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    let failed = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            scope.spawn(|| loop {
+                let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(&i) = order.get(k) else { break };
+                if failed.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                let mut slot = slots[i].lock().unwrap_or_else(|e| e.into_inner());
+                let Some(p) = slot.as_mut() else { continue };
+                let r = p.fill(device, opts, &io);
+                if r.is_err() {
+                    failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+            });
+        }
+    });
+    let mut shards = Vec::with_capacity(slots.len());
+    let mut bytes = 0;
+    for (slot, result) in slots.into_iter().zip(results) {
+        let p = slot.into_inner().unwrap_or_else(|e| e.into_inner());
+        let result = result.into_inner().unwrap_or_else(|e| e.into_inner());
+        match (p, result) {
+            (Some(p), Some(Ok(read))) => {
+                bytes += p.bytes();
+                shards.push(p.finish(read, opts)?);
+            }
+            (_, Some(Err(e))) => return Err(e),
+            // A fill skipped because another shard failed: that error is returned above.
+            _ => {}
+        }
+    }
+    if shards.len() != files.shards.len() {
+        return Err(model_error(files.origin(), "a shard was not loaded"));
+    }
+    let report =
+        ModelReport { files: shards.len(), bytes, elapsed: started.elapsed(), workers, threads_per_fill: per_fill };
+    Ok(LoadedModel { files, shards, owner, report })
+}
+
+/// Parses a shard size: a number of bytes, or with a unit (`"5GB"`, `"500MB"`, `"2GiB"`, as
+/// `transformers`' `max_shard_size` takes them: KB/MB/GB are powers of 10, KiB/MiB/GiB of 2).
+pub fn parse_shard_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("invalid size {s:?}: expected e.g. 5GB, 500MB or a byte count"))?;
+    let mult: f64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "TB" => 1e12,
+        "KIB" => 1024.0,
+        "MIB" => 1024.0 * 1024.0,
+        "GIB" => 1024.0 * 1024.0 * 1024.0,
+        "TIB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        _ => return Err(format!("invalid size {s:?}: unknown unit {unit:?} (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")),
+    };
+    let v = n * mult;
+    if !(1.0..1.8e19).contains(&v) {
+        return Err(format!("invalid size {s:?}: must be at least one byte"));
+    }
+    Ok(v as u64)
+}
+
+/// Splits tensors (their byte sizes, in order) into shards of at most `max` bytes each, as
+/// `transformers` does: a tensor that does not fit in the current shard starts a new one, and
+/// a tensor larger than `max` gets a shard of its own.
+pub fn plan_shards(sizes: &[u64], max: u64) -> Vec<Vec<usize>> {
+    let mut shards: Vec<Vec<usize>> = Vec::new();
+    let mut current: Vec<usize> = Vec::new();
+    let mut used = 0u64;
+    for (i, &n) in sizes.iter().enumerate() {
+        if !current.is_empty() && used.saturating_add(n) > max {
+            shards.push(std::mem::take(&mut current));
+            used = 0;
+        }
+        current.push(i);
+        used = used.saturating_add(n);
+    }
+    if !current.is_empty() || shards.is_empty() {
+        shards.push(current);
+    }
+    shards
+}
+
+/// Whether a file name is one this module writes as a shard (`model-NNNNN-of-NNNNN.safetensors`,
+/// optionally with `-<hex tag>` before the extension).
+fn is_shard_name(name: &str) -> bool {
+    let Some(stem) = name.strip_prefix("model-").and_then(|s| s.strip_suffix(".safetensors")) else {
+        return false;
+    };
+    let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+    let parts: Vec<&str> = stem.split('-').collect();
+    let tag_ok = match parts.get(3) {
+        None => true,
+        Some(t) => !t.is_empty() && t.bytes().all(|b| b.is_ascii_hexdigit()),
+    };
+    (parts.len() == 3 || parts.len() == 4) && digits(parts[0]) && parts[1] == "of" && digits(parts[2]) && tag_ok
+}
+
+/// Whether a file is the temporary file of a shard whose writer was killed: the writer's
+/// `.NAME.turboio-tmp.PID.RANDOM` for a shard name, with a process id that no longer exists.
+/// (The writer removes such files when the same name is saved again; shard names of killed
+/// saves may never be saved again, so the model save removes them.)
+fn is_dead_writers_temp(name: &str) -> bool {
+    let Some((shard, rest)) = name.strip_prefix('.').and_then(|n| n.split_once(".turboio-tmp.")) else {
+        return false;
+    };
+    let Some(pid) = rest.split('.').next().and_then(|p| p.parse::<u32>().ok()) else { return false };
+    is_shard_name(shard) && pid != std::process::id() && !Path::new("/proc").join(pid.to_string()).exists()
+}
+
+/// A random hex tag for shard names that must not collide with the current set.
+fn fresh_tag() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    h.write_u32(std::process::id());
+    format!("{:08x}", h.finish() as u32)
+}
+
+/// What [`save_model_dir`] wrote.
+#[derive(Debug, Clone)]
+pub struct ModelSaveReport {
+    /// The index written (the commit point).
+    pub index: PathBuf,
+    /// The shards written, in order.
+    pub shards: Vec<PathBuf>,
+    /// Files of older sets removed after the commit.
+    pub removed: Vec<PathBuf>,
+    /// Sum of the tensors' data bytes (`metadata.total_size` in the index).
+    pub total_size: u64,
+}
+
+/// Saves tensors as a sharded model directory with its index, atomically as a set; see the
+/// [module docs](self) for the steps and what a reader (or a crash) sees at each.
+///
+/// `metadata` goes into every shard's header (`__metadata__`) and the index's `metadata`
+/// (beside `total_size`). `opts` applies to the shards (encryption included); the index is
+/// always plain JSON.
+pub fn save_model_dir(
+    dir: impl AsRef<Path>,
+    tensors: &[SaveTensor<'_>],
+    metadata: Option<&BTreeMap<String, String>>,
+    max_shard_size: u64,
+    opts: &SaveOptions,
+) -> Result<ModelSaveReport> {
+    let dir = dir.as_ref();
+    std::fs::create_dir_all(dir).map_err(|e| model_error(dir, format!("cannot create the model directory: {e}")))?;
+    let index = dir.join(INDEX_NAME);
+    // Names the current index uses: the new set must not overwrite any of them.
+    let old: Vec<PathBuf> = match ModelFiles::from_index(&index) {
+        Ok(f) => f.shards,
+        Err(_) if !index.exists() => Vec::new(),
+        // An unreadable old index: its shards are unknown, so every new name gets a tag.
+        Err(_) => Vec::new(),
+    };
+    let index_exists = index.exists();
+    let mut seen = std::collections::HashSet::new();
+    for t in tensors {
+        if !seen.insert(t.name) {
+            return Err(model_error(&index, format!("tensor `{}` is given twice", t.name)));
+        }
+    }
+    let sizes: Vec<u64> = tensors.iter().map(|t| t.data.len() as u64).collect();
+    let groups = plan_shards(&sizes, max_shard_size.max(1));
+    let m = groups.len();
+    let plain: Vec<String> = (1..=m).map(|i| format!("model-{i:05}-of-{m:05}.safetensors")).collect();
+    let taken = |n: &str| old.iter().any(|p| p.file_name().is_some_and(|f| f == n));
+    let names: Vec<String> = if plain.iter().any(|n| taken(n)) || (index_exists && old.is_empty()) {
+        let tag = fresh_tag();
+        (1..=m).map(|i| format!("model-{i:05}-of-{m:05}-{tag}.safetensors")).collect()
+    } else {
+        plain
+    };
+
+    // 1. The new shards, each atomic and durable; the index still names the old set.
+    let mut shards = Vec::with_capacity(m);
+    let mut weight_map = serde_json::Map::new();
+    for (group, name) in groups.iter().zip(&names) {
+        let path = dir.join(name);
+        let list: Vec<SaveTensor<'_>> = group.iter().map(|&i| tensors[i]).collect();
+        crate::save(&path, &list, metadata, opts)?;
+        for t in &list {
+            weight_map.insert(t.name.to_owned(), serde_json::Value::String(name.clone()));
+        }
+        shards.push(path);
+    }
+
+    // 2. The index: its atomic rename is the commit point.
+    let total_size: u64 = sizes.iter().sum();
+    let mut meta = serde_json::Map::new();
+    if let Some(md) = metadata {
+        for (k, v) in md {
+            meta.insert(k.clone(), serde_json::Value::String(v.clone()));
+        }
+    }
+    meta.insert("total_size".into(), serde_json::Value::from(total_size));
+    let json = serde_json::json!({ "metadata": meta, "weight_map": weight_map });
+    let text = serde_json::to_vec_pretty(&json).map_err(|e| model_error(&index, e.to_string()))?;
+    let index_opts = SaveOptions { encryption: None, ..opts.clone() };
+    crate::write_bytes(&index, &text, &index_opts)?;
+
+    // 3. The old set and shards of killed saves, now unreferenced.
+    let mut removed = Vec::new();
+    let keep: std::collections::HashSet<&str> = names.iter().map(String::as_str).collect();
+    let stale = std::fs::read_dir(dir)
+        .map_err(|e| model_error(dir, format!("cannot list the model directory: {e}")))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| (!keep.contains(n) && is_shard_name(n)) || is_dead_writers_temp(n))
+        });
+    for p in old.into_iter().filter(|p| !shards.contains(p)).chain(stale) {
+        if !removed.contains(&p) && std::fs::remove_file(&p).is_ok() {
+            removed.push(p);
+        }
+    }
+    Ok(ModelSaveReport { index, shards, removed, total_size })
+}
+
+/// A summary of a model's files for `inspect`: per shard (name, tensors, bytes) and a dtype
+/// histogram (dtype -> (tensors, bytes)), from the headers only.
+pub fn summarize(files: &ModelFiles, opts: &LoadOptions) -> Result<ModelSummary> {
+    let mut shards = Vec::new();
+    let mut dtypes: BTreeMap<String, (usize, u64)> = BTreeMap::new();
+    let mut names: Vec<Vec<String>> = Vec::new();
+    for path in &files.shards {
+        let header = crate::read_header_of(path, opts)?;
+        let mut bytes = 0u64;
+        for t in header.tensors() {
+            let e = dtypes.entry(dtype_name(t.dtype)).or_default();
+            e.0 += 1;
+            e.1 += t.len() as u64;
+            bytes += t.len() as u64;
+        }
+        names.push(header.tensors().iter().map(|t| t.name.clone()).collect());
+        shards.push((path.clone(), header.len(), bytes));
+    }
+    let refs: Vec<Vec<&str>> = names.iter().map(|v| v.iter().map(String::as_str).collect()).collect();
+    files.check(&refs)?;
+    Ok(ModelSummary { shards, dtypes })
+}
+
+fn dtype_name(d: Dtype) -> String {
+    d.name().to_owned()
+}
+
+/// What [`summarize`] found.
+#[derive(Debug, Clone)]
+pub struct ModelSummary {
+    /// Per shard: path, tensors, data bytes.
+    pub shards: Vec<(PathBuf, usize, u64)>,
+    /// Per dtype: tensors, data bytes.
+    pub dtypes: BTreeMap<String, (usize, u64)>,
+}
+
+impl ModelSummary {
+    /// Tensors, all shards together.
+    pub fn tensors(&self) -> usize {
+        self.shards.iter().map(|s| s.1).sum()
+    }
+
+    /// Data bytes, all shards together.
+    pub fn bytes(&self) -> u64 {
+        self.shards.iter().map(|s| s.2).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_split_as_transformers_does() {
+        assert_eq!(plan_shards(&[4, 4, 4], 8), vec![vec![0, 1], vec![2]]);
+        assert_eq!(plan_shards(&[10, 1, 1], 8), vec![vec![0], vec![1, 2]]);
+        assert_eq!(plan_shards(&[1, 10, 1], 8), vec![vec![0], vec![1], vec![2]]);
+        assert_eq!(plan_shards(&[], 8), vec![Vec::<usize>::new()]);
+    }
+
+    #[test]
+    fn shard_sizes_parse_like_transformers() {
+        assert_eq!(parse_shard_size("5GB"), Ok(5_000_000_000));
+        assert_eq!(parse_shard_size("500MB"), Ok(500_000_000));
+        assert_eq!(parse_shard_size("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_shard_size("1234"), Ok(1234));
+        assert!(parse_shard_size("5XB").is_err());
+        assert!(parse_shard_size("0").is_err());
+        assert!(parse_shard_size("-1GB").is_err());
+    }
+
+    #[test]
+    fn shard_names_are_recognised() {
+        assert!(is_shard_name("model-00001-of-00002.safetensors"));
+        assert!(is_shard_name("model-00001-of-00002-1a2b3c4d.safetensors"));
+        assert!(!is_shard_name("model.safetensors"));
+        assert!(!is_shard_name("model-00001-of-00002.bin"));
+        assert!(!is_shard_name("model-1-of-2.safetensors"));
+        assert!(!is_shard_name("model-00001-xx-00002.safetensors"));
+        assert!(!is_shard_name("model-00001-of-00002-notahex!.safetensors"));
+    }
+}
