@@ -587,6 +587,88 @@ fn load(
     Ok(PyLoaded { inner: Arc::new(ExportedLoad::new(loaded)) })
 }
 
+/// Loads a whole model (a safetensors file, a directory of shards, or an index JSON) as one
+/// job into the CPU (GIL released, Ctrl-C cancels): every shard validated and the index checked
+/// first, then all shards read in one pipeline. Returns one `LoadedFile` per shard.
+#[pyfunction]
+#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", progress=None, cipher=false))]
+fn load_model(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    threads: usize,
+    cache: &str,
+    mode: &str,
+    progress: Option<Bound<'_, PyAny>>,
+    cipher: bool,
+) -> PyResult<Vec<PyLoaded>> {
+    let cancel = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let opts = LoadOptions {
+        progress: Some(done.clone()),
+        threads,
+        cache: parse_cache(cache)?,
+        mode: parse_mode(mode)?,
+        cancel: Some(cancel.clone()),
+        encryption: encryption(cipher, false),
+        ..Default::default()
+    };
+    let model = interruptible(py, &cancel, progress.as_ref().map(|cb| (cb, &*done)), || {
+        let model = turboio::load_model(&path, &opts)?;
+        done.store(model.shards().iter().map(|s| s.header().file_len()).sum(), Ordering::Relaxed);
+        Ok(model)
+    })?;
+    Ok(model.into_shards().into_iter().map(|f| PyLoaded { inner: Arc::new(ExportedLoad::new(f)) }).collect())
+}
+
+/// Saves tensors given by address as a sharded model directory with its index, atomically as a
+/// set (GIL released). Returns `(index path, [shard paths])`.
+///
+/// Private to the Python package, which passes only `data_ptr()`s of contiguous CPU tensors it
+/// keeps referenced for the call.
+#[pyfunction]
+#[pyo3(signature = (dir, tensors, max_shard_size, metadata=None, threads=0, cipher=false))]
+fn _save_model_dir(
+    py: Python<'_>,
+    dir: std::path::PathBuf,
+    tensors: Vec<RawTensor>,
+    max_shard_size: u64,
+    metadata: Option<BTreeMap<String, String>>,
+    threads: usize,
+    cipher: bool,
+) -> PyResult<(String, Vec<String>)> {
+    let dtypes = tensors.iter().map(|t| dtype_of(&t.1)).collect::<PyResult<Vec<_>>>()?;
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts = SaveOptions {
+        threads,
+        cancel: Some(cancel.clone()),
+        encryption: encryption(cipher, false),
+        ..Default::default()
+    };
+    let report = interruptible(py, &cancel, None, || {
+        let views: Vec<turboio::SaveTensor<'_>> = tensors
+            .iter()
+            .zip(&dtypes)
+            .map(|(t, &dtype)| turboio::SaveTensor {
+                name: &t.0,
+                dtype,
+                shape: &t.2,
+                // SAFETY: see this function's doc: the address holds `t.4` readable bytes,
+                // kept alive and unchanged by the caller for the call.
+                data: unsafe { dlpack::host_slice(t.3, t.4) },
+            })
+            .collect();
+        turboio::save_model_dir(&dir, &views, metadata.as_ref(), max_shard_size, &opts)
+    })?;
+    let shards = report.shards.iter().map(|p| p.display().to_string()).collect();
+    Ok((report.index.display().to_string(), shards))
+}
+
+/// `max_shard_size` as `transformers` takes it ("5GB", "500MB", "2GiB", or a byte count).
+#[pyfunction]
+fn parse_shard_size(s: &str) -> PyResult<u64> {
+    turboio::model::parse_shard_size(s).map_err(PyValueError::new_err)
+}
+
 type HeaderInfo = (u64, u64, Option<BTreeMap<String, String>>, Vec<(String, &'static str, Vec<usize>, usize, usize)>);
 
 fn header_info(h: &Header) -> HeaderInfo {
@@ -1017,6 +1099,9 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_device, m)?)?;
     m.add_function(wrap_pyfunction!(_save_device, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(load_model, m)?)?;
+    m.add_function(wrap_pyfunction!(_save_model_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_shard_size, m)?)?;
     m.add_function(wrap_pyfunction!(read_header, m)?)?;
     m.add_function(wrap_pyfunction!(file_kind, m)?)?;
     m.add_function(wrap_pyfunction!(read_all, m)?)?;

@@ -263,6 +263,11 @@ impl LoadedModel {
         &self.shards
     }
 
+    /// The loaded shards, taken out (e.g. to hand each to a consumer that owns it).
+    pub fn into_shards(self) -> Vec<LoadedFile> {
+        self.shards
+    }
+
     /// What the load did, for the whole model.
     pub fn report(&self) -> &ModelReport {
         &self.report

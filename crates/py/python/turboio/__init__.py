@@ -8,6 +8,9 @@ Three drop-in APIs on one fast core:
   (also `turboio.fastsafetensors`).
 - safetensors.torch: `import turboio.torch` (`load_file`, `save_file`, `safe_open`, ...).
 
+Whole models (directories of shards with `model.safetensors.index.json`): `load_model`,
+`save_model_dir`, `iter_weights` (see `turboio.models`).
+
 Loaded tensors are views into the loader's memory, handed to torch through DLPack without a
 copy; the memory is freed when the last tensor viewing it is garbage collected.
 """
@@ -30,6 +33,7 @@ _atexit.register(_turboio.wait_for_saves)
 from ._dtypes import torch_dtype_for as _torch_dtype_for
 from ._torch import alias_shared as _alias_shared, tensors_of as _tensors_of, threads as _threads
 from .fastsafetensors import SafeTensorsFileLoader, SingleGroup, fastsafe_open
+from .models import iter_weights, load_model, save_model_dir
 
 __all__ = [
     "load",
@@ -42,6 +46,9 @@ __all__ = [
     "SafeTensorsFileLoader",
     "SingleGroup",
     "fastsafe_open",
+    "load_model",
+    "save_model_dir",
+    "iter_weights",
     "__version__",
 ]
 
