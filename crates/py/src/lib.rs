@@ -739,6 +739,7 @@ fn parse_bytes(data: &[u8]) -> PyResult<HeaderInfo> {
 }
 
 /// Reads file ranges into memory given by address: `[(file_offset, address, nbytes)]`.
+/// Returns the bytes the storage read (as its progress counted them).
 ///
 /// Private to the Python package, which passes only `data_ptr()`s of contiguous CPU tensors
 /// (or shared-memory buffers) it has checked and keeps referenced for the call.
@@ -751,13 +752,15 @@ fn _read_into(
     threads: usize,
     cache: &str,
     cipher: bool,
-) -> PyResult<()> {
+) -> PyResult<u64> {
     let cancel = Arc::new(AtomicBool::new(false));
+    let read = Arc::new(AtomicU64::new(0));
     let opts = LoadOptions {
         threads,
         cache: parse_cache(cache)?,
         encryption: encryption(cipher, false),
         cancel: Some(cancel.clone()),
+        progress: Some(read.clone()),
         ..Default::default()
     };
     let plan = plan_destinations(&requests);
@@ -793,7 +796,7 @@ fn _read_into(
             // the destination exists while this copies.
             unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), addr as *mut u8, len) };
         }
-        Ok(())
+        Ok(read.load(Ordering::Relaxed))
     })
 }
 

@@ -51,7 +51,8 @@ def test_loader(files):
 def test_get_sharded_gives_this_rank_its_block(files, world):
     pa, _, ref = files
     for rank in range(world):
-        loader = SafeTensorsFileLoader(FakeGroup(world, rank), device="cpu")
+        # Direct mode needs no collectives: each simulated rank reads its own block.
+        loader = SafeTensorsFileLoader(FakeGroup(world, rank), device="cpu", shard_mode="direct")
         loader.add_filenames({0: [pa]})
         fb = loader.copy_files_to_device()
         for dim in (0, 1):
@@ -89,3 +90,20 @@ def test_errors(files):
     loader.add_filenames({0: [pa, copy]})
     with pytest.raises(Exception, match="unique"):
         loader.copy_files_to_device()
+
+
+def test_parallel_and_auto_loaders_in_one_process(files, tmp, monkeypatch):
+    from turboio.fastsafetensors import AutoLoader, ParallelLoader
+
+    pa, pb, ref = files
+    for loader in (ParallelLoader(SingleGroup(), [pa, pb]), AutoLoader(SingleGroup(), [pa, pb])):
+        got = dict(loader.iterate_weights())
+        assert got.keys() == ref.keys()
+        for name, t in got.items():
+            assert same(t, ref[name]), name
+        loader.close()
+    cfg = tmp / "fst.json"
+    cfg.write_text('{"loader": "3fs"}')
+    monkeypatch.setenv("FASTSAFETENSORS_CONFIG", str(cfg))
+    with pytest.raises(NotImplementedError, match="3fs"):
+        AutoLoader(SingleGroup(), [pa])

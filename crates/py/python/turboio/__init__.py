@@ -32,7 +32,7 @@ from ._turboio import __version__
 _atexit.register(_turboio.wait_for_saves)
 from ._dtypes import torch_dtype_for as _torch_dtype_for
 from ._torch import alias_shared as _alias_shared, tensors_of as _tensors_of, threads as _threads
-from .fastsafetensors import SafeTensorsFileLoader, SingleGroup, fastsafe_open
+from .fastsafetensors import AutoLoader, ParallelLoader, SafeTensorsFileLoader, SingleGroup, fastsafe_open
 from .models import iter_weights, load_model, save_model_dir
 
 __all__ = [
@@ -46,6 +46,8 @@ __all__ = [
     "SafeTensorsFileLoader",
     "SingleGroup",
     "fastsafe_open",
+    "ParallelLoader",
+    "AutoLoader",
     "load_model",
     "save_model_dir",
     "iter_weights",

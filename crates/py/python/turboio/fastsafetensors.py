@@ -4,15 +4,30 @@
 Differences that make it safer: tensors keep their memory alive (no use-after-free after
 `close()`: `close()` only drops this loader's references), and files are validated with the
 reference safetensors rules.
+
+Several ranks (a real `torch.distributed` process group; SPMD: every rank makes the same calls
+in the same order), two ways to shard, chosen with `shard_mode=` (a turboio extension):
+
+- `"collectives"` (default, fastsafetensors' way): each file is read once, by the rank it was
+  added for; `get_tensor` broadcasts it from that rank, `get_sharded` scatters the blocks,
+  `push_tensor` sends it to one rank. Best where storage is slower than the interconnect.
+- `"direct"`: no rank holds whole files; every rank reads from storage only the bytes it needs:
+  for `get_sharded(name, dim)` its own block (one contiguous range for `dim=0`, the strided
+  rows for inner dims), for `get_tensor` the tensor. No collective moves tensor data and each
+  rank reads about 1/world of a sharded tensor's bytes. Best where every rank sees the same
+  fast storage (a local NVMe, a parallel file system) and the interconnect is the bottleneck.
+
+`FilesBufferOnDevice.bytes_read` says how many bytes this rank read from storage.
 """
 
 import math
 import os
 
 from . import _cuda, _turboio
+from ._dtypes import torch_dtype_for
 from ._torch import tensor_from, threads as _threads
 
-__all__ = ["SafeTensorsFileLoader", "FilesBufferOnDevice", "SingleGroup", "fastsafe_open"]
+__all__ = ["SafeTensorsFileLoader", "FilesBufferOnDevice", "SingleGroup", "fastsafe_open", "ParallelLoader", "AutoLoader"]
 
 
 class SingleGroup:
@@ -43,51 +58,193 @@ def _check_pg(pg):
     raise Exception("pg must be an instance of torch.disributed.ProcessGroup")
 
 
-class FilesBufferOnDevice:
-    """The loaded files: `get_tensor`, `get_sharded`, ... (views into the loads)."""
+def _block_range(size, world, rank):
+    """fastsafetensors' split: rank r gets [r*b, (r+1)*b) of ceil(size/world)-sized blocks, the
+    last short or empty. Returns (start, length)."""
+    block = math.ceil(size / world)
+    start = min(rank * block, size)
+    return start, max(0, min(block, size - start))
 
-    def __init__(self, loads, pg, dtype=None):
+
+def _distributed(pg):
+    """True for a real torch.distributed group of more than one rank."""
+    return not isinstance(pg, SingleGroup) and pg.size() > 1
+
+
+def _global_rank(pg, group_rank):
+    import torch.distributed as dist
+
+    try:
+        return dist.get_global_rank(pg, group_rank)
+    except (AttributeError, ValueError, RuntimeError):
+        return group_rank
+
+
+class FilesBufferOnDevice:
+    """The loaded files: `get_tensor`, `get_sharded`, ... (see the module docs for the two
+    shard modes)."""
+
+    def __init__(self, loads, pg, dtype=None, headers=None, owners=None, mode="collectives", device=None, threads=0):
         self._pg = pg
         self._dtype = dtype
-        self._loads = loads  # {filename: LoadedFile}
-        self._where = {}
+        self._loads = loads  # {filename: LoadedFile}, this rank's files (collectives)
+        self._mode = mode
+        self._device = device
+        self._threads = threads
+        self._where = {}  # name -> (filename, Tensor of a load), this rank's files
+        self._info = {}  # name -> (filename, dtype, shape, begin, end, data_start, owner rank)
+        self._read = 0
+        for filename, (data_start, infos) in (headers or {}).items():
+            for name, dt, shape, begin, end in infos:
+                if name in self._info:
+                    raise Exception(f"FilesBufferOnDevice: key {name} must be unique among files")
+                self._info[name] = (filename, dt, list(shape), begin, end, data_start, owners[filename])
         for filename, loaded in loads.items():
+            self._read += loaded.report()["bytes"]
             for pt in loaded.tensors():
-                if pt.name in self._where:
+                if pt.name in self._where or (pt.name in self._info and self._info[pt.name][0] != filename):
                     raise Exception(f"FilesBufferOnDevice: key {pt.name} must be unique among files")
                 self._where[pt.name] = (filename, pt)
 
-    def _get(self, name):
+    @property
+    def bytes_read(self):
+        """Bytes this rank read from storage (the loads' reports, and the direct reads)."""
+        return self._read
+
+    def _check_open(self):
         if self._loads is None:
             raise Exception("FilesBufferOnDevice is closed")
+
+    def _get(self, name):
+        self._check_open()
         try:
             return self._where[name][1]
         except KeyError:
             raise ValueError(f"{name} is not found in the loaded files") from None
 
-    def get_tensor(self, tensor_name, device=None, dtype=None):
-        t = tensor_from(self._get(tensor_name))
+    def _meta(self, name):
+        self._check_open()
+        try:
+            return self._info[name]
+        except KeyError:
+            if name in self._where:
+                pt = self._where[name][1]
+                return (self._where[name][0], pt.dtype, list(pt.shape), None, None, None, self._pg.rank())
+            raise ValueError(f"{name} is not found in the loaded files") from None
+
+    def _finish(self, t, device, dtype):
         if dtype is None and self._dtype is not None and t.is_floating_point():
             dtype = self._dtype
         if dtype is not None and dtype != t.dtype:
             t = t.to(dtype)
-        if device is not None:
-            dev = _check_device(device)
-            if dev != t.device:
-                t = t.to(dev)
+        dev = _check_device(device) if device is not None else self._device
+        if dev is not None and dev != t.device:
+            t = t.to(dev)
         return t
+
+    def _read_rows(self, name, dim, start, length):
+        """Direct mode: reads rows [start, start+length) of `name` along `dim` from storage into
+        a new tensor (the strided rows for an inner dim)."""
+        import torch
+
+        filename, dt, shape, begin, end, data_start, _ = self._meta(name)
+        td = torch_dtype_for(dt, shape)
+        if td is None or begin is None:
+            raise ValueError(f"{filename}: tensor `{name}` of dtype {dt} cannot be read by rows")
+        full = dim is None
+        if full:
+            dim, start, length = 0, 0, (shape[0] if shape else 1)
+        elsize = torch.empty((), dtype=td).element_size()
+        outer = math.prod(shape[:dim])
+        inner = math.prod(shape[dim + 1 :]) * elsize
+        size = shape[dim] if shape else 1
+        out_shape = list(shape) if full else shape[:dim] + [length] + shape[dim + 1 :]
+        out = torch.empty(out_shape, dtype=td)
+        row = length * inner
+        requests = []
+        if row:
+            base = out.data_ptr()
+            for o in range(outer):
+                requests.append((data_start + begin + (o * size + start) * inner, base + o * row, row))
+        if requests:
+            self._read += _turboio._read_into(filename, requests, threads=_threads(self._threads))
+        return out
+
+    def _collective_full(self, name):
+        """Collectives mode: the owner's tensor, broadcast to every rank."""
+        import torch
+        import torch.distributed as dist
+
+        filename, dt, shape, *_rest, owner = self._meta(name)
+        if self._pg.rank() == owner:
+            t = tensor_from(self._get(name)).contiguous()
+        else:
+            t = torch.empty(shape, dtype=torch_dtype_for(dt, shape) or torch.uint8)
+        dist.broadcast(t, src=_global_rank(self._pg, owner), group=self._pg)
+        return t
+
+    def get_tensor(self, tensor_name, device=None, dtype=None):
+        if not _distributed(self._pg) and self._mode != "direct":
+            return self._finish(tensor_from(self._get(tensor_name)), device, dtype)
+        if self._mode == "direct":
+            return self._finish(self._read_rows(tensor_name, None, 0, 0), device, dtype)
+        return self._finish(self._collective_full(tensor_name), device, dtype)
 
     def get_sharded(self, tensor_name, dim, device=None, dtype=None):
         """This process's shard along `dim` (rank r of a world of n gets block r of
-        ceil(size/n)); the whole tensor when `dim` is -1 or the world has one process."""
-        t = self.get_tensor(tensor_name, device=device, dtype=dtype)
+        ceil(size/n), the last short or empty); the whole tensor when `dim` is -1 or the world
+        has one process."""
+        import torch
+
         world, rank = self._pg.size(), self._pg.rank()
         if dim == -1 or world == 1:
-            return t
+            return self.get_tensor(tensor_name, device=device, dtype=dtype)
+        filename, dt, shape, *_rest, owner = self._meta(tensor_name)
         if dim < 0:
-            dim += t.dim()
-        block = math.ceil(t.shape[dim] / world)
-        return t.narrow(dim, min(rank * block, t.shape[dim]), max(0, min(block, t.shape[dim] - rank * block)))
+            dim += len(shape)
+        if not 0 <= dim < len(shape):
+            raise ValueError(f"{filename}: tensor `{tensor_name}` of shape {shape} has no dimension {dim}")
+        start, length = _block_range(shape[dim], world, rank)
+        if self._mode == "direct":
+            return self._finish(self._read_rows(tensor_name, dim, start, length), device, dtype)
+        import torch.distributed as dist
+
+        block = math.ceil(shape[dim] / world)
+        td = torch_dtype_for(dt, shape) or torch.uint8
+        recv_shape = shape[:dim] + [block] + shape[dim + 1 :]
+        recv = torch.empty(recv_shape, dtype=td)
+        scatter = None
+        if rank == owner:
+            t = tensor_from(self._get(tensor_name))
+            scatter = []
+            for r in range(world):
+                s, n = _block_range(shape[dim], world, r)
+                piece = torch.zeros(recv_shape, dtype=td)  # equal sizes for scatter; padded
+                piece.narrow(dim, 0, n).copy_(t.narrow(dim, s, n))
+                scatter.append(piece)
+        dist.scatter(recv, scatter, src=_global_rank(self._pg, owner), group=self._pg)
+        return self._finish(recv.narrow(dim, 0, length).contiguous(), device, dtype)
+
+    def push_tensor(self, tensor_name, dst_rank, device=None, dtype=None):
+        """The tensor on rank `dst_rank` (sent by its owner; read from storage in direct mode);
+        None on the other ranks."""
+        import torch
+        import torch.distributed as dist
+
+        rank = self._pg.rank()
+        if not _distributed(self._pg) or self._mode == "direct":
+            return self.get_tensor(tensor_name, device, dtype) if rank == dst_rank else None
+        filename, dt, shape, *_rest, owner = self._meta(tensor_name)
+        if owner == dst_rank:
+            return self._finish(tensor_from(self._get(tensor_name)), device, dtype) if rank == dst_rank else None
+        if rank == owner:
+            dist.send(tensor_from(self._get(tensor_name)).contiguous(), dst=_global_rank(self._pg, dst_rank), group=self._pg)
+            return None
+        if rank == dst_rank:
+            t = torch.empty(shape, dtype=torch_dtype_for(dt, shape) or torch.uint8)
+            dist.recv(t, src=_global_rank(self._pg, owner), group=self._pg)
+            return self._finish(t, device, dtype)
+        return None
 
     def get_multi_cols(self, tensor_names, dim, device=None, dtype=None):
         import torch
@@ -95,11 +252,11 @@ class FilesBufferOnDevice:
         return torch.cat([self.get_sharded(n, dim, device, dtype) for n in tensor_names], dim=dim)
 
     def get_filename(self, tensor_name):
-        entry = self._where.get(tensor_name)
+        entry = self._info.get(tensor_name) or self._where.get(tensor_name)
         return entry[0] if entry else ""
 
     def get_shape(self, tensor_name):
-        return list(self._get(tensor_name).shape)
+        return list(self._meta(tensor_name)[2])
 
     def as_dict(self, tensors):
         return {name: self.get_sharded(name, dim) for name, dim in tensors.items()}
@@ -107,6 +264,7 @@ class FilesBufferOnDevice:
     def close(self):
         self._loads = None
         self._where = {}
+        self._info = {}
 
 
 class SafeTensorsFileLoader:
@@ -123,8 +281,12 @@ class SafeTensorsFileLoader:
         disable_cache=True,
         debug_log=False,
         framework="pytorch",
+        shard_mode="collectives",
         **kwargs,
     ):
+        if shard_mode not in ("collectives", "direct"):
+            raise ValueError(f"shard_mode must be 'collectives' or 'direct', not {shard_mode!r}")
+        self.shard_mode = shard_mode
         if framework not in ("pt", "pytorch", "torch"):
             raise NotImplementedError(f"turboio: framework {framework} is not supported (pytorch only)")
         self.pg = _check_pg(pg)
@@ -139,15 +301,15 @@ class SafeTensorsFileLoader:
         for rank, files in filenames.items():
             for f in files:
                 path = os.fspath(f)
-                _, _, metadata, infos = _turboio.read_header(path)
+                data_start, _, metadata, infos = _turboio.read_header(path)
                 self.meta[path] = (metadata, rank)
-                self._headers[path] = infos
+                self._headers[path] = (data_start, infos)
 
     def get_keys(self):
-        return [name for infos in self._headers.values() for name, *_ in infos]
+        return [name for _, infos in self._headers.values() for name, *_ in infos]
 
     def get_shape(self, tensor_name):
-        for infos in self._headers.values():
+        for _, infos in self._headers.values():
             for name, _, shape, _, _ in infos:
                 if name == tensor_name:
                     return list(shape)
@@ -160,11 +322,33 @@ class SafeTensorsFileLoader:
         loads = {}
         device = "cpu" if self.device.type == "cpu" else str(self.device)
         gds = "off" if self.nogds or device == "cpu" else "auto"
+        distributed = _distributed(self.pg)
+        # Several ranks: collectives load the files added for this rank (the others receive
+        # broadcasts and scatters); direct mode loads nothing whole (each rank reads its bytes).
+        # Tensors then travel on the CPU (gloo) and move to `device` at the end.
         for path in sorted(self.meta):
+            if distributed and (self.shard_mode == "direct" or self.meta[path][1] != self.pg.rank()):
+                continue
+            if not distributed and self.shard_mode == "direct":
+                continue
             loads[path] = _turboio.load(
-                path, threads=_threads(self.max_threads), device=device, gds=gds, staging=self._staging
+                path,
+                threads=_threads(self.max_threads),
+                device="cpu" if distributed else device,
+                gds="off" if distributed else gds,
+                staging=self._staging,
             )
-        return FilesBufferOnDevice(loads, self.pg, dtype)
+        owners = {path: rank for path, (_, rank) in self.meta.items()}
+        return FilesBufferOnDevice(
+            loads,
+            self.pg,
+            dtype,
+            headers=self._headers,
+            owners=owners,
+            mode=self.shard_mode,
+            device=self.device if (distributed or self.shard_mode == "direct") else None,
+            threads=self.max_threads,
+        )
 
     def reset(self):
         self.meta = {}
@@ -216,3 +400,74 @@ class fastsafe_open:
     def close(self):
         self._fb.close()
         self._loader.close()
+
+
+class ParallelLoader:
+    """fastsafetensors' `ParallelLoader`: the files in batches of `pg.size()` (rank i loads file i
+    of each batch), `iterate_weights()` yielding `(name, tensor)` for every tensor of every file
+    on every rank (broadcast from the loading rank; in `shard_mode="direct"`, read by each
+    rank). Tensors own their memory, so they stay valid after the iterator moves on. Batches are
+    loaded one after another (`queue_size` and `max_concurrent_producers` are accepted)."""
+
+    def __init__(
+        self,
+        pg,
+        hf_weights_files,
+        max_concurrent_producers=1,
+        queue_size=0,
+        use_tqdm_on_load=True,
+        device="cpu",
+        bbuf_size_kb=16 * 1024,
+        max_threads=16,
+        nogds=False,
+        set_numa=True,
+        debug_log=False,
+        framework="pytorch",
+        **kwargs,
+    ):
+        if max_concurrent_producers != 1:
+            raise ValueError("max_concurrent_producers must be 1")
+        self.pg = _check_pg(pg)
+        self.files = [os.fspath(f) for f in hf_weights_files]
+        self._loader_args = dict(device=device, max_threads=max_threads, nogds=nogds, framework=framework, **kwargs)
+        self._closed = False
+
+    def iterate_weights(self):
+        world = self.pg.size()
+        for i in range(0, len(self.files), world):
+            if self._closed:
+                return
+            batch = self.files[i : i + world]
+            loader = SafeTensorsFileLoader(self.pg, **self._loader_args)
+            loader.add_filenames({r: [f] for r, f in enumerate(batch)})
+            fb = loader.copy_files_to_device()
+            try:
+                for name in loader.get_keys():
+                    yield name, fb.get_tensor(name)
+            finally:
+                fb.close()
+                loader.close()
+
+    def close(self):
+        self._closed = True
+
+
+class AutoLoader(ParallelLoader):
+    """fastsafetensors' `AutoLoader`: a `ParallelLoader` configured from `$FASTSAFETENSORS_CONFIG`,
+    else `./fastsafetensors.json`, else defaults (`base.copier_type` "gds" unless set otherwise:
+    anything else means nogds). Only the "base" loader exists here."""
+
+    def __init__(self, pg, hf_weights_files, device="cpu"):
+        import json
+
+        path = os.environ.get("FASTSAFETENSORS_CONFIG") or ("fastsafetensors.json" if os.path.exists("fastsafetensors.json") else None)
+        config = {}
+        if path:
+            with open(path) as f:
+                config = json.load(f)
+        self.config = config
+        if config.get("loader", "base") != "base":
+            raise NotImplementedError(f"turboio: loader {config.get('loader')!r} is not supported (only 'base')")
+        base = config.get("base", {})
+        nogds = base.get("copier_type", "gds") != "gds"
+        super().__init__(pg, hf_weights_files, device=device, nogds=nogds)
