@@ -12,6 +12,10 @@ pub struct Args {
     /// Skip fmt, clippy, docs and the bench smoke run (tests only).
     #[arg(long)]
     pub fast: bool,
+    /// Also check the vLLM plug-in against the real vLLM, installed (with the wheel) into a
+    /// venv of its own, `.venv-vllm` (vLLM pins its own torch; the main venv is left alone).
+    #[arg(long)]
+    pub vllm: bool,
 }
 
 pub fn root() -> PathBuf {
@@ -29,6 +33,33 @@ pub fn step(name: &str, cmd: &mut Command) -> Result<()> {
 
 fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+/// `--vllm`: the plug-in's tests with the real vLLM, in `.venv-vllm`.
+fn vllm_tests() -> Result<()> {
+    let dir = root().join(".venv-vllm");
+    if !dir.join("bin/python").exists() {
+        step("create .venv-vllm", Command::new("python3").args(["-m", "venv"]).arg(&dir))?;
+    }
+    let python = dir.join("bin/python");
+    step("install vllm", Command::new(&python).args(["-m", "pip", "install", "--quiet", "vllm", "pytest"]))?;
+    let wheels = root().join("target/wheels");
+    let wheel = std::fs::read_dir(&wheels)
+        .with_context(|| format!("no wheel in {}", wheels.display()))?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .with_context(|| format!("no wheel in {}", wheels.display()))?;
+    step(
+        "install the wheel",
+        Command::new(&python).args(["-m", "pip", "install", "--quiet", "--no-deps"]).arg(&wheel),
+    )?;
+    step(
+        "vllm plug-in tests",
+        Command::new(&python)
+            .args(["-m", "pytest", "-q", "crates/py/tests/test_vllm_plugin.py"])
+            .env("TURBOIO_REAL_VLLM", "1"),
+    )
 }
 
 /// Creates `.venv` (if needed) and installs the pinned requirements; returns its python.
@@ -141,6 +172,9 @@ pub fn run(args: Args) -> Result<()> {
     }
     step("tests", &mut tests)?;
     step("python tests", Command::new(&python).args(["-m", "pytest", "-q", "crates/py/tests"]))?;
+    if args.vllm {
+        vllm_tests()?;
+    }
     step(
         "tests without default features",
         cargo().args(["test", "-p", "turboio", "--no-default-features", "--lib", "--locked"]),

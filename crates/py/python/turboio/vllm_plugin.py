@@ -1,0 +1,116 @@
+"""A vLLM model loader on turboio: `vllm serve MODEL --load-format turboio`, no fork.
+
+The wheel declares an entry point in vLLM's `vllm.general_plugins` group; vLLM calls
+`register()` at start-up, which registers the loader under the name "turboio" with vLLM's
+`register_model_loader`. The loader subclasses vLLM's `BaseModelLoader`:
+
+- `download_model(model_config)`: a local directory is used as it is; otherwise the
+  safetensors files and JSON of the repository are fetched with `huggingface_hub`.
+- `load_weights(model, model_config)`: feeds `model.load_weights(...)` with `(name, tensor)`
+  pairs from the model's shards: the ones `model.safetensors.index.json` lists when it exists
+  (stray files beside them are ignored), else every `*.safetensors` file; the whole set is
+  loaded as one turboio job (every shard validated first, then read in one pipeline).
+
+Options, from `--model-loader-extra-config '{"num_threads": 8, "cache": "keep"}'`:
+`num_threads` (readers; default one per core), `cache` ("auto", "keep" or "bypass"), `mode`
+("auto", "mapped" or "copied"). Unknown keys are an error, so a typo does not pass silently.
+
+vLLM is not a dependency of the wheel. Everything but the two vLLM classes lives in plain
+functions here (`weight_files`, `loader_options`, `weights_iterator`), tested without vLLM.
+"""
+
+import glob
+import json
+import os
+
+INDEX = "model.safetensors.index.json"
+OPTIONS = {"num_threads": int, "cache": str, "mode": str}
+
+
+def weight_files(model_dir):
+    """The safetensors files of a model directory: the index's shards (in the order the index
+    first names them) when it has one, else every `*.safetensors` file, sorted."""
+    index = os.path.join(model_dir, INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no weight_map in the index")
+        seen = []
+        for shard in weight_map.values():
+            if shard not in seen:
+                seen.append(shard)
+        return [os.path.join(model_dir, s) for s in seen]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{model_dir}: no {INDEX} and no *.safetensors file")
+    return files
+
+
+def loader_options(extra_config):
+    """Checks `--model-loader-extra-config` and fills in the defaults."""
+    extra = dict(extra_config or {})
+    unknown = sorted(set(extra) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"turboio loader: unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
+    for k, t in OPTIONS.items():
+        if k in extra and not isinstance(extra[k], t):
+            raise ValueError(f"turboio loader: {k} must be a {t.__name__}, not {extra[k]!r}")
+    if extra.get("cache", "auto") not in ("auto", "keep", "bypass"):
+        raise ValueError(f"turboio loader: cache must be auto, keep or bypass, not {extra['cache']!r}")
+    if extra.get("mode", "auto") not in ("auto", "mapped", "copied"):
+        raise ValueError(f"turboio loader: mode must be auto, mapped or copied, not {extra['mode']!r}")
+    return {"num_threads": extra.get("num_threads", 0), "cache": extra.get("cache", "auto"), "mode": extra.get("mode", "auto")}
+
+
+def weights_iterator(model_dir, options):
+    """`(name, tensor)` for every tensor of the model (the index's shards, or every file),
+    loaded as one job; tensors stay valid after the iterator moves on."""
+    from . import _turboio
+    from ._torch import tensors_of, threads
+
+    index = os.path.join(model_dir, INDEX)
+    if os.path.isfile(index):
+        sources = [index]
+    else:
+        sources = weight_files(model_dir)
+    for source in sources:
+        for loaded in _turboio.load_model(source, threads=threads(options["num_threads"]), cache=options["cache"], mode=options["mode"]):
+            yield from tensors_of(loaded).items()
+
+
+def _local_dir(model_config, load_config=None):
+    path = model_config.model
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(
+        path,
+        revision=getattr(model_config, "revision", None),
+        cache_dir=getattr(load_config, "download_dir", None),
+        allow_patterns=["*.safetensors", "*.json"],
+    )
+
+
+def register():
+    """vLLM's plug-in hook: registers the "turboio" model loader."""
+    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    @register_model_loader("turboio")
+    class TurboioModelLoader(BaseModelLoader):
+        """Loads the model's safetensors shards with turboio."""
+
+        def __init__(self, load_config):
+            super().__init__(load_config)
+            self.options = loader_options(getattr(load_config, "model_loader_extra_config", None))
+
+        def download_model(self, model_config):
+            _local_dir(model_config, self.load_config)
+
+        def load_weights(self, model, model_config):
+            model_dir = _local_dir(model_config, self.load_config)
+            model.load_weights(weights_iterator(model_dir, self.options))
+
+    return TurboioModelLoader

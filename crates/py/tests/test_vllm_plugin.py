@@ -1,0 +1,116 @@
+"""The vLLM plug-in without vLLM: file selection, options, the iterator, and the registration
+against a stand-in of vLLM's two classes. `cargo xtask test --vllm` also runs the last test
+against the real vLLM, in a venv of its own."""
+
+import json
+import sys
+import types
+
+import pytest
+import safetensors.torch as st
+import torch
+
+from turboio import vllm_plugin
+
+
+def model_dir(tmp):
+    d = tmp / "m"
+    d.mkdir()
+    a = {"x.w": torch.randn(3, 4), "x.b": torch.randn(4)}
+    b = {"y.w": torch.randn(2, 2).to(torch.bfloat16)}
+    st.save_file(a, d / "model-00001-of-00002.safetensors")
+    st.save_file(b, d / "model-00002-of-00002.safetensors")
+    st.save_file({"stray": torch.zeros(1)}, d / "consolidated.safetensors")
+    wm = {**{k: "model-00001-of-00002.safetensors" for k in a}, **{k: "model-00002-of-00002.safetensors" for k in b}}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    return d, {**a, **b}
+
+
+def test_files_follow_the_index_and_ignore_strays(tmp):
+    d, _ = model_dir(tmp)
+    assert [p.split("/")[-1] for p in vllm_plugin.weight_files(str(d))] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
+    (d / "model.safetensors.index.json").unlink()
+    assert len(vllm_plugin.weight_files(str(d))) == 3
+
+
+def test_options_are_checked():
+    assert vllm_plugin.loader_options(None) == {"num_threads": 0, "cache": "auto", "mode": "auto"}
+    assert vllm_plugin.loader_options({"num_threads": 4, "cache": "keep"})["num_threads"] == 4
+    for bad, msg in [({"num_thread": 4}, "unknown option"), ({"cache": "never"}, "cache must"), ({"num_threads": "4"}, "must be a int")]:
+        with pytest.raises(ValueError, match=msg):
+            vllm_plugin.loader_options(bad)
+
+
+def test_registered_loader_feeds_model_load_weights(tmp, monkeypatch):
+    d, ref = model_dir(tmp)
+    registry = {}
+
+    class BaseModelLoader:
+        def __init__(self, load_config):
+            self.load_config = load_config
+
+    def register_model_loader(name):
+        def deco(cls):
+            registry[name] = cls
+            return cls
+
+        return deco
+
+    loader_mod = types.ModuleType("vllm.model_executor.model_loader")
+    loader_mod.register_model_loader = register_model_loader
+    base_mod = types.ModuleType("vllm.model_executor.model_loader.base_loader")
+    base_mod.BaseModelLoader = BaseModelLoader
+    for name, mod in {
+        "vllm": types.ModuleType("vllm"),
+        "vllm.model_executor": types.ModuleType("vllm.model_executor"),
+        "vllm.model_executor.model_loader": loader_mod,
+        "vllm.model_executor.model_loader.base_loader": base_mod,
+    }.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+
+    cls = vllm_plugin.register()
+    assert registry["turboio"] is cls and issubclass(cls, BaseModelLoader)
+    load_config = types.SimpleNamespace(model_loader_extra_config={"num_threads": 2}, download_dir=None)
+    model_config = types.SimpleNamespace(model=str(d), revision=None)
+    loader = cls(load_config)
+
+    class Model:
+        def load_weights(self, weights):
+            self.got = dict(weights)
+
+    m = Model()
+    loader.download_model(model_config)
+    loader.load_weights(m, model_config)
+    assert m.got.keys() == ref.keys()
+    for k, v in ref.items():
+        assert torch.equal(m.got[k], v), k
+    with pytest.raises(ValueError, match="unknown option"):
+        cls(types.SimpleNamespace(model_loader_extra_config={"bogus": 1}))
+
+
+def test_the_wheel_declares_the_entry_point():
+    import importlib.metadata
+
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert any(ep.name == "turboio" and ep.value == "turboio.vllm_plugin:register" for ep in eps)
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("TURBOIO_REAL_VLLM"), reason="needs the real vLLM: cargo xtask test --vllm")
+def test_real_vllm_registers_the_loader(tmp):
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    cls = vllm_plugin.register()
+    assert issubclass(cls, BaseModelLoader)
+    d, ref = model_dir(tmp)
+
+    class Model:
+        def load_weights(self, weights):
+            self.got = dict(weights)
+
+    loader = cls(types.SimpleNamespace(model_loader_extra_config={}, download_dir=None))
+    m = Model()
+    loader.load_weights(m, types.SimpleNamespace(model=str(d), revision=None))
+    assert m.got.keys() == ref.keys()
