@@ -41,6 +41,12 @@ pub struct Args {
     /// Skip the save rows.
     #[arg(long)]
     pub no_save: bool,
+    /// Only the whole-model rows: a model directory of 8 shards (the first size, default
+    /// 4GiB), loaded as one job by turboio against turboio file after file, safetensors looped
+    /// over the shards and fastsafetensors, hot and cold, and a 2-rank gloo run (direct vs
+    /// collectives) with the bytes each rank read; written to `model.md` in `--out`.
+    #[arg(long)]
+    pub model: bool,
     /// An SFCS directory (`sfcs://...`) for the SFCS rows (a save and copied loads through
     /// libcloudfs); they also need LIBCFS_PATH pointing at the vendor library. Without both,
     /// the rows are skipped with a message.
@@ -190,7 +196,7 @@ fn parse_size(s: &str) -> Result<u64> {
     Ok(n * m)
 }
 
-fn size_name(n: u64) -> String {
+pub(crate) fn size_name(n: u64) -> String {
     if n % (1 << 30) == 0 {
         format!("{}GiB", n >> 30)
     } else {
@@ -279,7 +285,7 @@ pub fn encrypted_twin(plain: &Path) -> Result<PathBuf> {
 }
 
 /// The `turboio` binary next to this one (built if needed).
-fn cli() -> Result<PathBuf> {
+pub(crate) fn cli() -> Result<PathBuf> {
     let status = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["build", "--release", "--quiet", "-p", "turboio", "--bin", "turboio"])
         .current_dir(crate::test::root())
@@ -510,6 +516,15 @@ pub fn run(args: Args) -> Result<()> {
         args.sizes.iter().map(|s| parse_size(s)).collect::<Result<_>>()?
     };
     let runs = args.runs.unwrap_or(if args.quick { 2 } else { 5 }).max(1);
+    if args.model {
+        let size = if args.sizes.is_empty() && !args.quick { 4 << 30 } else { sizes[0] };
+        let python = crate::pybench::setup()?;
+        let report = crate::modelbench::run(&python, &args.dir, size, runs, args.no_cold)?;
+        std::fs::create_dir_all(&args.out)?;
+        std::fs::write(args.out.join("model.md"), &report)?;
+        println!("{report}\nwrote {}", args.out.join("model.md").display());
+        return Ok(());
+    }
     // The sections that start many Python processes (each imports torch) run once in a smoke run.
     let process_runs = if args.quick { 1 } else { runs };
     let pool = ArenaPool::with_huge_pages(1, false);

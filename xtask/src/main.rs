@@ -1,7 +1,8 @@
 //! Project tasks.
 //!
-//! - `cargo xtask bench [--quick] [--device cuda:N]`: load benchmarks against baselines and
-//!   ceilings, hot and cold, written to `target/bench/`; with `--device`, GPU rows too.
+//! - `cargo xtask bench [--quick] [--device cuda:N] [--model]`: load benchmarks against baselines and
+//!   ceilings, hot and cold, written to `target/bench/`; with `--device`, GPU rows too; with
+//!   `--model`, only the whole-model rows (sharded directories, 2-rank gloo).
 //! - `cargo xtask test`: everything CI runs (fmt, clippy, tests in every feature set, docs,
 //!   Python interop in a venv it creates, a bench smoke run).
 
@@ -9,6 +10,7 @@ mod bench;
 mod cachebench;
 mod ceiling;
 mod gpubench;
+mod modelbench;
 mod pybench;
 mod savebench;
 mod test;

@@ -82,8 +82,14 @@ fn interruptible<T: Send>(
 ) -> PyResult<T> {
     std::thread::scope(|s| {
         let caller = std::thread::current();
+        // Set by the worker before it wakes the caller: `is_finished()` would still be false
+        // between the wake-up and the worker's return, and the caller would sleep out a whole
+        // poll interval (50 ms added to a call that took microseconds).
+        let finished = Arc::new(AtomicBool::new(false));
+        let finished_w = finished.clone();
         let handle = s.spawn(move || {
             let r = work();
+            finished_w.store(true, Ordering::Release);
             caller.unpark();
             r
         });
@@ -102,9 +108,9 @@ fn interruptible<T: Send>(
             }
         };
         poll(&mut interrupted);
-        while !handle.is_finished() {
+        while !finished.load(Ordering::Acquire) && !handle.is_finished() {
             py.detach(|| std::thread::park_timeout(Duration::from_millis(50)));
-            if !handle.is_finished() {
+            if !finished.load(Ordering::Acquire) && !handle.is_finished() {
                 poll(&mut interrupted);
             }
         }

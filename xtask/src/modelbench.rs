@@ -1,0 +1,156 @@
+//! `cargo xtask bench --model`: a sharded model directory (8 shards of about 512 MiB at the
+//! default 4 GiB, mixed dtypes, written by `turboio gen --shards 8`) loaded hot and cold, each
+//! run in a process of its own (`crates/py/bench/py_model.py`) with the loaders in a shuffled
+//! order: turboio's one-job `load_model` against turboio loading the shards one after another,
+//! `safetensors.torch.load_file` looped over the shards, and fastsafetensors with all the files;
+//! then a 2-rank gloo run of turboio's fastsafetensors API, direct against collectives, with the
+//! bytes each rank read from storage.
+
+use crate::bench::{drop_caches, warm};
+use crate::test::root;
+use anyhow::{bail, Context, Result};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const LOADERS: [&str; 6] = [
+    "turboio.load_model (one job)",
+    "turboio.load, file after file",
+    "safetensors.torch.load_file, looped",
+    "fastsafetensors, all files",
+    "gloo 2 ranks: direct",
+    "gloo 2 ranks: collectives",
+];
+
+/// The model directory, generated once.
+fn model_dir(dir: &Path, size: u64) -> Result<PathBuf> {
+    let out = dir.join(format!("model-{}", size >> 20));
+    if out.join("model.safetensors.index.json").exists() {
+        return Ok(out);
+    }
+    eprintln!("generating {} (8 shards) ...", out.display());
+    let status = Command::new(crate::bench::cli()?)
+        .args(["gen", "--shards", "8", "--size"])
+        .arg(size.to_string())
+        .arg(&out)
+        .status()?;
+    if !status.success() {
+        bail!("turboio gen --shards failed");
+    }
+    Ok(out)
+}
+
+struct Row {
+    loader: &'static str,
+    cache: &'static str,
+    times: Vec<f64>,
+    bytes_read: Option<Vec<u64>>,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn run_child(python: &Path, loader: &str, dir: &Path) -> Result<(f64, Option<Vec<u64>>)> {
+    let out = Command::new(python)
+        .arg(root().join("crates/py/bench/py_model.py"))
+        .args(["--loader", loader, "--dir"])
+        .arg(dir)
+        .output()
+        .with_context(|| format!("run {loader}"))?;
+    if !out.status.success() {
+        bail!("{loader} failed on {}: {}", dir.display(), String::from_utf8_lossy(&out.stderr));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value =
+        serde_json::from_str(text.lines().last().unwrap_or("")).with_context(|| format!("{loader} printed {text}"))?;
+    let t = v["load_s"].as_f64().unwrap_or(f64::NAN) + v["touch_s"].as_f64().unwrap_or(f64::NAN);
+    let bytes = v["bytes_read"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).collect());
+    Ok((t, bytes))
+}
+
+/// Runs the model rows; returns the Markdown section (table and checks).
+pub fn run(python: &Path, data_dir: &Path, size: u64, runs: usize, no_cold: bool) -> Result<String> {
+    let dir = model_dir(data_dir, size)?;
+    let shards: Vec<PathBuf> = std::fs::read_dir(&dir)?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    let total: u64 = shards.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
+    let mut rows = Vec::new();
+    for cache in ["hot", "cold"] {
+        if cache == "cold" && no_cold {
+            continue;
+        }
+        eprintln!("model {}: {cache}, {runs} runs ...", dir.display());
+        let mut these: Vec<Row> =
+            LOADERS.iter().map(|&loader| Row { loader, cache, times: Vec::new(), bytes_read: None }).collect();
+        for r in 0..runs {
+            for i in crate::bench::run_order(LOADERS.len(), r) {
+                if cache == "cold" {
+                    drop_caches().map_err(|e| anyhow::anyhow!("cold rows: {e}"))?;
+                } else {
+                    for s in &shards {
+                        warm(s)?;
+                    }
+                }
+                let (t, bytes) = run_child(python, LOADERS[i], &dir)?;
+                these[i].times.push(t);
+                if bytes.is_some() {
+                    these[i].bytes_read = bytes;
+                }
+            }
+        }
+        rows.extend(these);
+    }
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\n### Whole model: {} in {} shards (median of {runs}; each load in its own Python process, load + touch of every page)\n",
+        crate::bench::size_name(total),
+        shards.len()
+    );
+    let _ = writeln!(s, "| loader | cache | s | GB/s | one job is | bytes read per rank |");
+    let _ = writeln!(s, "|---|---|---:|---:|---:|---|");
+    let get = |loader: &str, cache: &str| {
+        rows.iter().find(|r| r.loader == loader && r.cache == cache).map(|r| median(&r.times))
+    };
+    for r in &rows {
+        let m = median(&r.times);
+        let base = get(LOADERS[0], r.cache).unwrap_or(f64::NAN);
+        let bytes = r
+            .bytes_read
+            .as_ref()
+            .map(|b| {
+                b.iter()
+                    .map(|x| format!("{:.2} GB ({:.2}x of the model)", *x as f64 / 1e9, *x as f64 / total as f64))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+            .unwrap_or_default();
+        let _ = writeln!(
+            s,
+            "| {} | {} | {m:.3} | {:.2} | {:.2}x | {bytes} |",
+            r.loader,
+            r.cache,
+            total as f64 / m / 1e9,
+            m / base
+        );
+    }
+    let _ = writeln!(s, "\n| check | ratio | needed | |\n|---|---:|---:|---|");
+    let mut check = |what: &str, a: Option<f64>, b: Option<f64>, need: f64| {
+        if let (Some(a), Some(b)) = (a, b) {
+            let ratio = b / a;
+            let verdict = if ratio >= need { "ok" } else { "BELOW" };
+            let _ = writeln!(s, "| model {what} | {ratio:.2}x | {need}x | {verdict} |");
+        }
+    };
+    check("cold: one job vs file after file", get(LOADERS[0], "cold"), get(LOADERS[1], "cold"), 1.3);
+    check("cold: one job vs safetensors looped", get(LOADERS[0], "cold"), get(LOADERS[2], "cold"), 1.5);
+    let best_hot_peer = [LOADERS[2], LOADERS[3]].iter().filter_map(|l| get(l, "hot")).fold(f64::INFINITY, f64::min);
+    check("hot: one job vs the best peer", get(LOADERS[0], "hot"), Some(best_hot_peer), 1.0);
+    Ok(s)
+}
