@@ -1,6 +1,6 @@
 //! Shared helpers for the workspace integration tests.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 /// A directory on a real disk (not tmpfs) for test files, removed on drop.
@@ -23,22 +23,8 @@ pub fn bytes(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-/// The Python interpreter for interop tests: `TURBOIO_PYTHON`, set by `cargo xtask test` to
-/// the venv it creates. `None` means "skip" unless `TURBOIO_REQUIRE_PYTHON=1`, in which case a
-/// missing interpreter is a failure.
-pub fn python() -> Option<PathBuf> {
-    match std::env::var_os("TURBOIO_PYTHON") {
-        Some(p) => Some(PathBuf::from(p)),
-        None => {
-            assert!(
-                std::env::var_os("TURBOIO_REQUIRE_PYTHON").is_none(),
-                "TURBOIO_REQUIRE_PYTHON is set but TURBOIO_PYTHON is not"
-            );
-            eprintln!("skipped: TURBOIO_PYTHON is not set (cargo xtask test sets it up)");
-            None
-        }
-    }
-}
+mod python;
+pub use python::python;
 
 /// Runs a Python snippet with arguments; panics with its stderr on failure. Returns stdout.
 pub fn run_python(python: &Path, code: &str, args: &[&str]) -> String {

@@ -4,25 +4,15 @@
 //!
 //! Needs `TURBOIO_PYTHON` (a Python with torch and numpy; `cargo xtask test` sets it up).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use turboio_format::{cast, Dtype};
 
 const FLOATS: [Dtype; 6] = [Dtype::F64, Dtype::F32, Dtype::F16, Dtype::BF16, Dtype::F8_E4M3, Dtype::F8_E5M2];
 
-fn python() -> Option<PathBuf> {
-    match std::env::var_os("TURBOIO_PYTHON") {
-        Some(p) => Some(PathBuf::from(p)),
-        None => {
-            assert!(
-                std::env::var_os("TURBOIO_REQUIRE_PYTHON").is_none(),
-                "TURBOIO_REQUIRE_PYTHON is set but TURBOIO_PYTHON is not"
-            );
-            eprintln!("skipped: TURBOIO_PYTHON not set");
-            None
-        }
-    }
-}
+#[path = "../../../tests/src/python.rs"]
+mod python;
+use python::python;
 
 fn element(bytes: &[u8]) -> u64 {
     let mut a = [0u8; 8];

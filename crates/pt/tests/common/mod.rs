@@ -3,23 +3,11 @@
 #![allow(dead_code)]
 
 use std::io::Write;
-use std::path::PathBuf;
 
-/// The Python with torch for interop tests: `TURBOIO_PYTHON` (set by `cargo xtask test`).
-/// `None` means skip, unless `TURBOIO_REQUIRE_PYTHON` is set.
-pub fn python() -> Option<PathBuf> {
-    match std::env::var_os("TURBOIO_PYTHON") {
-        Some(p) => Some(PathBuf::from(p)),
-        None => {
-            assert!(
-                std::env::var_os("TURBOIO_REQUIRE_PYTHON").is_none(),
-                "TURBOIO_REQUIRE_PYTHON is set but TURBOIO_PYTHON is not"
-            );
-            eprintln!("skipped: TURBOIO_PYTHON not set");
-            None
-        }
-    }
-}
+#[path = "../../../../tests/src/python.rs"]
+mod python;
+#[allow(unused_imports)]
+pub use python::python;
 
 /// A zip laid out as torch writes it: `archive/<name>` records, STORED, 64-byte aligned.
 pub fn torch_zip(records: &[(&str, &[u8])]) -> Vec<u8> {
