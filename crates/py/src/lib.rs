@@ -675,6 +675,131 @@ fn parse_shard_size(s: &str) -> PyResult<u64> {
     turboio::model::parse_shard_size(s).map_err(PyValueError::new_err)
 }
 
+/// The bytes of a whole file held for a `.pt` load: the file mapped privately (copy-on-write)
+/// and populated from the page cache, or, for an encrypted file, its decrypted copy. Exported to
+/// torch as one flat uint8 DLPack tensor (zero copy); the `.pt` tensors are strided views of it.
+///
+/// Like `ExportedLoad`, nothing in Rust reads the bytes once this exists: only the address is
+/// used, so torch may write to them.
+#[pyclass(name = "FileBytes", module = "turboio._turboio", frozen)]
+struct PyFileBytes {
+    owner: Arc<dyn Send + Sync>,
+    addr: usize,
+    len: usize,
+}
+
+/// What keeps a `FileBytes` alive.
+enum HeldBytes {
+    Mapped(#[allow(dead_code)] turboio::device::FileMapping),
+    Owned(#[allow(dead_code)] Box<[u8]>),
+}
+
+#[pymethods]
+impl PyFileBytes {
+    /// Bytes.
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    /// The DLPack protocol (CPU): one flat uint8 tensor of every byte of the file.
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<Bound<'py, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = (stream, dl_device);
+        if copy == Some(true) {
+            return Err(pyo3::exceptions::PyBufferError::new_err("turboio exports without copying"));
+        }
+        let export = dlpack::Export {
+            owner: self.owner.clone(),
+            data: self.addr as *mut u8,
+            device: (dlpack::DEVICE_CPU, 0),
+            shape: vec![self.len as i64],
+            dtype: dl_type(Dtype::U8).0,
+        };
+        dlpack::capsule(py, export, max_version.is_some_and(|(major, _)| major >= 1))
+    }
+
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (dlpack::DEVICE_CPU, 0)
+    }
+}
+
+/// `(storages, tensors, skipped)` of a `.pt` index: storages `(offset, nbytes, dtype)`, tensors
+/// `(name, dtype, shape, strides, storage, storage_offset)` (offsets in elements), skipped
+/// `(name, kind)`.
+type PtTables = (
+    Vec<(u64, u64, &'static str)>,
+    Vec<(String, &'static str, Vec<usize>, Vec<usize>, usize, u64)>,
+    Vec<(String, &'static str)>,
+);
+
+fn pt_tables(index: &turboio_pt::PtIndex) -> PtTables {
+    let storages = index.storages().iter().map(|s| (s.offset, s.len, s.dtype.name())).collect();
+    let tensors = index
+        .tensors()
+        .iter()
+        .map(|t| (t.name.clone(), t.dtype.name(), t.shape.clone(), t.strides.clone(), t.storage, t.storage_offset))
+        .collect();
+    let skipped = index.skipped().iter().map(|s| (s.name.clone(), s.kind)).collect();
+    (storages, tensors, skipped)
+}
+
+/// Loads a PyTorch `.pt` / `.bin` checkpoint without executing its pickle (GIL released,
+/// Ctrl-C cancels): the zip and the pickle are read by turboio-pt's allow-listed reader, which
+/// refuses anything but the objects `torch.save` writes for tensors and containers; the file is
+/// mapped and populated from the page cache (decrypted into memory when `cipher`). Returns the
+/// file's bytes and the tables the Python layer builds tensors from.
+#[pyfunction]
+#[pyo3(signature = (path, top_level_key=None, cipher=false, threads=0))]
+fn load_pt(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    top_level_key: Option<String>,
+    cipher: bool,
+    threads: usize,
+) -> PyResult<(PyFileBytes, PtTables)> {
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts = turboio_pt::PtOptions { top_level_key, ..Default::default() };
+    let threads = if threads == 0 { turboio::storage::default_threads() } else { threads };
+    let not_pt = |e: turboio_pt::PtError| Error::Unsupported {
+        path: path.clone(),
+        message: format!("cannot load this torch checkpoint without executing code: {e}"),
+    };
+    let (held, tables) = interruptible(py, &cancel, None, || {
+        // Encrypted files (decrypted into memory) and scheme paths (sfcs://, read through their
+        // backend) are held as a copy; local files are mapped.
+        if cipher || path.to_str().is_some_and(|p| p.contains("://")) {
+            let read = LoadOptions { encryption: encryption(cipher, false), threads, ..Default::default() };
+            let bytes = turboio::read_all(&path, &read)?;
+            let index = turboio_pt::PtIndex::parse(bytes.as_slice(), &opts).map_err(not_pt)?;
+            return Ok((HeldBytes::Owned(bytes.into_boxed_slice()), pt_tables(&index)));
+        }
+        let file = std::fs::File::open(&path)
+            .map_err(|e| Error::Storage(turboio::storage::StorageError::io(&path, "open", e)))?;
+        let len = file.metadata().map(|m| m.len()).unwrap_or(0) as usize;
+        if len == 0 {
+            return Err(not_pt(turboio_pt::PtError::NotZip("the file is empty".into())));
+        }
+        let mapping = turboio::device::FileMapping::new(&file, len)
+            .map_err(|e| Error::Device { path: path.clone(), source: e })?;
+        let index = turboio_pt::PtIndex::parse(mapping.as_slice(), &opts).map_err(not_pt)?;
+        mapping.populate_cold(threads).map_err(|e| Error::Device { path: path.clone(), source: e })?;
+        Ok((HeldBytes::Mapped(mapping), pt_tables(&index)))
+    })?;
+    // From here on only the address is used (see PyFileBytes).
+    let (addr, len) = match &held {
+        HeldBytes::Mapped(m) => (turboio::device::Allocation::address(m) as usize, m.len()),
+        HeldBytes::Owned(b) => (b.as_ptr() as usize, b.len()),
+    };
+    Ok((PyFileBytes { owner: Arc::new(held), addr, len }, tables))
+}
+
 type HeaderInfo = (u64, u64, Option<BTreeMap<String, String>>, Vec<(String, &'static str, Vec<usize>, usize, usize)>);
 
 fn header_info(h: &Header) -> HeaderInfo {
@@ -1109,6 +1234,8 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_save_device, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(load_model, m)?)?;
+    m.add_function(wrap_pyfunction!(load_pt, m)?)?;
+    m.add_class::<PyFileBytes>()?;
     m.add_function(wrap_pyfunction!(_save_model_dir, m)?)?;
     m.add_function(wrap_pyfunction!(parse_shard_size, m)?)?;
     m.add_function(wrap_pyfunction!(read_header, m)?)?;

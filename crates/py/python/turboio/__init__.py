@@ -31,7 +31,7 @@ from ._turboio import __version__
 # Background saves (`save_file(..., blocking=False)`) finish before the interpreter exits.
 _atexit.register(_turboio.wait_for_saves)
 from ._dtypes import torch_dtype_for as _torch_dtype_for
-from ._torch import alias_shared as _alias_shared, tensors_of as _tensors_of, threads as _threads
+from ._torch import alias_shared as _alias_shared, pt_tensors as _pt_tensors, tensors_of as _tensors_of, threads as _threads
 from .fastsafetensors import AutoLoader, ParallelLoader, SafeTensorsFileLoader, SingleGroup, fastsafe_open
 from .models import iter_weights, load_model, save_model_dir
 
@@ -155,12 +155,23 @@ def load(
     state_dict=None,
     progress=None,
     cache=None,
+    top_level_key=None,
+    unsafe_pickle_fallback=False,
 ):
     """Loads a safetensors or torch `.pt` file (detected by content) into a dict of tensors.
 
     Safetensors tensors are zero-copy views of one load (mapped from the page cache when
-    possible); aliases recorded in `__metadata__` come back as the same tensor object. `.pt`
-    files go through `torch.load(weights_only=True)`. With `state_dict`, the file is read
+    possible); aliases recorded in `__metadata__` come back as the same tensor object.
+
+    `.pt` / `.bin` files (`torch.save`) are read without executing their pickle: turboio's
+    allow-listed reader understands only what `torch.save` writes for tensors and containers and
+    refuses anything else (`ValueError` naming the opcode or global; nothing runs). Tensors are
+    strided views of the file mapped from the page cache (decrypted into memory when encrypted),
+    so tied weights share memory as they did when saved; nested dicts come back flat with dotted
+    names (`"model.layer.0.weight"`), or relative to `top_level_key` (e.g. "state_dict");
+    non-tensor entries (an epoch number, a config string) are left out.
+    `unsafe_pickle_fallback=True` hands files the reader refuses to `torch.load(weights_only=True)`,
+    which executes the pickle (restricted): only for files you trust. With `state_dict`, the file is read
     straight into those pre-allocated tensors (which must be contiguous, of the same dtype and
     large enough) and the same dict is returned.
 
@@ -195,6 +206,14 @@ def load(
     if not _is_sfcs(path) and not _os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
     if _kind(path, cipher) == "torch":
+        try:
+            sd = _pt_tensors(path, cipher=cipher, top_level_key=top_level_key, threads=n)
+        except ValueError:
+            if not unsafe_pickle_fallback:
+                raise
+        else:
+            return sd if device == "cpu" else {k: v.to(device) for k, v in sd.items()}
+        # Only when asked: torch.load executes the pickle (restricted by weights_only=True).
         if cipher or _is_sfcs(path):
             data = _turboio.read_all(path, cipher=cipher, threads=n)
             return torch.load(io.BytesIO(data), map_location=device, weights_only=True)

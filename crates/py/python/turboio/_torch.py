@@ -181,3 +181,27 @@ def raw_tensors(tensors, what="tensors", keep_device=False):
 def threads(num_thread):
     n = os.cpu_count() or 1
     return max(1, min(int(num_thread or n), n))
+
+
+def pt_tensors(path, cipher=False, top_level_key=None, threads=0):
+    """The tensors of a `torch.save` checkpoint, read without executing its pickle (turboio's
+    allow-listed reader): `{dotted name: tensor}`, each a strided view of the file's bytes (the
+    file mapped from the page cache, or decrypted into memory), so tensors that shared a storage
+    when saved (tied weights, views) share memory again."""
+    import torch
+
+    from ._dtypes import torch_dtype
+
+    data, (storages, tensors, _skipped) = _turboio.load_pt(path, top_level_key=top_level_key, cipher=cipher, threads=threads)
+    buf = torch.from_dlpack(data)
+    views = []
+    for offset, nbytes, dtype in storages:
+        td = torch_dtype(dtype)
+        if td is None:
+            raise ValueError(f"{path}: torch dtype {dtype} is not available in this torch")
+        views.append(buf[offset : offset + nbytes].view(td))
+    out = {}
+    for name, _dtype, shape, strides, storage, storage_offset in tensors:
+        s = views[storage]
+        out[name] = torch.as_strided(s, shape, strides, s.storage_offset() + storage_offset)
+    return out

@@ -1,8 +1,10 @@
 """`python -m turboio.convert -i model.pt -o model.safetensors`: veTurboIO's converter.
 
-Loads a torch pickle (`torch.load(weights_only=True)`), optionally turns it into a valid state
-dict (drops non-tensors, stores shared tensors once), saves it as safetensors (shared tensors
-become aliases in `__metadata__`), and optionally checks that the result loads back equal.
+Reads a `torch.save` checkpoint with turboio's allow-listed reader (the pickle is interpreted,
+never executed: a file calling anything but torch's tensor-rebuilding functions is refused),
+optionally turns it into a valid state dict (stores shared tensors once), saves it as
+safetensors (shared tensors become aliases in `__metadata__`), and optionally checks that the
+result loads back equal. Nested dicts become dotted names.
 """
 
 import argparse
