@@ -26,6 +26,19 @@ pub fn bytes(len: usize, seed: u64) -> Vec<u8> {
 mod python;
 pub use python::python;
 
+/// xorshift: test choices (kill points, delays) that vary but are the same on every run.
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// A number in `0..n` (0 for `n == 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n.max(1)
+    }
+}
+
 /// Runs a Python snippet with arguments; panics with its stderr on failure. Returns stdout.
 pub fn run_python(python: &Path, code: &str, args: &[&str]) -> String {
     let out = Command::new(python).arg("-c").arg(code).args(args).output().expect("run python");

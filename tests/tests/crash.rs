@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use turboio::{LoadOptions, SaveOptions};
 use turboio_tests::crash::{check_model, model_specs, ModelData};
-use turboio_tests::disk_dir;
+use turboio_tests::{disk_dir, Rng};
 
 fn saver(path: &Path, version: u64) -> Child {
     Command::new(env!("CARGO_BIN_EXE_crash_saver"))
@@ -35,18 +35,6 @@ fn checker(path: &Path, mode: &str) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start crash_checker")
-}
-
-/// xorshift: kill points vary but every run of the test makes the same choices.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n.max(1)
-    }
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::time::Duration;
 use turboio::model::INDEX_NAME;
 use turboio::{load_model, Dtype, LoadMode, LoadOptions, SaveOptions, SaveTensor};
 use turboio_tests::model_crash::{self, max_shard};
-use turboio_tests::{bytes, disk_dir, python, run_python};
+use turboio_tests::{bytes, disk_dir, python, run_python, Rng};
 
 /// A small model: names, shapes and bytes.
 fn model() -> Vec<(String, Vec<usize>, Vec<u8>)> {
@@ -190,18 +190,6 @@ fn a_resave_never_overwrites_the_set_the_index_names_and_removes_it_after() {
     assert_model(dir.path(), &m1, &LoadOptions::default());
     let files: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(files.len(), first.shards.len() + 1, "only the set and its index remain: {files:?}");
-}
-
-/// xorshift: kill points vary but every run of the test makes the same choices.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n.max(1)
-    }
 }
 
 #[test]

@@ -651,18 +651,9 @@ fn _save_model_dir(
         ..Default::default()
     };
     let report = interruptible(py, &cancel, None, || {
-        let views: Vec<turboio::SaveTensor<'_>> = tensors
-            .iter()
-            .zip(&dtypes)
-            .map(|(t, &dtype)| turboio::SaveTensor {
-                name: &t.0,
-                dtype,
-                shape: &t.2,
-                // SAFETY: see this function's doc: the address holds `t.4` readable bytes,
-                // kept alive and unchanged by the caller for the call.
-                data: unsafe { dlpack::host_slice(t.3, t.4) },
-            })
-            .collect();
+        // SAFETY: see this function's doc: each address holds `t.4` readable bytes, kept alive
+        // and unchanged by the caller for the call.
+        let views = unsafe { host_views(&tensors, &dtypes) };
         turboio::save_model_dir(&dir, &views, metadata.as_ref(), max_shard_size, &opts)
     })?;
     let shards = report.shards.iter().map(|p| p.display().to_string()).collect();
@@ -1007,6 +998,26 @@ impl turboio::TensorData for RawData {
     }
 }
 
+/// Save views of tensors given by address (`RawTensor`s) with their parsed dtypes.
+///
+/// # Safety
+/// Each tensor's address must hold its `nbytes` readable bytes, unchanged, for as long as the
+/// views live (the Python layer passes `data_ptr()`s of contiguous CPU tensors it keeps
+/// referenced for the call).
+unsafe fn host_views<'a>(tensors: &'a [RawTensor], dtypes: &[Dtype]) -> Vec<turboio::SaveTensor<'a>> {
+    tensors
+        .iter()
+        .zip(dtypes)
+        .map(|(t, &dtype)| turboio::SaveTensor {
+            name: &t.0,
+            dtype,
+            shape: &t.2,
+            // SAFETY: guaranteed by the caller (see above).
+            data: unsafe { dlpack::host_slice(t.3, t.4) },
+        })
+        .collect()
+}
+
 fn specs_of(tensors: &[RawTensor]) -> PyResult<Vec<TensorSpec<'_>>> {
     tensors
         .iter()
@@ -1104,18 +1115,9 @@ fn _save_async(
     let dtypes = tensors.iter().map(|t| dtype_of(&t.1)).collect::<PyResult<Vec<_>>>()?;
     let opts = SaveOptions { threads, encryption: encryption(cipher, cipher_header), ..Default::default() };
     let handle = py.detach(|| {
-        let views: Vec<turboio::SaveTensor<'_>> = tensors
-            .iter()
-            .zip(&dtypes)
-            .map(|(t, &dtype)| turboio::SaveTensor {
-                name: &t.0,
-                dtype,
-                shape: &t.2,
-                // SAFETY: see `_save`'s doc: the address holds `t.4` readable bytes for the
-                // call, and `save_async` copies them before it returns.
-                data: unsafe { dlpack::host_slice(t.3, t.4) },
-            })
-            .collect();
+        // SAFETY: see `_save`'s doc: each address holds `t.4` readable bytes for the call, and
+        // `save_async` copies them before it returns.
+        let views = unsafe { host_views(&tensors, &dtypes) };
         turboio::save_async(&path, &views, metadata.as_ref(), &opts)
     });
     Ok(PySaveHandle { inner: handle.map_err(to_py)? })
