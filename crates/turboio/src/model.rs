@@ -553,7 +553,12 @@ pub fn save_model_dir(
     meta.insert("total_size".into(), serde_json::Value::from(total_size));
     let json = serde_json::json!({ "metadata": meta, "weight_map": weight_map });
     let text = serde_json::to_vec_pretty(&json).map_err(|e| model_error(&index, e.to_string()))?;
-    let index_opts = SaveOptions { encryption: None, ..opts.clone() };
+    #[allow(unused_mut)]
+    let mut index_opts = opts.clone();
+    #[cfg(feature = "cipher")]
+    {
+        index_opts.encryption = None;
+    }
     crate::write_bytes(&index, &text, &index_opts)?;
 
     // 3. The old set and shards of killed saves, now unreferenced.
