@@ -274,6 +274,24 @@ fn export_shape(name: &str, d: Dtype, shape: &[usize], nbytes: usize) -> PyResul
     })
 }
 
+/// What `__dlpack__`'s `dl_device` and `copy` may ask of an export that lives on `here` and is
+/// never copied: the same device, and no copy.
+fn check_export_request(here: (i32, i32), dl_device: Option<(i32, i32)>, copy: Option<bool>) -> PyResult<()> {
+    if let Some(want) = dl_device {
+        if want != here {
+            return Err(pyo3::exceptions::PyBufferError::new_err(format!(
+                "turboio tensor is on DLPack device {here:?}, not {want:?}; export it there and copy"
+            )));
+        }
+    }
+    if copy == Some(true) {
+        return Err(pyo3::exceptions::PyBufferError::new_err(
+            "turboio exports without copying; copy the result instead",
+        ));
+    }
+    Ok(())
+}
+
 /// A tensor of a load, exportable with `__dlpack__` (zero copy; keeps the load alive).
 #[pyclass(name = "Tensor", module = "turboio._turboio", frozen)]
 struct PyTensor {
@@ -335,18 +353,7 @@ impl PyTensor {
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = stream;
         let here = self.__dlpack_device__();
-        if let Some(want) = dl_device {
-            if want != here {
-                return Err(pyo3::exceptions::PyBufferError::new_err(format!(
-                    "turboio tensor is on DLPack device {here:?}, not {want:?}; export it there and copy"
-                )));
-            }
-        }
-        if copy == Some(true) {
-            return Err(pyo3::exceptions::PyBufferError::new_err(
-                "turboio exports without copying; copy the result instead",
-            ));
-        }
+        check_export_request(here, dl_device, copy)?;
         let base = self.file.export_address().ok_or_else(|| {
             PyRuntimeError::new_err(format!("this load is on {}, which DLPack cannot export", self.device))
         })?;
@@ -702,10 +709,8 @@ impl PyFileBytes {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let _ = (stream, dl_device);
-        if copy == Some(true) {
-            return Err(pyo3::exceptions::PyBufferError::new_err("turboio exports without copying"));
-        }
+        let _ = stream;
+        check_export_request(self.__dlpack_device__(), dl_device, copy)?;
         let export = dlpack::Export {
             owner: self.owner.clone(),
             data: self.addr as *mut u8,

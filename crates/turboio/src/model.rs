@@ -49,7 +49,6 @@ use crate::{Error, LoadOptions, LoadReport, LoadedFile, Result, SaveOptions, Sav
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use turboio_format::Dtype;
 use turboio_storage::IoOptions;
 
 /// The index file's name in a model directory.
@@ -344,48 +343,44 @@ pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedMo
         cancel: opts.cancel.as_deref(),
         ..Default::default()
     };
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let slots: Vec<std::sync::Mutex<Option<Planned>>> =
-        planned.into_iter().map(|p| std::sync::Mutex::new(Some(p))).collect();
-    let results: Vec<std::sync::Mutex<Option<Result<crate::ReadInfo>>>> =
-        slots.iter().map(|_| std::sync::Mutex::new(None)).collect();
-    let failed = std::sync::atomic::AtomicBool::new(false);
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    // Each shard with the result of its fill (None: not filled, because another one failed).
+    type Slot = std::sync::Mutex<(Planned, Option<Result<crate::ReadInfo>>)>;
+    let slots: Vec<Slot> = planned.into_iter().map(|p| std::sync::Mutex::new((p, None))).collect();
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
     std::thread::scope(|scope| {
         for _ in 0..workers {
-            scope.spawn(|| loop {
-                let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(&i) = order.get(k) else { break };
-                if failed.load(std::sync::atomic::Ordering::Relaxed) {
-                    break;
+            scope.spawn(|| {
+                while let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    if failed.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let mut slot = slots[i].lock().unwrap_or_else(|e| e.into_inner());
+                    let r = slot.0.fill(device, opts, &io);
+                    failed.fetch_or(r.is_err(), Ordering::Relaxed);
+                    slot.1 = Some(r);
                 }
-                let mut slot = slots[i].lock().unwrap_or_else(|e| e.into_inner());
-                let Some(p) = slot.as_mut() else { continue };
-                let r = p.fill(device, opts, &io);
-                if r.is_err() {
-                    failed.store(true, std::sync::atomic::Ordering::Relaxed);
-                }
-                *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
             });
         }
     });
-    let mut shards = Vec::with_capacity(slots.len());
-    let mut bytes = 0;
-    for (slot, result) in slots.into_iter().zip(results) {
-        let p = slot.into_inner().unwrap_or_else(|e| e.into_inner());
-        let result = result.into_inner().unwrap_or_else(|e| e.into_inner());
-        match (p, result) {
-            (Some(p), Some(Ok(read))) => {
-                bytes += p.bytes();
-                shards.push(p.finish(read, opts)?);
-            }
-            (_, Some(Err(e))) => return Err(e),
-            // A fill skipped because another shard failed: that error is returned above.
-            _ => {}
+    let filled: Vec<(Planned, Option<Result<crate::ReadInfo>>)> =
+        slots.into_iter().map(|s| s.into_inner().unwrap_or_else(|e| e.into_inner())).collect();
+    // Nothing partial: the first failure (in shard order) is the answer, and every load is
+    // dropped with it.
+    let mut done = Vec::with_capacity(filled.len());
+    for (p, r) in filled {
+        match r {
+            Some(Ok(read)) => done.push((p, read)),
+            Some(Err(e)) => return Err(e),
+            None => {}
         }
     }
-    if shards.len() != files.shards.len() {
+    if done.len() != files.shards.len() {
         return Err(model_error(files.origin(), "a shard was not loaded"));
     }
+    let bytes = done.iter().map(|(p, _)| p.bytes()).sum();
+    let shards = done.into_iter().map(|(p, read)| p.finish(read, opts)).collect::<Result<Vec<_>>>()?;
     let report =
         ModelReport { files: shards.len(), bytes, elapsed: started.elapsed(), workers, threads_per_fill: per_fill };
     Ok(LoadedModel { files, shards, owner, report })
@@ -590,7 +585,7 @@ pub fn summarize(files: &ModelFiles, opts: &LoadOptions) -> Result<ModelSummary>
         let header = crate::read_header_of(path, opts)?;
         let mut bytes = 0u64;
         for t in header.tensors() {
-            let e = dtypes.entry(dtype_name(t.dtype)).or_default();
+            let e = dtypes.entry(t.dtype.name().to_owned()).or_default();
             e.0 += 1;
             e.1 += t.len() as u64;
             bytes += t.len() as u64;
@@ -601,10 +596,6 @@ pub fn summarize(files: &ModelFiles, opts: &LoadOptions) -> Result<ModelSummary>
     let refs: Vec<Vec<&str>> = names.iter().map(|v| v.iter().map(String::as_str).collect()).collect();
     files.check(&refs)?;
     Ok(ModelSummary { shards, dtypes })
-}
-
-fn dtype_name(d: Dtype) -> String {
-    d.name().to_owned()
 }
 
 /// What [`summarize`] found.

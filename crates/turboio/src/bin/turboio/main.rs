@@ -273,9 +273,8 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
         }
     }
     if times.len() > 1 {
-        times.sort_by(f64::total_cmp);
-        let median = times[times.len() / 2];
-        outln!("median: {median:.3} s = {:.2} GB/s", file_len as f64 / median / 1e9);
+        let m = median(times);
+        outln!("median: {m:.3} s = {:.2} GB/s", file_len as f64 / m / 1e9);
     }
     Ok(())
 }
@@ -438,9 +437,8 @@ fn load_model(path: &Path, mut opts: LoadOptions, repeat: usize, check: bool) ->
         }
     }
     if times.len() > 1 {
-        times.sort_by(f64::total_cmp);
-        let median = times[times.len() / 2];
-        outln!("median: {median:.3} s = {:.2} GB/s", total as f64 / median / 1e9);
+        let m = median(times);
+        outln!("median: {m:.3} s = {:.2} GB/s", total as f64 / m / 1e9);
     }
     Ok(())
 }
