@@ -292,3 +292,111 @@ fn save_from_device_memory_round_trips() {
     turboio::save_with(&out, &specs, loaded.metadata(), &data, &SaveOptions::default()).unwrap();
     assert!(std::fs::read(&out).unwrap() == std::fs::read(&path).unwrap(), "device round trip is byte-identical");
 }
+
+/// Every tensor of a converting load equals the plain bytes converted on their own.
+fn assert_converted(loaded: &turboio::LoadedFile, target: Dtype, label: &str) -> usize {
+    let plain = std::fs::read(loaded.path()).unwrap();
+    let original = turboio::Header::parse(&plain, plain.len() as u64).unwrap();
+    let start = original.data_start() as usize;
+    let mut converted = 0;
+    assert_eq!(loaded.len(), original.len(), "{label}");
+    for t in loaded.tensors() {
+        let o = original.tensor(t.name()).unwrap();
+        let src = &plain[start + o.data_offsets.0..start + o.data_offsets.1];
+        let got = loaded.to_host(t.name()).unwrap();
+        assert_eq!(t.shape(), o.shape.as_slice(), "{label}: {}", t.name());
+        if turboio::format::castable(o.dtype) && o.dtype != target {
+            converted += 1;
+            assert_eq!(t.dtype(), target, "{label}: {}", t.name());
+            let mut want = vec![0u8; got.len()];
+            turboio::format::cast(src, o.dtype, target, &mut want).unwrap();
+            assert!(got == want, "{label}: tensor {} converted wrongly", t.name());
+        } else {
+            assert_eq!(t.dtype(), o.dtype, "{label}: {} passes through", t.name());
+            assert!(got == src, "{label}: tensor {} changed", t.name());
+        }
+    }
+    converted
+}
+
+#[test]
+fn converting_loads_convert_every_floating_tensor_on_every_path() {
+    let dir = disk_dir();
+    let path = sample(dir.path(), 12 << 20);
+    let pool = ArenaPool::new(1);
+    for target in [Dtype::BF16, Dtype::F16, Dtype::F32, Dtype::F8_E4M3] {
+        for (mode, cache) in [
+            (LoadMode::Auto, CachePolicy::Auto),
+            (LoadMode::Mapped, CachePolicy::Keep),
+            (LoadMode::Copied, CachePolicy::Bypass),
+            (LoadMode::Lazy, CachePolicy::Auto),
+        ] {
+            for cold in [false, true] {
+                if cold && !evict(&path) {
+                    continue;
+                }
+                let label = format!("{target} {mode} cache={cache} cold={cold}");
+                let opts = LoadOptions {
+                    mode,
+                    cache,
+                    threads: 3,
+                    dtype: Some(target),
+                    arenas: Some(pool.clone()),
+                    ..Default::default()
+                };
+                let loaded = turboio::load(&path, &opts).unwrap_or_else(|e| panic!("{label}: {e}"));
+                let n = assert_converted(&loaded, target, &label);
+                assert!(n > 0, "{label}: the sample has floating tensors of other dtypes");
+                assert_eq!(loaded.report().converted, n, "{label}");
+                assert_eq!(loaded.report().held, Held::Copied, "{label}");
+            }
+        }
+    }
+    // Onto a device: converted on the host, then uploaded.
+    let dev = Arc::new(OpaqueDevice::new(1));
+    let opts = LoadOptions {
+        device: Some(dev.clone() as Arc<dyn Device>),
+        dtype: Some(Dtype::F16),
+        staging_chunk: (1 << 20) + 3,
+        ..Default::default()
+    };
+    let loaded = turboio::load(&path, &opts).unwrap();
+    assert_eq!(loaded.report().held, Held::Staged);
+    assert!(loaded.memory().host().is_none());
+    assert!(assert_converted(&loaded, Dtype::F16, "device") > 0);
+    drop(loaded);
+    assert_eq!(dev.live_allocations(), 0);
+}
+
+#[test]
+fn converting_loads_refuse_non_floating_targets_and_skip_needless_copies() {
+    let dir = disk_dir();
+    let path = dir.path().join("bf16.safetensors");
+    let data = bytes(64, 1);
+    let ints = bytes(40, 2);
+    let tensors = [
+        SaveTensor { name: "w", dtype: Dtype::BF16, shape: &[4, 8], data: &data },
+        SaveTensor { name: "i", dtype: Dtype::I64, shape: &[5], data: &ints },
+    ];
+    turboio::save(&path, &tensors, None, &SaveOptions::default()).unwrap();
+    let err = turboio::load(&path, &LoadOptions { dtype: Some(Dtype::I32), ..Default::default() }).unwrap_err();
+    assert!(err.to_string().contains("bf16.safetensors") && err.to_string().contains("floating"), "{err}");
+    // Nothing to convert: the plain (mapped) load, no copy.
+    let loaded = turboio::load(&path, &LoadOptions { dtype: Some(Dtype::BF16), ..Default::default() }).unwrap();
+    assert_eq!(loaded.report().held, Held::Mapped);
+    assert_eq!(loaded.report().converted, 0);
+    // A cancelled converting load returns nothing.
+    let opts =
+        LoadOptions { dtype: Some(Dtype::F32), cancel: Some(Arc::new(AtomicBool::new(true))), ..Default::default() };
+    assert!(matches!(turboio::load(&path, &opts), Err(Error::Cancelled { .. })));
+    // Whole models convert shard by shard.
+    let model = dir.path().join("model");
+    turboio::save_model_dir(&model, &tensors, None, 70, &SaveOptions::default()).unwrap();
+    let m = turboio::load_model(&model, &LoadOptions { dtype: Some(Dtype::F32), ..Default::default() }).unwrap();
+    let w = m.tensor("w").unwrap();
+    assert_eq!(w.dtype(), Dtype::F32);
+    let mut want = vec![0u8; 128];
+    turboio::format::cast(&data, Dtype::BF16, Dtype::F32, &mut want).unwrap();
+    assert_eq!(w.bytes().unwrap(), &want[..]);
+    assert_eq!(m.tensor("i").unwrap().bytes().unwrap(), &ints[..]);
+}

@@ -513,6 +513,7 @@ impl PyLoaded {
         d.set_item("cache_reason", r.cache.reason)?;
         d.set_item("bytes", r.bytes)?;
         d.set_item("seconds", r.elapsed.as_secs_f64())?;
+        d.set_item("converted", r.converted)?;
         d.set_item("arena_reused", r.arena_reused)?;
         d.set_item("fallbacks", r.fallbacks.clone())?;
         d.set_item("device", self.inner.device_id().to_string())?;
@@ -550,11 +551,16 @@ impl PyArenaPool {
     }
 }
 
+/// A `dtype=` argument: a safetensors dtype name (the Python layer maps torch dtypes to them).
+fn parse_dtype(dtype: Option<&str>) -> PyResult<Option<Dtype>> {
+    dtype.map(|d| d.parse::<Dtype>().map_err(|e| PyValueError::new_err(e.to_string()))).transpose()
+}
+
 /// Loads every tensor of a safetensors file (GIL released, Ctrl-C cancels), into the CPU or a
 /// CUDA device (`device="cuda:N"`; `gds` = "auto"/"on"/"off" for GPUDirect Storage; `staging`
 /// keeps pinned buffers across loads).
 #[pyfunction]
-#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", pool=None, huge_pages=None, progress=None, cipher=false, device="cpu", gds="off", staging=None))]
+#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", pool=None, huge_pages=None, progress=None, cipher=false, device="cpu", gds="off", staging=None, dtype=None))]
 #[allow(clippy::too_many_arguments)]
 fn load(
     py: Python<'_>,
@@ -569,7 +575,9 @@ fn load(
     device: &str,
     gds: &str,
     staging: Option<&PyStagingPool>,
+    dtype: Option<&str>,
 ) -> PyResult<PyLoaded> {
+    let dtype = parse_dtype(dtype)?;
     let cancel = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
     let target = open_target(py, device, staging)?;
@@ -588,6 +596,7 @@ fn load(
         huge_pages,
         cancel: Some(cancel.clone()),
         encryption: encryption(cipher, false),
+        dtype,
         ..Default::default()
     };
     let loaded = interruptible(py, &cancel, progress.as_ref().map(|cb| (cb, &*done)), || {
@@ -604,7 +613,8 @@ fn load(
 /// job into the CPU (GIL released, Ctrl-C cancels): every shard validated and the index checked
 /// first, then all shards read in one pipeline. Returns one `LoadedFile` per shard.
 #[pyfunction]
-#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", progress=None, cipher=false))]
+#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", progress=None, cipher=false, dtype=None))]
+#[allow(clippy::too_many_arguments)]
 fn load_model(
     py: Python<'_>,
     path: std::path::PathBuf,
@@ -613,7 +623,9 @@ fn load_model(
     mode: &str,
     progress: Option<Bound<'_, PyAny>>,
     cipher: bool,
+    dtype: Option<&str>,
 ) -> PyResult<Vec<PyLoaded>> {
+    let dtype = parse_dtype(dtype)?;
     let cancel = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
     let opts = LoadOptions {
@@ -623,6 +635,7 @@ fn load_model(
         mode: parse_mode(mode)?,
         cancel: Some(cancel.clone()),
         encryption: encryption(cipher, false),
+        dtype,
         ..Default::default()
     };
     let model = interruptible(py, &cancel, progress.as_ref().map(|cb| (cb, &*done)), || {

@@ -75,6 +75,7 @@
 
 mod backend;
 mod background;
+mod cast;
 #[cfg(feature = "cipher")]
 pub mod crypt;
 mod error;

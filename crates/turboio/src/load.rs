@@ -103,6 +103,9 @@ pub fn read_all(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Vec<u8>> {
 /// page-cache residency decide. Nothing partial is ever returned: on any error the memory is
 /// released and the error names the file.
 pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
+    if let Some(target) = opts.dtype {
+        return crate::cast::load_cast(path.as_ref(), opts, target);
+    }
     let cpu = cpu_device(opts);
     let device = load_device(opts, &cpu);
     let mut planned = plan(path.as_ref(), opts, device)?;
@@ -272,6 +275,18 @@ impl Planned {
         }
     }
 
+    /// For a cold mapped load: asks the kernel for the whole file now and leaves the mapping
+    /// unpopulated, so that whoever reads it next (a converting load) reads each page as it
+    /// arrives. True if it did.
+    pub(crate) fn defer_cold_populate(&mut self) -> bool {
+        if let Fill::Mapped { mapping, lazy: lazy @ false, cold: true } = &mut self.fill {
+            mapping.will_need();
+            *lazy = true;
+            return true;
+        }
+        false
+    }
+
     /// Bytes this load brings into memory when filled.
     pub(crate) fn bytes(&self) -> u64 {
         match &self.fill {
@@ -351,6 +366,7 @@ impl Planned {
                 bytes,
                 arena_reused: self.arena_reused,
                 fallbacks: self.fallbacks,
+                converted: 0,
                 elapsed: self.started.elapsed(),
             },
         })
@@ -391,7 +407,7 @@ fn copy_cache_use(
 }
 
 /// The storage options of a load (without the cache choice, which needs the file).
-fn io_options(opts: &LoadOptions) -> IoOptions<'_> {
+pub(crate) fn io_options(opts: &LoadOptions) -> IoOptions<'_> {
     IoOptions {
         threads: opts.threads,
         direct: match opts.cache {

@@ -67,6 +67,9 @@ pub struct LoadReport {
     /// Why a faster path was not taken, one line each (GPUDirect Storage refused, decryption on
     /// the device unavailable, the page-cache mapping not usable). Empty when nothing fell back.
     pub fallbacks: Vec<String>,
+    /// Tensors converted to [`LoadOptions::dtype`](crate::LoadOptions::dtype) on the way in
+    /// (0 when no dtype was asked for or every tensor already had it).
+    pub converted: usize,
     /// Wall time of the whole load, header included.
     pub elapsed: Duration,
 }

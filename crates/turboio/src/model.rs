@@ -314,7 +314,16 @@ pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedMo
     let started = Instant::now();
     let files = ModelFiles::resolve(path)?;
     let cpu = cpu_device(opts);
-    let device = load_device(opts, &cpu);
+    // Converting loads read each shard into host memory and convert it there (see `cast`).
+    let host;
+    let (opts, device, target) = match opts.dtype {
+        Some(t) => {
+            crate::cast::check_target(files.origin(), t)?;
+            host = LoadOptions { device: None, dtype: None, ..opts.clone() };
+            (&host, &cpu as &dyn turboio_device::Device, Some((t, opts)))
+        }
+        None => (opts, load_device(opts, &cpu), None),
+    };
 
     // Open, validate and allocate every shard before reading any tensor byte.
     let mut planned: Vec<Planned> = Vec::with_capacity(files.shards.len());
@@ -380,7 +389,13 @@ pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedMo
         return Err(model_error(files.origin(), "a shard was not loaded"));
     }
     let bytes = done.iter().map(|(p, _)| p.bytes()).sum();
-    let shards = done.into_iter().map(|(p, read)| p.finish(read, opts)).collect::<Result<Vec<_>>>()?;
+    let mut shards = done.into_iter().map(|(p, read)| p.finish(read, opts)).collect::<Result<Vec<_>>>()?;
+    if let Some((t, asked)) = target {
+        shards = shards
+            .into_iter()
+            .map(|s| crate::cast::cast_loaded(s, t, asked, &cpu, false))
+            .collect::<Result<Vec<_>>>()?;
+    }
     let report =
         ModelReport { files: shards.len(), bytes, elapsed: started.elapsed(), workers, threads_per_fill: per_fill };
     Ok(LoadedModel { files, shards, owner, report })

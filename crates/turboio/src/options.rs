@@ -149,6 +149,10 @@ pub struct LoadOptions {
     /// Decrypt the file (veTurboIO's AES-CTR formats; the header layout is detected).
     #[cfg(feature = "cipher")]
     pub encryption: Option<crate::crypt::Encryption>,
+    /// Convert every floating tensor (F64, F32, F16, BF16, F8_E4M3, F8_E5M2) to this dtype on
+    /// the way in, bit-identical to torch's `.to()` ([`turboio_format::cast`]); other tensors
+    /// pass through. `None` (the default): tensors keep their dtype.
+    pub dtype: Option<turboio_format::Dtype>,
 }
 
 impl fmt::Debug for LoadOptions {
@@ -161,6 +165,7 @@ impl fmt::Debug for LoadOptions {
             .field("huge_pages", &self.huge_pages)
             .field("device", &self.device.as_ref().map(|d| d.id()))
             .field("storage", &self.storage.as_ref().map(|s| s.name()))
+            .field("dtype", &self.dtype)
             .finish_non_exhaustive()
     }
 }

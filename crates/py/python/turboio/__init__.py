@@ -157,6 +157,7 @@ def load(
     cache=None,
     top_level_key=None,
     unsafe_pickle_fallback=False,
+    dtype=None,
 ):
     """Loads a safetensors or torch `.pt` file (detected by content) into a dict of tensors.
 
@@ -193,10 +194,22 @@ def load(
     accepted; staging buffers are always pinned (they are small and, with `helper`, reused).
     `TURBOIO_GDS=auto|on` reads cold files with GPUDirect Storage where available. An NPU
     (`"npu:N"`) raises a RuntimeError: not supported in this build.
+
+    `dtype` (a turboio extension; a torch dtype such as `torch.bfloat16`, or its name) converts
+    every float64/float32/float16/bfloat16/float8 tensor to that dtype on the way in, bit for bit
+    as torch's `.to()` would; other tensors (integers, bool) are returned as stored. For
+    safetensors files the conversion is done by the reader (one pass, into one new buffer); for
+    `.pt` files it is a `.to()` after the load.
     """
     import torch
 
     import io
+
+    from ._dtypes import convert as _convert, load_dtype as _load_dtype
+
+    dtype = _load_dtype(dtype)
+    if dtype is not None and state_dict:
+        raise ValueError("dtype= cannot be combined with state_dict= (the tensors given keep their dtype)")
 
     path = _local_path(file)
     cipher = _cipher_for_load(use_cipher)
@@ -212,14 +225,17 @@ def load(
             if not unsafe_pickle_fallback:
                 raise
         else:
+            sd = _convert(sd, dtype)
             return sd if device == "cpu" else {k: v.to(device) for k, v in sd.items()}
         # Only when asked: torch.load executes the pickle (restricted by weights_only=True).
         if cipher or _is_sfcs(path):
             data = _turboio.read_all(path, cipher=cipher, threads=n)
-            return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
-        # A file object, not the path: recent torch guesses the format from the file name.
-        with open(path, "rb") as f:
-            return torch.load(f, map_location=device, weights_only=True)
+            sd = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+        else:
+            # A file object, not the path: recent torch guesses the format from the file name.
+            with open(path, "rb") as f:
+                sd = torch.load(f, map_location=device, weights_only=True)
+        return _convert(sd, dtype) if isinstance(sd, dict) else sd
     if state_dict:
         return _load_into(path, state_dict, n, cache, cipher, helper)
     pool = helper._pool if isinstance(helper, IOHelper) else None
@@ -234,6 +250,7 @@ def load(
         device=device,
         gds=_cuda.gds_setting(),
         staging=staging,
+        dtype=dtype,
     )
     return _tensors_of(loaded, aliases=enable_fast_mode)
 

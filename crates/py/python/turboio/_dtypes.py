@@ -73,3 +73,44 @@ def safetensors_name(dtype):
         if getattr(torch, attr, None) == dtype:
             return st
     raise ValueError(f"dtype {dtype} cannot be stored in a safetensors file")
+
+
+# The floating dtypes a load converts between (turboio_format::cast; torch's `.to()` bit for bit).
+CASTABLE = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+def load_dtype(dtype):
+    """The safetensors name of a `dtype=` load argument (a torch dtype, or a name such as
+    "bfloat16" or "BF16"); None for None. ValueError unless it is a floating dtype a load can
+    convert to."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        by_torch = {v: k for k, v in _TORCH_NAMES.items()}
+        name = by_torch.get(name, name.upper())
+    else:
+        name = safetensors_name(dtype)
+    if name not in CASTABLE:
+        raise ValueError(
+            f"cannot convert tensors to {dtype} on load: dtype must be a floating dtype "
+            "(float64, float32, float16, bfloat16, float8_e4m3fn or float8_e5m2)"
+        )
+    return name
+
+
+def convert(tensors, name):
+    """`{k: t}` with every tensor of a convertible floating dtype converted to the dtype named
+    `name` (torch's `.to()`), the others as they are: what a converting load does in Rust, for
+    the paths that build tensors in Python (`.pt` files, torch.load)."""
+    if name is None:
+        return tensors
+    target = torch_dtype(name)
+    out = {}
+    for k, t in tensors.items():
+        try:
+            own = safetensors_name(t.dtype)
+        except (ValueError, AttributeError):
+            own = None
+        out[k] = t.to(target) if own in CASTABLE and own != name else t
+    return out

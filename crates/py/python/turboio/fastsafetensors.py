@@ -24,7 +24,7 @@ import math
 import os
 
 from . import _cuda, _turboio
-from ._dtypes import torch_dtype_for
+from ._dtypes import load_dtype, torch_dtype, torch_dtype_for
 from ._torch import tensor_from, threads as _threads
 
 __all__ = ["SafeTensorsFileLoader", "FilesBufferOnDevice", "SingleGroup", "fastsafe_open", "ParallelLoader", "AutoLoader"]
@@ -133,6 +133,8 @@ class FilesBufferOnDevice:
             raise ValueError(f"{name} is not found in the loaded files") from None
 
     def _finish(self, t, device, dtype):
+        if isinstance(dtype, str):
+            dtype = torch_dtype(load_dtype(dtype))
         if dtype is None and self._dtype is not None and t.is_floating_point():
             dtype = self._dtype
         if dtype is not None and dtype != t.dtype:
@@ -318,7 +320,11 @@ class SafeTensorsFileLoader:
     def copy_files_to_device(self, dtype=None, use_buf_register=True, max_copy_block_size=16 * 1024**3):
         """Loads every added file into `device` (the CPU, or a GPU: GPUDirect Storage unless
         `nogds`, falling back to pinned staging where GDS is unusable; the reason is in each
-        load's `report()["fallbacks"]`)."""
+        load's `report()["fallbacks"]`). `dtype` (a torch dtype): every floating tensor comes
+        out converted to it (bit for bit as `.to()`), others as stored; unlike fastsafetensors,
+        widening conversions are allowed too."""
+        name = load_dtype(dtype)  # a clear error now for a dtype nothing converts to
+        dtype = torch_dtype(name) if name is not None else None
         loads = {}
         device = "cpu" if self.device.type == "cpu" else str(self.device)
         gds = "off" if self.nogds or device == "cpu" else "auto"
@@ -337,6 +343,9 @@ class SafeTensorsFileLoader:
                 device="cpu" if distributed else device,
                 gds="off" if distributed else gds,
                 staging=self._staging,
+                # One process: floating tensors are converted by the reader, in one pass. With
+                # several, every rank converts what it receives (the owners send stored dtypes).
+                dtype=None if distributed else name,
             )
         owners = {path: rank for path, (_, rank) in self.meta.items()}
         return FilesBufferOnDevice(

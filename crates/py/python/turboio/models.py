@@ -32,7 +32,9 @@ def _block(t, dim, rank, world_size):
     return t.narrow(dim, start, min(step, size - start))
 
 
-def load_model(path, device="cpu", rank=None, world_size=None, shard_dims=None, *, num_thread=0, cache="auto", use_cipher=False):
+def load_model(
+    path, device="cpu", rank=None, world_size=None, shard_dims=None, *, num_thread=0, cache="auto", use_cipher=False, dtype=None
+):
     """Loads a whole model into a dict of tensors: `path` is a safetensors file, a directory of
     shards (with or without `model.safetensors.index.json`), or the index JSON itself.
 
@@ -44,7 +46,8 @@ def load_model(path, device="cpu", rank=None, world_size=None, shard_dims=None, 
 
     `rank` and `world_size` with `shard_dims` (`{name: dim}`) give each rank its block of those
     tensors along `dim` (fastsafetensors' split); other tensors come back whole. `device` other
-    than "cpu" moves the tensors there after the load.
+    than "cpu" moves the tensors there after the load. `dtype` (e.g. `torch.bfloat16`) converts
+    every floating tensor on the way in, as `turboio.load` does.
     """
     import torch
 
@@ -55,7 +58,11 @@ def load_model(path, device="cpu", rank=None, world_size=None, shard_dims=None, 
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
-    shards = _turboio.load_model(path, threads=threads(num_thread), cache=cache, cipher=bool(use_cipher))
+    from ._dtypes import load_dtype
+
+    shards = _turboio.load_model(
+        path, threads=threads(num_thread), cache=cache, cipher=bool(use_cipher), dtype=load_dtype(dtype)
+    )
     out = {}
     for loaded in shards:
         out.update(tensors_of(loaded))

@@ -1,0 +1,270 @@
+//! Dtype conversion on load ([`LoadOptions::dtype`]).
+//!
+//! A converting load brings the file in the way a plain load would (mapped from the page cache
+//! for local files, copied for encrypted or remote ones) and converts each floating tensor into
+//! one new CPU arena laid out as the safetensors file of the converted tensors would be (the
+//! result is an ordinary [`LoadedFile`] whose header says the new dtypes). Tensors that are not
+//! floating, or already have the dtype, are copied as they are.
+//!
+//! The conversion is fused with the read: for a cold mapped file the whole range is asked for
+//! first (`MADV_WILLNEED`) and the converting threads read the mapping in file order, so they
+//! convert each piece as the disk delivers it instead of waiting for the whole file. Hot, the
+//! mapping is populated from the page cache (no copy) and the conversion is the only pass over
+//! the bytes. Either way the bytes move once: page cache -> converted arena, the same traffic as
+//! a plain copied load, plus the arithmetic ([`turboio_format::cast`], bit-identical to torch's
+//! `.to()`). For a device the CPU cannot address, the converted arena is then uploaded (the
+//! conversion runs on the host; see the README for why this is not yet a device kernel).
+
+use crate::load::{cpu_device, io_options, plan};
+use crate::loaded::{Held, LoadedFile};
+use crate::options::LoadOptions;
+use crate::{Error, Result};
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Mutex;
+use std::time::Instant;
+use turboio_device::{Allocation, CpuDevice, Device, DeviceKind};
+use turboio_format::{can_cast, castable, Dtype, Header, TensorInfo, TensorSpec};
+
+/// Source bytes per conversion piece: small enough to spread a tensor over every thread and
+/// to follow a cold read closely, large enough that handing pieces out costs nothing.
+const PIECE: usize = 4 << 20;
+
+/// Whether a load converting to `target` converts this tensor.
+fn converts(t: &TensorInfo, target: Dtype) -> bool {
+    t.dtype != target && castable(t.dtype) && castable(target)
+}
+
+/// Refuses, before any I/O, a dtype nothing can be converted to.
+pub(crate) fn check_target(path: &Path, target: Dtype) -> Result<()> {
+    if castable(target) {
+        return Ok(());
+    }
+    Err(Error::Unsupported {
+        path: path.to_owned(),
+        message: format!(
+            "cannot convert tensors to {target} on load: the target must be a floating dtype \
+             (F64, F32, F16, BF16, F8_E4M3 or F8_E5M2)"
+        ),
+    })
+}
+
+/// [`crate::load`] with [`LoadOptions::dtype`] set.
+pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Result<LoadedFile> {
+    check_target(path, target)?;
+    let started = Instant::now();
+    let cpu = cpu_device(opts);
+    let host = LoadOptions { device: None, dtype: None, ..opts.clone() };
+    let mut planned = plan(path, &host, &cpu)?;
+    if !planned.header().tensors().iter().any(|t| converts(t, target)) {
+        // Nothing to convert: the plain load, onto the asked-for device.
+        drop(planned);
+        return crate::load(path, &LoadOptions { dtype: None, ..opts.clone() });
+    }
+    // Cold mapped: ask for everything, then let the converting threads read as pages arrive.
+    let fused = planned.defer_cold_populate();
+    let read = planned.fill(&cpu, &host, &io_options(&host))?;
+    let src = planned.finish(read, &host)?;
+    let mut out = cast_loaded(src, target, opts, &cpu, fused)?;
+    out.report.elapsed = started.elapsed();
+    Ok(out)
+}
+
+/// One piece of work: convert (or copy) `src` into `dst`.
+struct Piece<'a> {
+    src: &'a [u8],
+    dst: &'a mut [u8],
+    from: Dtype,
+    to: Dtype,
+    tensor: &'a str,
+}
+
+/// Converts the floating tensors of a loaded file (host memory) to `target`, into a new arena
+/// (uploaded to `opts.device` when that is not the CPU). `count_progress`: the source was not
+/// populated yet, so the bytes it reads count as read here.
+pub(crate) fn cast_loaded(
+    src: LoadedFile,
+    target: Dtype,
+    opts: &LoadOptions,
+    cpu: &CpuDevice,
+    count_progress: bool,
+) -> Result<LoadedFile> {
+    let path = src.path.clone();
+    check_target(&path, target)?;
+    let converted = src.header.tensors().iter().filter(|t| converts(t, target)).count();
+    let on_device = opts.device.as_ref().filter(|d| d.id().kind != DeviceKind::Cpu);
+    if converted == 0 && on_device.is_none() {
+        return Ok(src);
+    }
+    let Some(src_bytes) = src.memory.host() else {
+        return Err(Error::Unsupported { path, message: "dtype conversion needs the bytes in host memory".into() });
+    };
+    // The converted file's layout, as the safetensors writer would lay it out.
+    let new_len = |t: &TensorInfo| {
+        if converts(t, target) {
+            turboio_format::cast_len(t.len(), t.dtype, target).unwrap_or(usize::MAX)
+        } else {
+            t.len()
+        }
+    };
+    let specs = src
+        .header
+        .tensors()
+        .iter()
+        .map(|t| TensorSpec {
+            name: &t.name,
+            dtype: if converts(t, target) { target } else { t.dtype },
+            shape: &t.shape,
+            data_len: new_len(t),
+        })
+        .collect::<Vec<_>>();
+    let layout = turboio_format::plan(&specs, src.header.metadata()).map_err(|e| Error::format(&path, e))?;
+    let header = Header::parse(&layout.header, layout.file_len()).map_err(|e| Error::format(&path, e))?;
+    let data_len = usize::try_from(layout.data_len).map_err(|_| Error::Unsupported {
+        path: path.clone(),
+        message: "converted tensors too large for this address space".into(),
+    })?;
+    let threads = if opts.threads == 0 { turboio_storage::default_threads() } else { opts.threads };
+    let mut memory = cpu.alloc(data_len.max(1)).map_err(|e| Error::device(&path, e))?;
+    let dst_all = memory
+        .host_mut()
+        .ok_or_else(|| Error::Unsupported { path: path.clone(), message: "the CPU arena has no host memory".into() })?;
+
+    // Pieces in destination order (the layout tiles the data section), each at most PIECE
+    // source bytes and a whole number of elements.
+    let mut entries: Vec<(&TensorInfo, &TensorInfo)> =
+        header.tensors().iter().filter_map(|d| Some((src.header.get(&d.name)?, d))).collect();
+    entries.sort_by_key(|(_, d)| d.data_offsets.0);
+    let mut pieces = Vec::new();
+    let mut rest: &mut [u8] = &mut dst_all[..data_len];
+    let mut at = 0usize;
+    for (s, d) in entries {
+        // The layout tiles the data section, so `skip` is empty; it is here for safety.
+        let (_skip, tail) = std::mem::take(&mut rest).split_at_mut(d.data_offsets.0 - at);
+        let (mut dst, tail) = tail.split_at_mut(d.len());
+        rest = tail;
+        at = d.data_offsets.1;
+        let start = src.data_base + s.data_offsets.0;
+        let mut source = &src_bytes[start..start + s.len()];
+        let (from, to) = (s.dtype, d.dtype);
+        let (fs, ts) = match (from.byte_size(), to.byte_size()) {
+            (Some(f), Some(t)) if from != to => (f, t),
+            // Copies (and sub-byte dtypes, which never convert) move in plain byte pieces.
+            _ => (1, 1),
+        };
+        let per = (PIECE / fs).max(1);
+        while !source.is_empty() {
+            let n = per.min(source.len() / fs);
+            let (a, b) = source.split_at(n * fs);
+            let (c, e) = std::mem::take(&mut dst).split_at_mut(n * ts);
+            pieces.push(Piece { src: a, dst: c, from, to, tensor: &s.name });
+            source = b;
+            dst = e;
+        }
+    }
+
+    let queue = Mutex::new(pieces.into_iter());
+    let failed: Mutex<Option<Error>> = Mutex::new(None);
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1) {
+            scope.spawn(|| loop {
+                if failed.lock().map(|f| f.is_some()).unwrap_or(true)
+                    || opts.cancel.as_deref().is_some_and(|c| c.load(Ordering::Relaxed))
+                {
+                    return;
+                }
+                let Some(piece) = queue.lock().ok().and_then(|mut q| q.next()) else {
+                    return;
+                };
+                let result = if piece.from == piece.to || !can_cast(piece.from, piece.to) {
+                    piece.dst.copy_from_slice(piece.src);
+                    Ok(())
+                } else {
+                    turboio_format::cast(piece.src, piece.from, piece.to, piece.dst)
+                };
+                if count_progress {
+                    if let Some(p) = &opts.progress {
+                        p.fetch_add(piece.src.len() as u64, Ordering::Relaxed);
+                    }
+                }
+                if let Err(e) = result {
+                    let message = format!("tensor `{}`: {e}", piece.tensor);
+                    if let Ok(mut f) = failed.lock() {
+                        f.get_or_insert(Error::Unsupported { path: path.clone(), message });
+                    }
+                    return;
+                }
+            });
+        }
+    });
+    if let Some(e) = failed.into_inner().ok().flatten() {
+        return Err(e);
+    }
+    if opts.cancel.as_deref().is_some_and(|c| c.load(Ordering::Relaxed)) {
+        return Err(Error::Cancelled { path });
+    }
+
+    let mut report = src.report.clone();
+    if count_progress {
+        report.bytes = src.header.file_len();
+    }
+    report.converted = converted;
+    if count_progress {
+        report.read.method = "mmap, converted as read";
+    }
+    report.held = Held::Copied;
+    let (memory, device) = match on_device {
+        Some(device) => {
+            report.held = Held::Staged;
+            let host = memory.host().map(|m| &m[..data_len]).unwrap_or_default();
+            (upload(device.as_ref(), host, opts).map_err(|e| Error::device(&path, e))?, Some(device.clone()))
+        }
+        None => (memory, None),
+    };
+    drop(src);
+    Ok(LoadedFile { path, header, memory, data_base: 0, device, report })
+}
+
+/// Copies host bytes into new memory of `device`, through its staging buffers.
+fn upload(
+    device: &dyn Device,
+    host: &[u8],
+    opts: &LoadOptions,
+) -> std::result::Result<Box<dyn Allocation>, turboio_device::DeviceError> {
+    let memory = device.alloc(host.len().max(1))?;
+    if device.uploads_from_host() {
+        device.upload_from_host(host, memory.as_ref(), 0)?;
+    } else {
+        let chunk = if opts.staging_chunk == 0 { 16 << 20 } else { opts.staging_chunk };
+        let mut pending = None;
+        for (i, part) in host.chunks(chunk).enumerate() {
+            let mut staging = device.alloc_staging(part.len())?;
+            staging.as_mut_slice()[..part.len()].copy_from_slice(part);
+            if let Some(t) = pending.take() {
+                drop(turboio_device::Transfer::wait(t)?);
+            }
+            pending = Some(device.upload(staging, part.len(), memory.as_ref(), i * chunk)?);
+        }
+        if let Some(t) = pending {
+            drop(turboio_device::Transfer::wait(t)?);
+        }
+    }
+    device.synchronize()?;
+    Ok(memory)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_floating_tensors_convert_and_only_to_floating_targets() {
+        let t = |dtype| TensorInfo { name: "x".into(), dtype, shape: vec![2], data_offsets: (0, 0) };
+        assert!(converts(&t(Dtype::F32), Dtype::BF16));
+        assert!(!converts(&t(Dtype::BF16), Dtype::BF16));
+        assert!(!converts(&t(Dtype::I64), Dtype::F16));
+        assert!(!converts(&t(Dtype::F32), Dtype::I32));
+        let e = check_target(Path::new("m.safetensors"), Dtype::I32).unwrap_err().to_string();
+        assert!(e.contains("m.safetensors") && e.contains("I32"), "{e}");
+    }
+}
