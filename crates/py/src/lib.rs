@@ -699,12 +699,6 @@ struct PyFileBytes {
     len: usize,
 }
 
-/// What keeps a `FileBytes` alive.
-enum HeldBytes {
-    Mapped(#[allow(dead_code)] turboio::device::FileMapping),
-    Owned(#[allow(dead_code)] Box<[u8]>),
-}
-
 #[pymethods]
 impl PyFileBytes {
     /// Bytes.
@@ -739,17 +733,18 @@ impl PyFileBytes {
     }
 }
 
-/// `(storages, tensors, skipped)` of a `.pt` index: storages `(offset, nbytes, dtype)`, tensors
-/// `(name, dtype, shape, strides, storage, storage_offset)` (offsets in elements), skipped
-/// `(name, kind)`.
+/// `(storages, tensors, skipped)` of a loaded `.pt` file: storages `(offset, nbytes, dtype)`
+/// (offsets in the load's memory), tensors `(name, dtype, shape, strides, storage,
+/// storage_offset)` (offsets in elements), skipped `(name, kind)`.
 type PtTables = (
-    Vec<(u64, u64, &'static str)>,
+    Vec<(usize, u64, &'static str)>,
     Vec<(String, &'static str, Vec<usize>, Vec<usize>, usize, u64)>,
     Vec<(String, &'static str)>,
 );
 
-fn pt_tables(index: &turboio_pt::PtIndex) -> PtTables {
-    let storages = index.storages().iter().map(|s| (s.offset, s.len, s.dtype.name())).collect();
+fn pt_tables(loaded: &turboio::LoadedPt) -> PtTables {
+    let index = loaded.index();
+    let storages = index.storages().iter().map(|s| (loaded.memory_offset(s.offset), s.len, s.dtype.name())).collect();
     let tensors = index
         .tensors()
         .iter()
@@ -760,53 +755,89 @@ fn pt_tables(index: &turboio_pt::PtIndex) -> PtTables {
 }
 
 /// Loads a PyTorch `.pt` / `.bin` checkpoint without executing its pickle (GIL released,
-/// Ctrl-C cancels): the zip and the pickle are read by turboio-pt's allow-listed reader, which
-/// refuses anything but the objects `torch.save` writes for tensors and containers; the file is
-/// mapped and populated from the page cache (decrypted into memory when `cipher`). Returns the
-/// file's bytes and the tables the Python layer builds tensors from.
+/// Ctrl-C cancels) through turboio's load pipeline (`turboio::load_pt`): the zip and the pickle
+/// are read by turboio-pt's allow-listed reader, which refuses anything but the objects
+/// `torch.save` writes for tensors and containers; the storages are then mapped from the page
+/// cache, or copied (`O_DIRECT` with `cache="bypass"`; always for encrypted and `sfcs://`
+/// files). Returns the load's bytes and the tables the Python layer builds tensors from.
 #[pyfunction]
-#[pyo3(signature = (path, top_level_key=None, cipher=false, threads=0))]
+#[pyo3(signature = (path, top_level_key=None, cipher=false, threads=0, cache="auto", mode="auto"))]
 fn load_pt(
     py: Python<'_>,
     path: std::path::PathBuf,
     top_level_key: Option<String>,
     cipher: bool,
     threads: usize,
+    cache: &str,
+    mode: &str,
 ) -> PyResult<(PyFileBytes, PtTables)> {
     let cancel = Arc::new(AtomicBool::new(false));
-    let opts = turboio_pt::PtOptions { top_level_key, ..Default::default() };
-    let threads = if threads == 0 { turboio::storage::default_threads() } else { threads };
-    let not_pt = |e: turboio_pt::PtError| Error::Unsupported {
-        path: path.clone(),
-        message: format!("cannot load this torch checkpoint without executing code: {e}"),
+    let pt = turboio::pt::PtOptions { top_level_key, ..Default::default() };
+    let opts = LoadOptions {
+        threads,
+        cache: parse_cache(cache)?,
+        mode: parse_mode(mode)?,
+        cancel: Some(cancel.clone()),
+        encryption: encryption(cipher, false),
+        ..Default::default()
     };
-    let (held, tables) = interruptible(py, &cancel, None, || {
-        // Encrypted files (decrypted into memory) and scheme paths (sfcs://, read through their
-        // backend) are held as a copy; local files are mapped.
-        if cipher || path.to_str().is_some_and(|p| p.contains("://")) {
-            let read = LoadOptions { encryption: encryption(cipher, false), threads, ..Default::default() };
-            let bytes = turboio::read_all(&path, &read)?;
-            let index = turboio_pt::PtIndex::parse(bytes.as_slice(), &opts).map_err(not_pt)?;
-            return Ok((HeldBytes::Owned(bytes.into_boxed_slice()), pt_tables(&index)));
-        }
-        let file = std::fs::File::open(&path)
-            .map_err(|e| Error::Storage(turboio::storage::StorageError::io(&path, "open", e)))?;
-        let len = file.metadata().map(|m| m.len()).unwrap_or(0) as usize;
-        if len == 0 {
-            return Err(not_pt(turboio_pt::PtError::NotZip("the file is empty".into())));
-        }
-        let mapping = turboio::device::FileMapping::new(&file, len)
-            .map_err(|e| Error::Device { path: path.clone(), source: e })?;
-        let index = turboio_pt::PtIndex::parse(mapping.as_slice(), &opts).map_err(not_pt)?;
-        mapping.populate_cold(threads).map_err(|e| Error::Device { path: path.clone(), source: e })?;
-        Ok((HeldBytes::Mapped(mapping), pt_tables(&index)))
-    })?;
+    let loaded = interruptible(py, &cancel, None, || turboio::load_pt(&path, &opts, &pt))?;
+    let tables = pt_tables(&loaded);
     // From here on only the address is used (see PyFileBytes).
-    let (addr, len) = match &held {
-        HeldBytes::Mapped(m) => (turboio::device::Allocation::address(m) as usize, m.len()),
-        HeldBytes::Owned(b) => (b.as_ptr() as usize, b.len()),
+    let (addr, len) = (loaded.memory().address() as usize, loaded.memory().len());
+    Ok((PyFileBytes { owner: Arc::new(loaded), addr, len }, tables))
+}
+
+/// Converts a PyTorch checkpoint (a `.pt` / `.bin` file, a directory of them, or
+/// `pytorch_model.bin.index.json`) to safetensors without executing its pickle (GIL released,
+/// Ctrl-C cancels); see `turboio::convert`. Returns a report dict.
+#[pyfunction]
+#[pyo3(signature = (input, output, top_level_key=None, clone_shared=false, dtype=None, validate=false, overwrite=false, threads=0, cipher=false, cache="auto"))]
+#[allow(clippy::too_many_arguments)]
+fn convert<'py>(
+    py: Python<'py>,
+    input: std::path::PathBuf,
+    output: std::path::PathBuf,
+    top_level_key: Option<String>,
+    clone_shared: bool,
+    dtype: Option<&str>,
+    validate: bool,
+    overwrite: bool,
+    threads: usize,
+    cipher: bool,
+    cache: &str,
+) -> PyResult<Bound<'py, PyDict>> {
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts = turboio::convert::ConvertOptions {
+        load: LoadOptions {
+            threads,
+            cache: parse_cache(cache)?,
+            cancel: Some(cancel.clone()),
+            encryption: encryption(cipher, false),
+            ..Default::default()
+        },
+        save: SaveOptions { threads, cancel: Some(cancel.clone()), ..Default::default() },
+        top_level_key,
+        shared: if clone_shared {
+            turboio::convert::SharedTensors::Clone
+        } else {
+            turboio::convert::SharedTensors::Alias
+        },
+        dtype: parse_dtype(dtype)?,
+        validate,
+        overwrite,
     };
-    Ok((PyFileBytes { owner: Arc::new(held), addr, len }, tables))
+    let r = interruptible(py, &cancel, None, || turboio::convert::convert(&input, &output, &opts))?;
+    let d = PyDict::new(py);
+    d.set_item("outputs", r.outputs.iter().map(|p| p.display().to_string()).collect::<Vec<_>>())?;
+    d.set_item("tensors", r.tensors)?;
+    d.set_item("aliases", r.aliases.clone())?;
+    d.set_item("converted", r.converted)?;
+    d.set_item("skipped", r.skipped.clone())?;
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("validated", r.validated)?;
+    d.set_item("seconds", r.elapsed.as_secs_f64())?;
+    Ok(d)
 }
 
 type HeaderInfo = (u64, u64, Option<BTreeMap<String, String>>, Vec<(String, &'static str, Vec<usize>, usize, usize)>);
@@ -1255,6 +1286,7 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(load_model, m)?)?;
     m.add_function(wrap_pyfunction!(load_pt, m)?)?;
+    m.add_function(wrap_pyfunction!(convert, m)?)?;
     m.add_class::<PyFileBytes>()?;
     m.add_function(wrap_pyfunction!(_save_model_dir, m)?)?;
     m.add_function(wrap_pyfunction!(parse_shard_size, m)?)?;

@@ -56,7 +56,7 @@ pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Resul
     let cpu = cpu_device(opts);
     let host = LoadOptions { device: None, dtype: None, ..opts.clone() };
     let mut planned = plan(path, &host, &cpu)?;
-    if !planned.header().tensors().iter().any(|t| converts(t, target)) {
+    if !planned.header().is_some_and(|h| h.tensors().iter().any(|t| converts(t, target))) {
         // Nothing to convert: the plain load, onto the asked-for device.
         drop(planned);
         return crate::load(path, &LoadOptions { dtype: None, ..opts.clone() });

@@ -76,6 +76,7 @@
 mod backend;
 mod background;
 mod cast;
+pub mod convert;
 #[cfg(feature = "cipher")]
 pub mod crypt;
 mod error;
@@ -84,6 +85,7 @@ mod load;
 mod loaded;
 pub mod model;
 mod options;
+pub mod pt;
 pub mod sample;
 mod save;
 mod to_device;
@@ -95,6 +97,7 @@ pub use load::{load, read_all, read_header_of, read_into, read_prefix};
 pub use loaded::{CacheUse, Held, LoadReport, LoadedFile, TensorView};
 pub use model::{load_model, save_model_dir, LoadedModel, ModelFiles, ModelReport, ModelSaveReport};
 pub use options::{parse_direct, CachePolicy, DirectIo, LoadMode, LoadOptions, SaveOptions};
+pub use pt::{load_pt, LoadedPt, PtView};
 pub use save::{save, save_from_device, save_with, write_bytes, DeviceTensor, SaveReport, SaveTensor, TensorData};
 
 pub use turboio_device as device;

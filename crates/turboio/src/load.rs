@@ -46,6 +46,15 @@ fn read_header(file: &Opened, bypass: bool) -> Result<Header> {
         #[cfg(not(feature = "cipher"))]
         Error::format(path, e)
     };
+    if prefix.starts_with(b"PK\x03\x04") {
+        return Err(Error::Unsupported {
+            path: path.to_owned(),
+            message: "this is a PyTorch checkpoint (a torch.save zip), not a safetensors file: load it with \
+                      `turboio::load_pt` (CLI: `turboio load`; Python: `turboio.load`) or convert it with \
+                      `turboio convert`"
+                .into(),
+        });
+    }
     let n = read_header_len(&prefix, len).map_err(format_error)?;
     let end = N_LEN + n as usize;
     if prefix.len() < end {
@@ -56,8 +65,49 @@ fn read_header(file: &Opened, bypass: bool) -> Result<Header> {
     Header::parse(&prefix, len).map_err(format_error)
 }
 
+/// What a planned load parsed before reading any tensor byte.
+pub(crate) enum Parsed {
+    /// A safetensors header.
+    Safetensors(Header),
+    /// A torch checkpoint's index (see [`crate::pt`]).
+    Pt(Box<turboio_pt::PtIndex>),
+}
+
+impl Parsed {
+    /// The first byte a load must bring in: the data section, or the first storage.
+    fn data_start(&self, file_len: u64) -> u64 {
+        match self {
+            Parsed::Safetensors(h) => h.data_start(),
+            Parsed::Pt(index) => index.storages().iter().map(|s| s.offset).min().unwrap_or(file_len),
+        }
+    }
+}
+
+/// The plain bytes of an open file for the `.pt` parser: buffered reads, or `O_DIRECT` ones
+/// when the load bypasses the page cache.
+pub(crate) struct PlainReader<'a> {
+    pub(crate) file: &'a Opened,
+    pub(crate) bypass: bool,
+}
+
+impl turboio_pt::ReadAt for PlainReader<'_> {
+    fn read_exact_at(&self, offset: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        let r = if self.bypass {
+            let io = IoOptions { threads: 1, direct: DirectIo::On, ..Default::default() };
+            self.file.read(vec![ReadRequest { offset, dst }], &io).map(drop)
+        } else {
+            self.file.read_exact_at(offset, dst)
+        };
+        r.map_err(std::io::Error::other)
+    }
+
+    fn len(&self) -> u64 {
+        self.file.len()
+    }
+}
+
 /// Opens a file for a load, with the decrypting layer when the options ask for it.
-fn open(path: &Path, opts: &LoadOptions) -> Result<Opened> {
+pub(crate) fn open(path: &Path, opts: &LoadOptions) -> Result<Opened> {
     #[allow(unused_mut)]
     let mut opened = Opened::open(opts.storage.as_ref(), path, opts.cancel.as_deref())?;
     #[cfg(feature = "cipher")]
@@ -151,7 +201,7 @@ enum Fill {
 pub(crate) struct Planned {
     path: PathBuf,
     opened: Opened,
-    header: Header,
+    parsed: Parsed,
     fill: Fill,
     /// First file byte brought in by copied and staged loads (the data section rounded down to
     /// the `O_DIRECT` alignment, so memory and file offsets are congruent).
@@ -169,13 +219,37 @@ pub(crate) struct Planned {
     started: Instant,
 }
 
-/// Opens, validates and allocates a load of `path` onto `device` (see [`Planned`]).
+/// Opens, validates and allocates a load of the safetensors file `path` onto `device` (see
+/// [`Planned`]).
 pub(crate) fn plan(path: &Path, opts: &LoadOptions, device: &dyn Device) -> Result<Planned> {
+    plan_parsed(path, opts, device, &mut |opened, bypass| read_header(opened, bypass).map(Parsed::Safetensors))
+}
+
+/// [`plan`] for a torch checkpoint (`.pt` / `.bin`), indexed with `pt`.
+pub(crate) fn plan_pt(
+    path: &Path,
+    opts: &LoadOptions,
+    device: &dyn Device,
+    pt: &turboio_pt::PtOptions,
+) -> Result<Planned> {
+    plan_parsed(path, opts, device, &mut |opened, bypass| {
+        turboio_pt::PtIndex::parse(&PlainReader { file: opened, bypass }, pt).map(|i| Parsed::Pt(Box::new(i))).map_err(
+            |e| Error::Unsupported {
+                path: path.to_owned(),
+                message: format!("cannot load this torch checkpoint without executing code: {e}"),
+            },
+        )
+    })
+}
+
+type Parse<'a> = dyn FnMut(&Opened, bool) -> Result<Parsed> + 'a;
+
+fn plan_parsed(path: &Path, opts: &LoadOptions, device: &dyn Device, parse: &mut Parse<'_>) -> Result<Planned> {
     let started = Instant::now();
     let opened = open(path, opts)?;
-    let header = read_header(&opened, opts.cache == CachePolicy::Bypass)?;
+    let parsed = parse(&opened, opts.cache == CachePolicy::Bypass)?;
     let file_len = opened.len();
-    let data_start = header.data_start();
+    let data_start = parsed.data_start(file_len);
     let on_cpu = device.id().kind == DeviceKind::Cpu;
     let local = opened.local_file();
     let cached_fraction = opened.raw().cached_fraction();
@@ -240,7 +314,7 @@ pub(crate) fn plan(path: &Path, opts: &LoadOptions, device: &dyn Device) -> Resu
     Ok(Planned {
         path: path.to_owned(),
         opened,
-        header,
+        parsed,
         fill,
         file_start,
         span,
@@ -262,9 +336,12 @@ fn check_cancel(path: &Path, opts: &LoadOptions) -> Result<()> {
 }
 
 impl Planned {
-    /// The validated header.
-    pub(crate) fn header(&self) -> &Header {
-        &self.header
+    /// The validated header (of a safetensors file).
+    pub(crate) fn header(&self) -> Option<&Header> {
+        match &self.parsed {
+            Parsed::Safetensors(h) => Some(h),
+            Parsed::Pt(_) => None,
+        }
     }
 
     /// For a cold mapped load, asks the kernel for the whole file now, without waiting (a
@@ -339,10 +416,29 @@ impl Planned {
         Ok(info)
     }
 
-    /// The loaded file (call after [`fill`](Self::fill)).
+    /// The loaded safetensors file (call after [`fill`](Self::fill)).
     pub(crate) fn finish(self, read: ReadInfo, opts: &LoadOptions) -> Result<LoadedFile> {
+        let path = self.path.clone();
+        let done = self.done(read, opts);
+        match done.parsed {
+            Parsed::Safetensors(header) => Ok(LoadedFile {
+                path: done.path,
+                header,
+                memory: done.memory,
+                data_base: done.data_base,
+                device: done.device,
+                report: done.report,
+            }),
+            Parsed::Pt(_) => {
+                Err(Error::Unsupported { path, message: "a torch checkpoint is not a safetensors file".into() })
+            }
+        }
+    }
+
+    /// What a filled load holds (call after [`fill`](Self::fill)).
+    pub(crate) fn done(self, read: ReadInfo, opts: &LoadOptions) -> Done {
         let bytes = self.bytes();
-        let data_start = self.header.data_start();
+        let data_start = self.parsed.data_start(self.opened.len());
         let (held, memory, data_base, device): (_, Box<dyn Allocation>, _, _) = match self.fill {
             Fill::Mapped { mapping, .. } => (Held::Mapped, Box::new(mapping), data_start as usize, None),
             Fill::Host { memory } => {
@@ -352,11 +448,12 @@ impl Planned {
                 (Held::Staged, memory, self.shift + (data_start - self.file_start) as usize, opts.device.clone())
             }
         };
-        Ok(LoadedFile {
+        Done {
             path: self.path,
-            header: self.header,
+            parsed: self.parsed,
             memory,
             data_base,
+            data_start,
             device,
             report: LoadReport {
                 held,
@@ -369,8 +466,20 @@ impl Planned {
                 converted: 0,
                 elapsed: self.started.elapsed(),
             },
-        })
+        }
     }
+}
+
+/// A filled load: what it parsed and the memory holding its bytes.
+pub(crate) struct Done {
+    pub(crate) path: PathBuf,
+    pub(crate) parsed: Parsed,
+    pub(crate) memory: Box<dyn Allocation>,
+    /// Where file byte `data_start` is in `memory`.
+    pub(crate) data_base: usize,
+    pub(crate) data_start: u64,
+    pub(crate) device: Option<std::sync::Arc<dyn Device>>,
+    pub(crate) report: LoadReport,
 }
 
 /// Reads plain ranges of a file (decrypted when the options ask for it) into the given

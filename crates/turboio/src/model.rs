@@ -330,8 +330,10 @@ pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedMo
     for shard in &files.shards {
         planned.push(plan(shard, opts, device)?);
     }
-    let names: Vec<Vec<&str>> =
-        planned.iter().map(|p| p.header().tensors().iter().map(|t| t.name.as_str()).collect()).collect();
+    let names: Vec<Vec<&str>> = planned
+        .iter()
+        .map(|p| p.header().map(|h| h.tensors().iter().map(|t| t.name.as_str()).collect()).unwrap_or_default())
+        .collect();
     let owner: HashMap<String, usize> =
         files.check(&names)?.into_iter().map(|(name, i)| (name.to_owned(), i)).collect();
     drop(names);
@@ -511,6 +513,32 @@ pub fn save_model_dir(
     opts: &SaveOptions,
 ) -> Result<ModelSaveReport> {
     let dir = dir.as_ref();
+    let index = dir.join(INDEX_NAME);
+    let mut seen = std::collections::HashSet::new();
+    for t in tensors {
+        if !seen.insert(t.name) {
+            return Err(model_error(&index, format!("tensor `{}` is given twice", t.name)));
+        }
+    }
+    let sizes: Vec<u64> = tensors.iter().map(|t| t.data.len() as u64).collect();
+    let groups = plan_shards(&sizes, max_shard_size.max(1));
+    save_shard_set(dir, groups.len(), metadata, opts, &mut |i, path| {
+        let list: Vec<SaveTensor<'_>> = groups[i].iter().map(|&j| tensors[j]).collect();
+        crate::save(path, &list, metadata, opts)?;
+        Ok(list.iter().map(|t| (t.name.to_owned(), t.data.len() as u64)).collect())
+    })
+}
+
+/// Writes a set of `m` shards into `dir` and commits it with the index, as [`save_model_dir`]
+/// does (see the module docs): `write(i, path)` writes shard `i` at `path` atomically and
+/// returns its tensors `(name, bytes)` for the index's `weight_map` and `total_size`.
+pub(crate) fn save_shard_set(
+    dir: &Path,
+    m: usize,
+    metadata: Option<&BTreeMap<String, String>>,
+    opts: &SaveOptions,
+    write: &mut dyn FnMut(usize, &Path) -> Result<Vec<(String, u64)>>,
+) -> Result<ModelSaveReport> {
     std::fs::create_dir_all(dir).map_err(|e| model_error(dir, format!("cannot create the model directory: {e}")))?;
     let index = dir.join(INDEX_NAME);
     // Names the current index uses: the new set must not overwrite any of them.
@@ -521,15 +549,6 @@ pub fn save_model_dir(
         Err(_) => Vec::new(),
     };
     let index_exists = index.exists();
-    let mut seen = std::collections::HashSet::new();
-    for t in tensors {
-        if !seen.insert(t.name) {
-            return Err(model_error(&index, format!("tensor `{}` is given twice", t.name)));
-        }
-    }
-    let sizes: Vec<u64> = tensors.iter().map(|t| t.data.len() as u64).collect();
-    let groups = plan_shards(&sizes, max_shard_size.max(1));
-    let m = groups.len();
     let plain: Vec<String> = (1..=m).map(|i| format!("model-{i:05}-of-{m:05}.safetensors")).collect();
     let taken = |n: &str| old.iter().any(|p| p.file_name().is_some_and(|f| f == n));
     let names: Vec<String> = if plain.iter().any(|n| taken(n)) || (index_exists && old.is_empty()) {
@@ -542,18 +561,19 @@ pub fn save_model_dir(
     // 1. The new shards, each atomic and durable; the index still names the old set.
     let mut shards = Vec::with_capacity(m);
     let mut weight_map = serde_json::Map::new();
-    for (group, name) in groups.iter().zip(&names) {
+    let mut total_size = 0u64;
+    for (i, name) in names.iter().enumerate() {
         let path = dir.join(name);
-        let list: Vec<SaveTensor<'_>> = group.iter().map(|&i| tensors[i]).collect();
-        crate::save(&path, &list, metadata, opts)?;
-        for t in &list {
-            weight_map.insert(t.name.to_owned(), serde_json::Value::String(name.clone()));
+        for (tensor, bytes) in write(i, &path)? {
+            if weight_map.insert(tensor.clone(), serde_json::Value::String(name.clone())).is_some() {
+                return Err(model_error(&index, format!("tensor `{tensor}` is in two shards")));
+            }
+            total_size += bytes;
         }
         shards.push(path);
     }
 
     // 2. The index: its atomic rename is the commit point.
-    let total_size: u64 = sizes.iter().sum();
     let mut meta = serde_json::Map::new();
     if let Some(md) = metadata {
         for (k, v) in md {

@@ -166,9 +166,10 @@ def load(
 
     `.pt` / `.bin` files (`torch.save`) are read without executing their pickle: turboio's
     allow-listed reader understands only what `torch.save` writes for tensors and containers and
-    refuses anything else (`ValueError` naming the opcode or global; nothing runs). Tensors are
-    strided views of the file mapped from the page cache (decrypted into memory when encrypted),
-    so tied weights share memory as they did when saved; nested dicts come back flat with dotted
+    refuses anything else (`ValueError` naming the opcode or global; nothing runs). The file goes
+    through the same load pipeline as safetensors files (mapped from the page cache by default,
+    copied with O_DIRECT for `cache="bypass"`, decrypted into memory when encrypted), and tensors
+    are strided views of the load's bytes, so tied weights share memory as they did when saved; nested dicts come back flat with dotted
     names (`"model.layer.0.weight"`), or relative to `top_level_key` (e.g. "state_dict");
     non-tensor entries (an epoch number, a config string) are left out.
     `unsafe_pickle_fallback=True` hands files the reader refuses to `torch.load(weights_only=True)`,
@@ -220,7 +221,7 @@ def load(
         raise FileNotFoundError(f"{path}: no such file or directory")
     if _kind(path, cipher) == "torch":
         try:
-            sd = _pt_tensors(path, cipher=cipher, top_level_key=top_level_key, threads=n)
+            sd = _pt_tensors(path, cipher=cipher, top_level_key=top_level_key, threads=n, cache=cache)
         except ValueError:
             if not unsafe_pickle_fallback:
                 raise

@@ -183,16 +183,19 @@ def threads(num_thread):
     return max(1, min(int(num_thread or n), n))
 
 
-def pt_tensors(path, cipher=False, top_level_key=None, threads=0):
+def pt_tensors(path, cipher=False, top_level_key=None, threads=0, cache="auto"):
     """The tensors of a `torch.save` checkpoint, read without executing its pickle (turboio's
-    allow-listed reader): `{dotted name: tensor}`, each a strided view of the file's bytes (the
-    file mapped from the page cache, or decrypted into memory), so tensors that shared a storage
-    when saved (tied weights, views) share memory again."""
+    allow-listed reader): `{dotted name: tensor}`, each a strided view of the load's bytes (the
+    file mapped from the page cache, or copied, with O_DIRECT for `cache="bypass"`, or
+    decrypted into memory), so tensors that shared a storage when saved (tied weights, views)
+    share memory again."""
     import torch
 
     from ._dtypes import torch_dtype
 
-    data, (storages, tensors, _skipped) = _turboio.load_pt(path, top_level_key=top_level_key, cipher=cipher, threads=threads)
+    data, (storages, tensors, _skipped) = _turboio.load_pt(
+        path, top_level_key=top_level_key, cipher=cipher, threads=threads, cache=cache
+    )
     buf = torch.from_dlpack(data)
     views = []
     for offset, nbytes, dtype in storages:

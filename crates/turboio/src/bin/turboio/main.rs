@@ -4,6 +4,7 @@ mod cipher;
 mod gpu;
 mod out;
 mod progress;
+mod pt;
 mod sigbus;
 mod size;
 
@@ -27,23 +28,32 @@ struct Cli {
 enum Command {
     /// Show a file's tensors (name, dtype, shape, size) and metadata; only the header is read.
     /// For a model directory (or its index JSON): the shards, tensors, sizes and a dtype
-    /// histogram, with the index checked against the shards' headers.
+    /// histogram, with the index checked against the shards' headers. For a PyTorch checkpoint
+    /// (.pt / .bin, detected by content): its tensors, strides, shared storages and skipped
+    /// entries, read without executing its pickle.
     Inspect {
-        /// A safetensors file, a model directory, or a model's index JSON.
+        /// A safetensors file, a .pt / .bin checkpoint, a model directory, or a model's index JSON.
         file: PathBuf,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// .pt checkpoints: only the tensors under this top-level key ("model", "state_dict").
+        #[arg(long)]
+        top_level_key: Option<String>,
         #[command(flatten)]
         cipher: cipher::ReadCipherArgs,
     },
     /// Load every tensor into memory exactly as the library does and report the speed. A model
     /// directory (or its index JSON) is loaded as one job: every shard validated first, then all
-    /// shards read in one pipeline.
+    /// shards read in one pipeline. A PyTorch checkpoint (.pt / .bin, detected by content) is
+    /// loaded through the same pipeline without executing its pickle.
     Load {
-        /// A safetensors file, a model directory, or a model's index JSON
+        /// A safetensors file, a .pt / .bin checkpoint, a model directory, or a model's index JSON
         /// (model.safetensors.index.json).
         file: PathBuf,
+        /// .pt checkpoints: only the tensors under this top-level key ("model", "state_dict").
+        #[arg(long)]
+        top_level_key: Option<String>,
         /// Reader threads (0 = one per core).
         #[arg(long, default_value_t = 0)]
         threads: usize,
@@ -81,6 +91,39 @@ enum Command {
         cipher: cipher::ReadCipherArgs,
         #[command(flatten)]
         gpu: gpu::GpuArgs,
+    },
+    /// Convert a PyTorch checkpoint (.pt / .bin) to safetensors without executing its pickle,
+    /// streaming (memory stays near the writers' chunks, not the checkpoint) and atomically. A
+    /// directory of shards (with pytorch_model.bin.index.json, or the index itself) becomes a
+    /// safetensors model directory (model-0000N-of-0000M.safetensors + model.safetensors.index.json).
+    /// Tensors that are the same view of one storage (tied weights) are stored once, the others
+    /// recorded as aliases in __metadata__ (or copied with --clone-shared).
+    Convert {
+        /// The .pt / .bin file, a directory of them, or pytorch_model.bin.index.json.
+        input: PathBuf,
+        /// The .safetensors file (for a directory input: the model directory) to write.
+        output: PathBuf,
+        /// Read the output back and compare every tensor with the input.
+        #[arg(long)]
+        validate_result: bool,
+        /// Convert every floating tensor to this dtype (bf16, f16, f32, ...; bit-identical to
+        /// torch's `.to()`).
+        #[arg(long, value_parser = parse_dtype)]
+        dtype: Option<turboio::Dtype>,
+        /// Only the tensors under this top-level key of a nested checkpoint ("model", "state_dict").
+        #[arg(long)]
+        top_level_key: Option<String>,
+        /// Store a copy of every tied tensor instead of aliases.
+        #[arg(long)]
+        clone_shared: bool,
+        /// Replace an existing output.
+        #[arg(long)]
+        overwrite: bool,
+        /// Reader and writer threads (0 = one per core).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        #[command(flatten)]
+        cipher: cipher::ReadCipherArgs,
     },
     /// Write a realistic sample checkpoint (mixed dtypes, random data).
     Gen {
@@ -134,12 +177,19 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Inspect { file, json, cipher } => cipher
-            .encryption()
-            .map_err(Into::into)
-            .and_then(|encryption| inspect(&file, json, &LoadOptions { encryption, ..Default::default() })),
+        Command::Inspect { file, json, top_level_key, cipher } => {
+            cipher.encryption().map_err(Into::into).and_then(|encryption| {
+                let opts = LoadOptions { encryption, ..Default::default() };
+                if !is_model(&file) && pt::is_pt(&file, &opts) {
+                    pt::inspect(&file, json, &opts, top_level_key.as_deref())
+                } else {
+                    inspect(&file, json, &opts)
+                }
+            })
+        }
         Command::Load {
             file,
+            top_level_key,
             threads,
             cache,
             direct,
@@ -154,7 +204,27 @@ fn main() -> ExitCode {
         } => cipher.encryption().map_err(Into::into).and_then(|encryption| {
             let cache = direct.map_or(cache, CachePolicy::from);
             let opts = LoadOptions { threads, cache, mode, huge_pages, encryption, dtype, ..Default::default() };
-            gpu.apply(opts).and_then(|opts| load(&file, opts, repeat, reuse_arena, check))
+            gpu.apply(opts).and_then(|opts| {
+                if !is_model(&file) && pt::is_pt(&file, &opts) {
+                    pt::load(&file, opts, repeat, check, top_level_key.as_deref())
+                } else {
+                    load(&file, opts, repeat, reuse_arena, check)
+                }
+            })
+        }),
+        Command::Convert {
+            input,
+            output,
+            validate_result,
+            dtype,
+            top_level_key,
+            clone_shared,
+            overwrite,
+            threads,
+            cipher,
+        } => cipher.encryption().map_err(Into::into).and_then(|encryption| {
+            let opts = LoadOptions { encryption, ..Default::default() };
+            pt::convert(&input, &output, &opts, threads, top_level_key, clone_shared, dtype, validate_result, overwrite)
         }),
         Command::Gen { out, shards, size, seed, cipher } => {
             cipher.encryption().map_err(Into::into).and_then(|encryption| match shards {
