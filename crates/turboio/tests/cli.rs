@@ -407,3 +407,67 @@ fn model_directories_generate_inspect_and_load() {
         assert_eq!(e.lines().count(), 1, "{e}");
     }
 }
+
+/// `.pt` checkpoints: inspect, load --check (mapped and O_DIRECT), convert --validate-result,
+/// and the result read by torch. Needs TURBOIO_PYTHON (torch and safetensors; `cargo xtask
+/// test` sets it); skipped without.
+#[test]
+fn torch_checkpoints_inspect_load_and_convert() {
+    let Some(python) = std::env::var_os("TURBOIO_PYTHON") else {
+        assert!(std::env::var_os("TURBOIO_REQUIRE_PYTHON").is_none(), "TURBOIO_PYTHON is not set");
+        eprintln!("skipped: TURBOIO_PYTHON is not set");
+        return;
+    };
+    let d = scratch();
+    let pt = d.path().join("ckpt.pt");
+    let py = |code: &str, args: &[&Path]| {
+        let o = Command::new(&python).arg("-c").arg(code).args(args).output().expect("run python");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    py(
+        "import sys, torch; g = torch.Generator().manual_seed(3); w = torch.randn(64, 48, generator=g); \
+         torch.save({'state_dict': {'emb': w, 'head': w, 'wt': w.t(), 'b': torch.randn(7).half(), 'n': torch.arange(5)}, 'epoch': 4}, sys.argv[1])",
+        &[&pt],
+    );
+    let f = pt.to_str().unwrap();
+
+    let o = turboio(&["inspect", f]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for needle in ["torch.save checkpoint", "state_dict.emb", "[1, 48]", "shared storage", "skipped (not a tensor): epoch"] {
+        assert!(out.contains(needle), "inspect lacks {needle}:\n{out}");
+    }
+    let o = turboio(&["inspect", f, "--json", "--top-level-key", "state_dict"]);
+    let doc: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(doc["tensors"].as_array().unwrap().len(), 5);
+    assert_eq!(doc["tensors"][0]["name"], "emb");
+
+    for (mode, cache) in [("auto", "auto"), ("copied", "bypass"), ("copied", "keep")] {
+        let o = turboio(&["load", f, "--mode", mode, "--cache", cache, "--check"]);
+        assert!(o.status.success(), "{mode} {cache}: {}", stderr(&o));
+        assert!(stdout(&o).contains("all 5 tensors match a plain read"), "{}", stdout(&o));
+    }
+
+    let st = d.path().join("ckpt.safetensors");
+    let s = st.to_str().unwrap();
+    let o = turboio(&["convert", f, s, "--validate-result", "--dtype", "bf16"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("alias: state_dict.head -> state_dict.emb"), "{}", stdout(&o));
+    assert!(stdout(&o).contains("validated"), "{}", stdout(&o));
+    let o = turboio(&["convert", f, s]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("exists"), "{}", stderr(&o));
+    // torch agrees: every tensor equals torch.load's, converted by torch itself.
+    let verdict = py(
+        "import sys, torch, safetensors.torch as st; a = torch.load(sys.argv[1], weights_only=True)['state_dict']; \
+         b = st.load_file(sys.argv[2]); \
+         print(all(torch.equal(b['state_dict.' + k], (v.to(torch.bfloat16) if v.is_floating_point() else v)) for k, v in a.items() if k != 'head') and 'state_dict.head' not in b)",
+        &[&pt, &st],
+    );
+    assert_eq!(verdict.trim(), "True");
+
+    // A safetensors load of a .pt file says what it is.
+    let err = turboio::load(&pt, &turboio::LoadOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("PyTorch checkpoint") && err.contains("ckpt.pt"), "{err}");
+}
