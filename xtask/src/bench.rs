@@ -47,6 +47,13 @@ pub struct Args {
     /// collectives) with the bytes each rank read; written to `model.md` in `--out`.
     #[arg(long)]
     pub model: bool,
+    /// Only the `.pt` rows: the sample saved by torch.save (the first size, default 4GiB),
+    /// loaded by turboio against torch.load (weights_only, and mmap) and against turboio's
+    /// safetensors load, hot and cold; converting loads (to BF16) against copied loads; and the
+    /// conversion to safetensors by turboio against torch.load + save_file, with peak RSS;
+    /// written to `pt.md` in `--out`. (The full bench runs these rows too.)
+    #[arg(long)]
+    pub pt: bool,
     /// An SFCS directory (`sfcs://...`) for the SFCS rows (a save and copied loads through
     /// libcloudfs); they also need LIBCFS_PATH pointing at the vendor library. Without both,
     /// the rows are skipped with a message.
@@ -60,7 +67,7 @@ pub struct Args {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Loader {
+pub(crate) enum Loader {
     TurboAuto,
     TurboMapped,
     TurboCopied,
@@ -69,6 +76,7 @@ enum Loader {
     TurboEncrypted,
     CliCopied,
     CliEncrypted,
+    TurboConvert,
     FsRead,
     MmapCopy,
     PopulateCeiling,
@@ -76,7 +84,7 @@ enum Loader {
 }
 
 impl Loader {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Loader::TurboAuto => "turboio auto",
             Loader::TurboMapped => "turboio mapped",
@@ -86,6 +94,7 @@ impl Loader {
             Loader::TurboEncrypted => "turboio, AES-128-CTR encrypted file",
             Loader::CliCopied => "CLI: turboio load --mode copied",
             Loader::CliEncrypted => "CLI: turboio load --key-env (encrypted)",
+            Loader::TurboConvert => "turboio auto, converting to BF16",
             Loader::FsRead => "std::fs::read",
             Loader::MmapCopy => "mmap + copy each tensor",
             Loader::PopulateCeiling => "ceiling: mmap + MADV_POPULATE_READ",
@@ -93,7 +102,7 @@ impl Loader {
         }
     }
 
-    const HOT: [Loader; 11] = [
+    const HOT: [Loader; 12] = [
         Loader::TurboAuto,
         Loader::TurboMapped,
         Loader::TurboCopied,
@@ -102,15 +111,17 @@ impl Loader {
         Loader::TurboEncrypted,
         Loader::CliCopied,
         Loader::CliEncrypted,
+        Loader::TurboConvert,
         Loader::FsRead,
         Loader::MmapCopy,
         Loader::PopulateCeiling,
     ];
-    const COLD: [Loader; 7] = [
+    const COLD: [Loader; 8] = [
         Loader::TurboAuto,
         Loader::TurboMapped,
         Loader::TurboCopied,
         Loader::TurboCopiedHuge,
+        Loader::TurboConvert,
         Loader::FsRead,
         Loader::MmapCopy,
         Loader::ODirectCeiling,
@@ -205,7 +216,7 @@ pub(crate) fn size_name(n: u64) -> String {
 }
 
 /// Generates (or reuses) the sample for `size`.
-fn sample(dir: &Path, size: u64) -> Result<PathBuf> {
+pub(crate) fn sample(dir: &Path, size: u64) -> Result<PathBuf> {
     std::fs::create_dir_all(dir)?;
     let path = dir.join(format!("bench-{}.safetensors", size_name(size)));
     let ok = turboio::read_header_of(&path, &LoadOptions::default())
@@ -378,6 +389,15 @@ fn run_one(loader: Loader, path: &Path, pool: &ArenaPool) -> Result<(f64, String
             let how = format!("{} via {}, decrypted by the readers", f.report().held, f.report().read.method);
             Ok((secs, how, Output::Loaded(Box::new(f))))
         }
+        Loader::TurboConvert => {
+            let t = Instant::now();
+            let opts = LoadOptions { dtype: Some(turboio::Dtype::BF16), ..Default::default() };
+            let f = turboio::load(path, &opts)?;
+            let secs = t.elapsed().as_secs_f64();
+            let r = f.report();
+            let how = format!("{} tensors converted, {} via {}", r.converted, r.held, r.read.method);
+            Ok((secs, how, Output::Loaded(Box::new(f))))
+        }
         Loader::CliCopied => {
             let (secs, how) = run_cli(&["--mode", "copied"], path)?;
             Ok((secs, how, Output::Nothing))
@@ -437,7 +457,7 @@ pub fn run_order(n: usize, r: usize) -> Vec<usize> {
     order
 }
 
-fn measure(rows: &mut [Row], loaders: &[Loader], path: &Path, runs: usize, cold: bool, pool: &ArenaPool) -> Result<()> {
+pub(crate) fn measure(rows: &mut [Row], loaders: &[Loader], path: &Path, runs: usize, cold: bool, pool: &ArenaPool) -> Result<()> {
     for r in 0..runs {
         for i in run_order(loaders.len(), r) {
             if rows[i].skipped.is_some() {
@@ -483,13 +503,13 @@ fn measure(rows: &mut [Row], loaders: &[Loader], path: &Path, runs: usize, cold:
     Ok(())
 }
 
-struct Check {
-    what: String,
-    ratio: f64,
-    need: f64,
+pub(crate) struct Check {
+    pub(crate) what: String,
+    pub(crate) ratio: f64,
+    pub(crate) need: f64,
 }
 
-fn ratio(rows: &[Row], size: u64, cache: &str, a: &str, b: &str) -> Option<f64> {
+pub(crate) fn ratio(rows: &[Row], size: u64, cache: &str, a: &str, b: &str) -> Option<f64> {
     let find = |name: &str| {
         rows.iter().find(|r| r.size == size && r.cache == cache && r.loader == name && r.skipped.is_none())
     };
@@ -527,11 +547,21 @@ pub fn run(args: Args) -> Result<()> {
     }
     // The sections that start many Python processes (each imports torch) run once in a smoke run.
     let process_runs = if args.quick { 1 } else { runs };
+    if args.pt {
+        let size = if args.sizes.is_empty() && !args.quick { 4 << 30 } else { sizes[0] };
+        let python = crate::pybench::setup()?;
+        let report = crate::ptbench::run(&python, &args.dir, size, runs, process_runs, args.no_cold, !args.quick)?;
+        std::fs::create_dir_all(&args.out)?;
+        std::fs::write(args.out.join("pt.md"), &report)?;
+        println!("{report}\nwrote {}", args.out.join("pt.md").display());
+        return Ok(());
+    }
     let pool = ArenaPool::with_huge_pages(1, false);
     let python = if args.no_python { None } else { Some(crate::pybench::setup()?) };
     let mut all: Vec<Row> = Vec::new();
     let mut cache_tables: Vec<(u64, Vec<crate::cachebench::CacheRow>)> = Vec::new();
     let mut save_tables: Vec<(u64, Vec<crate::savebench::SaveRow>)> = Vec::new();
+    let mut pt_sections: Vec<String> = Vec::new();
     for &size in &sizes {
         let path = sample(&args.dir, size)?;
         let len = std::fs::metadata(&path)?.len();
@@ -543,6 +573,8 @@ pub fn run(args: Args) -> Result<()> {
                 eprintln!("{}: python, cold, {runs} runs ...", size_name(size));
                 all.extend(crate::pybench::measure(py, &path, &pt, len, runs, true)?);
             }
+            eprintln!("{}: .pt rows ...", size_name(size));
+            pt_sections.push(crate::ptbench::run(py, &args.dir, size, runs, process_runs, args.no_cold, !args.quick)?);
             if args.clean {
                 std::fs::remove_file(&pt)?;
             }
@@ -634,6 +666,8 @@ pub fn run(args: Args) -> Result<()> {
         add("CLI --key-env vs CLI --mode copied", "hot", Loader::CliEncrypted.name(), Loader::CliCopied.name(), 0.6);
         add("auto vs O_DIRECT QD32 ceiling", "cold", Loader::TurboAuto.name(), Loader::ODirectCeiling.name(), 0.8);
         add("auto vs std::fs::read", "cold", Loader::TurboAuto.name(), Loader::FsRead.name(), 1.0);
+        add("converting to BF16 vs copied (< 1.5x)", "hot", Loader::TurboConvert.name(), Loader::TurboCopied.name(), 1.0 / 1.5);
+        add("converting to BF16 vs copied (< 1.5x)", "cold", Loader::TurboConvert.name(), Loader::TurboCopied.name(), 1.0 / 1.5);
         add("turboio.load vs safetensors.torch.load_file", "hot", "turboio.load", "safetensors.torch.load_file", 3.0);
         add("turboio.load vs safetensors.torch.load_file", "cold", "turboio.load", "safetensors.torch.load_file", 2.0);
         add("turboio.load vs torch.load", "hot", "turboio.load", "torch.load", 8.0);
@@ -709,6 +743,10 @@ pub fn run(args: Args) -> Result<()> {
     for (len, rows) in &cache_tables {
         report.push('\n');
         report.push_str(&crate::cachebench::render(rows, *len, process_runs));
+    }
+    for section in &pt_sections {
+        report.push_str("\n## PyTorch `.pt` checkpoints and dtype conversion\n\n");
+        report.push_str(section);
     }
     println!("{report}");
     std::fs::create_dir_all(&args.out)?;
@@ -788,7 +826,7 @@ fn status_line(file: &str, key: &str) -> String {
         .unwrap_or_default()
 }
 
-fn render(rows: &[Row], checks: &[Check], runs: usize) -> String {
+pub(crate) fn render(rows: &[Row], checks: &[Check], runs: usize) -> String {
     let mut s = String::new();
     let _ =
         writeln!(s, "turboio load benchmark, {} ({}), median of {runs} runs, loaders in a shuffled order each run. \"total\" is the load plus a first read of one byte of every 4 KiB page of the result (what lazily mapped or freshly faulted memory costs at first use); ratios use it.\n", date(), machine());

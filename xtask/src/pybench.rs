@@ -12,6 +12,11 @@ use std::process::Command;
 pub const LOADERS: [&str; 5] =
     ["turboio.load", "turboio.torch.load_file", "safetensors.torch.load_file", "torch.load", "fastsafetensors"];
 
+/// Whether a loader reads the `torch.save` copy of the sample rather than the safetensors file.
+pub fn on_pt(loader: &str) -> bool {
+    loader.starts_with("torch.load") || loader.ends_with(".pt")
+}
+
 /// The venv with the peers and the freshly built wheel.
 pub fn setup() -> Result<PathBuf> {
     let python = venv(&["crates/py/requirements-test.txt", "crates/py/bench/requirements.txt"])?;
@@ -115,7 +120,7 @@ pub fn measure_on(
             if rows[i].skipped.is_some() {
                 continue;
             }
-            let target = if loaders[i] == "torch.load" { pt } else { file };
+            let target = if on_pt(loaders[i]) { pt } else { file };
             if cold {
                 if let Err(why) = drop_caches() {
                     for row in rows.iter_mut() {

@@ -81,9 +81,17 @@ def main():
     elif a.loader == "safetensors.torch.load_file":
         t0 = time.perf_counter()
         sd = safetensors.torch.load_file(a.file, device=dev)
+    elif a.loader == "turboio.load .pt":
+        import turboio
+
+        t0 = time.perf_counter()
+        sd = turboio.load(a.file, map_location=dev)
     elif a.loader == "torch.load":
         t0 = time.perf_counter()
         sd = torch.load(a.file, weights_only=True, map_location=dev)
+    elif a.loader == "torch.load, mmap":
+        t0 = time.perf_counter()
+        sd = torch.load(a.file, weights_only=True, mmap=True, map_location=dev)
     elif a.loader in ("fastsafetensors", "fastsafetensors (GDS)"):
         from fastsafetensors import SafeTensorsFileLoader, SingleGroup
 
