@@ -352,7 +352,7 @@ fn converting_loads_convert_every_floating_tensor_on_every_path() {
             }
         }
     }
-    // Onto a device: converted on the host, then uploaded.
+    // Onto a device that converts in its own memory: loaded as is, converted by the device.
     let dev = Arc::new(OpaqueDevice::new(1));
     let opts = LoadOptions {
         device: Some(dev.clone() as Arc<dyn Device>),
@@ -363,9 +363,12 @@ fn converting_loads_convert_every_floating_tensor_on_every_path() {
     let loaded = turboio::load(&path, &opts).unwrap();
     assert_eq!(loaded.report().held, Held::Staged);
     assert!(loaded.memory().host().is_none());
+    assert!(loaded.report().fallbacks.is_empty(), "{:?}", loaded.report().fallbacks);
     assert!(assert_converted(&loaded, Dtype::F16, "device") > 0);
+    let data: u64 = loaded.tensors().map(|t| t.len() as u64).sum();
+    assert!(dev.cast_elements() > data / 8, "the device converted: {} elements", dev.cast_elements());
     drop(loaded);
-    assert_eq!(dev.live_allocations(), 0);
+    assert_eq!(dev.live_allocations(), 0, "the unconverted load was freed too");
 }
 
 #[test]

@@ -457,7 +457,14 @@ pub fn run_order(n: usize, r: usize) -> Vec<usize> {
     order
 }
 
-pub(crate) fn measure(rows: &mut [Row], loaders: &[Loader], path: &Path, runs: usize, cold: bool, pool: &ArenaPool) -> Result<()> {
+pub(crate) fn measure(
+    rows: &mut [Row],
+    loaders: &[Loader],
+    path: &Path,
+    runs: usize,
+    cold: bool,
+    pool: &ArenaPool,
+) -> Result<()> {
     for r in 0..runs {
         for i in run_order(loaders.len(), r) {
             if rows[i].skipped.is_some() {
@@ -666,8 +673,20 @@ pub fn run(args: Args) -> Result<()> {
         add("CLI --key-env vs CLI --mode copied", "hot", Loader::CliEncrypted.name(), Loader::CliCopied.name(), 0.6);
         add("auto vs O_DIRECT QD32 ceiling", "cold", Loader::TurboAuto.name(), Loader::ODirectCeiling.name(), 0.8);
         add("auto vs std::fs::read", "cold", Loader::TurboAuto.name(), Loader::FsRead.name(), 1.0);
-        add("converting to BF16 vs copied (< 1.5x)", "hot", Loader::TurboConvert.name(), Loader::TurboCopied.name(), 1.0 / 1.5);
-        add("converting to BF16 vs copied (< 1.5x)", "cold", Loader::TurboConvert.name(), Loader::TurboCopied.name(), 1.0 / 1.5);
+        add(
+            "converting to BF16 vs copied (< 1.5x)",
+            "hot",
+            Loader::TurboConvert.name(),
+            Loader::TurboCopied.name(),
+            1.0 / 1.5,
+        );
+        add(
+            "converting to BF16 vs copied (< 1.5x)",
+            "cold",
+            Loader::TurboConvert.name(),
+            Loader::TurboCopied.name(),
+            1.0 / 1.5,
+        );
         add("turboio.load vs safetensors.torch.load_file", "hot", "turboio.load", "safetensors.torch.load_file", 3.0);
         add("turboio.load vs safetensors.torch.load_file", "cold", "turboio.load", "safetensors.torch.load_file", 2.0);
         add("turboio.load vs torch.load", "hot", "turboio.load", "torch.load", 8.0);

@@ -65,6 +65,7 @@
 #![deny(missing_docs)]
 
 pub mod aes_kernel;
+pub mod cast_kernel;
 mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -275,6 +276,35 @@ fn unsupported(device: DeviceId, what: &str) -> DeviceError {
     DeviceError::Unsupported { device, what: what.to_owned() }
 }
 
+/// One conversion in device memory ([`Device::cast`]): `elements` elements of `from` at
+/// `src_offset` become elements of `to` at `dst_offset`. `from == to` copies (for a dtype the
+/// conversion does not cover, give `U8` and the byte count).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CastJob {
+    /// Offset of the first source byte.
+    pub src_offset: usize,
+    /// Source dtype.
+    pub from: turboio_format::Dtype,
+    /// Offset of the first destination byte.
+    pub dst_offset: usize,
+    /// Destination dtype.
+    pub to: turboio_format::Dtype,
+    /// Elements converted.
+    pub elements: usize,
+}
+
+impl CastJob {
+    /// Bytes read from the source.
+    pub fn src_len(&self) -> usize {
+        self.elements * self.from.byte_size().unwrap_or(1)
+    }
+
+    /// Bytes written to the destination.
+    pub fn dst_len(&self) -> usize {
+        self.elements * self.to.byte_size().unwrap_or(1)
+    }
+}
+
 /// A place loads go to.
 pub trait Device: Send + Sync + fmt::Debug {
     /// Which device.
@@ -336,6 +366,19 @@ pub trait Device: Send + Sync + fmt::Debug {
         _pos: u64,
     ) -> Result<()> {
         Err(unsupported(self.id(), "decrypting in device memory"))
+    }
+
+    /// True if the device converts element types in its own memory ([`cast`](Self::cast); it
+    /// may still fail, e.g. when its compiler is missing, and the caller then converts on the
+    /// host).
+    fn casts(&self) -> bool {
+        false
+    }
+
+    /// Runs each [`CastJob`] from `src` into `dst` (allocations of this device), bit-identical
+    /// to [`turboio_format::cast`], and waits.
+    fn cast(&self, _src: &dyn Allocation, _dst: &dyn Allocation, _jobs: &[CastJob]) -> Result<()> {
+        Err(unsupported(self.id(), "converting dtypes in device memory"))
     }
 
     /// True if [`upload_from_host`](Self::upload_from_host) works: the device copies straight

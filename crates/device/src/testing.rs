@@ -23,8 +23,8 @@
 
 use crate::cpu::Arena;
 use crate::{
-    check_range, AfterUpload, Allocation, Device, DeviceError, DeviceId, DeviceKey, DeviceKind, PendingTransfer,
-    Result, Staging, StagingPool, Transfer,
+    check_range, AfterUpload, Allocation, CastJob, Device, DeviceError, DeviceId, DeviceKey, DeviceKind,
+    PendingTransfer, Result, Staging, StagingPool, Transfer,
 };
 use std::any::Any;
 use std::collections::HashMap;
@@ -85,6 +85,7 @@ struct Counters {
     uploaded_bytes: AtomicU64,
     decrypted_bytes: AtomicU64,
     host_uploaded_bytes: AtomicU64,
+    cast_elements: AtomicU64,
     live_keys: Arc<AtomicUsize>,
 }
 
@@ -239,6 +240,11 @@ impl OpaqueDevice {
     /// Bytes decrypted in device memory so far.
     pub fn decrypted_bytes(&self) -> u64 {
         self.counters.decrypted_bytes.load(Ordering::SeqCst)
+    }
+
+    /// Elements converted (or copied) in device memory by [`Device::cast`] so far.
+    pub fn cast_elements(&self) -> u64 {
+        self.counters.cast_elements.load(Ordering::SeqCst)
     }
 
     /// Bytes copied straight from host memory so far.
@@ -427,6 +433,31 @@ impl Device for OpaqueDevice {
 
     fn decrypts_after_upload(&self) -> bool {
         self.decrypts
+    }
+
+    fn casts(&self) -> bool {
+        true
+    }
+
+    /// Converts with `turboio_format::cast` on the device's own memory (standing in for the
+    /// GPU kernel, which the host-compiled kernel tests compare with that same function).
+    fn cast(&self, src: &dyn Allocation, dst: &dyn Allocation, jobs: &[CastJob]) -> Result<()> {
+        self.synchronize()?;
+        let (s, d) = (self.own(src)?, self.own(dst)?);
+        let mut mem = self.memory.lock().unwrap_or_else(|p| p.into_inner());
+        let freed = || DeviceError::Driver { device: self.id(), message: "allocation freed".into() };
+        for j in jobs {
+            check_range(self.id(), s.len, j.src_offset, j.src_len())?;
+            check_range(self.id(), d.len, j.dst_offset, j.dst_len())?;
+            let at = s.base + j.src_offset;
+            let input = mem.get(&s.handle).ok_or_else(freed)?[at..at + j.src_len()].to_vec();
+            let out = mem.get_mut(&d.handle).ok_or_else(freed)?;
+            let at = d.base + j.dst_offset;
+            turboio_format::cast(&input, j.from, j.to, &mut out[at..at + j.dst_len()])
+                .map_err(|e| DeviceError::Driver { device: self.id(), message: e.to_string() })?;
+            self.counters.cast_elements.fetch_add(j.elements as u64, Ordering::SeqCst);
+        }
+        Ok(())
     }
 
     fn prepare_key(&self, key: &[u8], iv: &[u8; 16]) -> Result<Box<dyn DeviceKey>> {

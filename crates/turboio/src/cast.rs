@@ -12,8 +12,15 @@
 //! mapping is populated from the page cache (no copy) and the conversion is the only pass over
 //! the bytes. Either way the bytes move once: page cache -> converted arena, the same traffic as
 //! a plain copied load, plus the arithmetic ([`turboio_format::cast`], bit-identical to torch's
-//! `.to()`). For a device the CPU cannot address, the converted arena is then uploaded (the
-//! conversion runs on the host; see the README for why this is not yet a device kernel).
+//! `.to()`).
+//!
+//! Onto a device that converts in its own memory ([`Device::casts`]: the CUDA device, with an
+//! NVRTC-compiled kernel whose source is checked bit for bit against the host conversion), the
+//! file is loaded as it is (staged, from the page cache, or by GPUDirect Storage) and the kernel
+//! converts it into a new device allocation; the host does no conversion work. Where the kernel
+//! cannot run, and onto devices without one, the conversion runs on the host and the converted
+//! arena is uploaded (a line in [`LoadReport::fallbacks`](crate::LoadReport::fallbacks) says
+//! why).
 
 use crate::load::{cpu_device, io_options, plan};
 use crate::loaded::{Held, LoadedFile};
@@ -21,9 +28,10 @@ use crate::options::LoadOptions;
 use crate::{Error, Result};
 use std::path::Path;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Instant;
-use turboio_device::{Allocation, CpuDevice, Device, DeviceKind};
+use turboio_device::{Allocation, CastJob, CpuDevice, Device, DeviceKind};
 use turboio_format::{can_cast, castable, Dtype, Header, TensorInfo, TensorSpec};
 
 /// Source bytes per conversion piece: small enough to spread a tensor over every thread and
@@ -53,6 +61,22 @@ pub(crate) fn check_target(path: &Path, target: Dtype) -> Result<()> {
 pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Result<LoadedFile> {
     check_target(path, target)?;
     let started = Instant::now();
+    // A device that converts in its own memory: the plain load onto it, then its kernel.
+    let mut fallback = None;
+    if let Some(device) = opts.device.as_ref().filter(|d| d.id().kind != DeviceKind::Cpu && d.casts()) {
+        let src = crate::load(path, &LoadOptions { dtype: None, ..opts.clone() })?;
+        if !src.header.tensors().iter().any(|t| converts(t, target)) {
+            return Ok(src);
+        }
+        match cast_on_device(&src, target, device) {
+            Ok(mut out) => {
+                out.report.elapsed = started.elapsed();
+                return Ok(out);
+            }
+            // The kernel cannot run (no NVRTC...): convert on the host, and say why.
+            Err(e) => fallback = Some(format!("dtype conversion ran on the host: the device could not: {e}")),
+        }
+    }
     let cpu = cpu_device(opts);
     let host = LoadOptions { device: None, dtype: None, ..opts.clone() };
     let mut planned = plan(path, &host, &cpu)?;
@@ -67,7 +91,65 @@ pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Resul
     let src = planned.finish(read, &host)?;
     let mut out = cast_loaded(src, target, opts, &cpu, fused)?;
     out.report.elapsed = started.elapsed();
+    out.report.fallbacks.extend(fallback);
     Ok(out)
+}
+
+/// The header of the converted tensors (laid out as the safetensors writer would) and its data
+/// length.
+fn converted_header(path: &Path, header: &Header, target: Dtype) -> Result<(Header, usize)> {
+    let new_len = |t: &TensorInfo| {
+        if converts(t, target) {
+            turboio_format::cast_len(t.len(), t.dtype, target).unwrap_or(usize::MAX)
+        } else {
+            t.len()
+        }
+    };
+    let specs = header
+        .tensors()
+        .iter()
+        .map(|t| TensorSpec {
+            name: &t.name,
+            dtype: if converts(t, target) { target } else { t.dtype },
+            shape: &t.shape,
+            data_len: new_len(t),
+        })
+        .collect::<Vec<_>>();
+    let layout = turboio_format::plan(&specs, header.metadata()).map_err(|e| Error::format(path, e))?;
+    let converted = Header::parse(&layout.header, layout.file_len()).map_err(|e| Error::format(path, e))?;
+    let data_len = usize::try_from(layout.data_len).map_err(|_| Error::Unsupported {
+        path: path.to_owned(),
+        message: "converted tensors too large for this address space".into(),
+    })?;
+    Ok((converted, data_len))
+}
+
+/// Converts a load held in device memory with the device's own kernel ([`Device::cast`]) into
+/// a new allocation of that device.
+fn cast_on_device(src: &LoadedFile, target: Dtype, device: &Arc<dyn Device>) -> Result<LoadedFile> {
+    let path = &src.path;
+    let (header, data_len) = converted_header(path, &src.header, target)?;
+    let memory = device.alloc(data_len.max(1)).map_err(|e| Error::device(path, e))?;
+    let mut jobs = Vec::with_capacity(header.len());
+    for d in header.tensors() {
+        let Some(s) = src.header.get(&d.name) else { continue };
+        let (from, to, elements) = if converts(s, target) {
+            (s.dtype, target, s.len() / s.dtype.byte_size().unwrap_or(1))
+        } else {
+            (Dtype::U8, Dtype::U8, s.len()) // passed through: a byte copy
+        };
+        jobs.push(CastJob {
+            src_offset: src.data_base + s.data_offsets.0,
+            from,
+            dst_offset: d.data_offsets.0,
+            to,
+            elements,
+        });
+    }
+    device.cast(src.memory.as_ref(), memory.as_ref(), &jobs).map_err(|e| Error::device(path, e))?;
+    let mut report = src.report.clone();
+    report.converted = src.header.tensors().iter().filter(|t| converts(t, target)).count();
+    Ok(LoadedFile { path: path.clone(), header, memory, data_base: 0, device: Some(device.clone()), report })
 }
 
 /// One piece of work: convert (or copy) `src` into `dst`.
@@ -99,31 +181,7 @@ pub(crate) fn cast_loaded(
     let Some(src_bytes) = src.memory.host() else {
         return Err(Error::Unsupported { path, message: "dtype conversion needs the bytes in host memory".into() });
     };
-    // The converted file's layout, as the safetensors writer would lay it out.
-    let new_len = |t: &TensorInfo| {
-        if converts(t, target) {
-            turboio_format::cast_len(t.len(), t.dtype, target).unwrap_or(usize::MAX)
-        } else {
-            t.len()
-        }
-    };
-    let specs = src
-        .header
-        .tensors()
-        .iter()
-        .map(|t| TensorSpec {
-            name: &t.name,
-            dtype: if converts(t, target) { target } else { t.dtype },
-            shape: &t.shape,
-            data_len: new_len(t),
-        })
-        .collect::<Vec<_>>();
-    let layout = turboio_format::plan(&specs, src.header.metadata()).map_err(|e| Error::format(&path, e))?;
-    let header = Header::parse(&layout.header, layout.file_len()).map_err(|e| Error::format(&path, e))?;
-    let data_len = usize::try_from(layout.data_len).map_err(|_| Error::Unsupported {
-        path: path.clone(),
-        message: "converted tensors too large for this address space".into(),
-    })?;
+    let (header, data_len) = converted_header(&path, &src.header, target)?;
     let threads = if opts.threads == 0 { turboio_storage::default_threads() } else { opts.threads };
     let mut memory = cpu.alloc(data_len.max(1)).map_err(|e| Error::device(&path, e))?;
     let dst_all = memory

@@ -143,12 +143,18 @@ struct Plan {
     converted: usize,
 }
 
+/// What makes two tensors the same view: storage, offset, shape, strides, dtype.
+type ViewKey<'a> = (usize, u64, &'a [usize], &'a [usize], Dtype);
+
+/// Strided views gathered whole, by stored-tensor index: (bytes, bytes served so far).
+type Gathered = Mutex<HashMap<usize, (Arc<Vec<u8>>, u64)>>;
+
 fn plan_file(path: &Path, index: &PtIndex, opts: &ConvertOptions) -> Result<Plan> {
     let mut stored = Vec::new();
     let mut aliases = BTreeMap::new();
     let mut converted = 0;
     // The first stored tensor of each distinct view, for aliases.
-    let mut views: HashMap<(usize, u64, &[usize], &[usize], Dtype), &str> = HashMap::new();
+    let mut views: HashMap<ViewKey<'_>, &str> = HashMap::new();
     for (i, t) in index.tensors().iter().enumerate() {
         if t.name == "__metadata__" {
             return Err(convert_error(path, "a tensor is called `__metadata__`, which safetensors reserves"));
@@ -181,7 +187,7 @@ struct Source<'a> {
     index: &'a PtIndex,
     plan: &'a [Planned],
     /// Strided views, gathered (and converted) whole: (bytes, bytes served so far).
-    gathered: Mutex<HashMap<usize, (Arc<Vec<u8>>, u64)>>,
+    gathered: Gathered,
     /// Bytes of tensor data read from the input.
     read: AtomicU64,
 }

@@ -529,6 +529,9 @@ pub fn save_model_dir(
     })
 }
 
+/// Writes shard `i` at a path and returns its tensors `(name, bytes)` (see [`save_shard_set`]).
+pub(crate) type ShardWriter<'a> = dyn FnMut(usize, &Path) -> Result<Vec<(String, u64)>> + 'a;
+
 /// Writes a set of `m` shards into `dir` and commits it with the index, as [`save_model_dir`]
 /// does (see the module docs): `write(i, path)` writes shard `i` at `path` atomically and
 /// returns its tensors `(name, bytes)` for the index's `weight_map` and `total_size`.
@@ -537,7 +540,7 @@ pub(crate) fn save_shard_set(
     m: usize,
     metadata: Option<&BTreeMap<String, String>>,
     opts: &SaveOptions,
-    write: &mut dyn FnMut(usize, &Path) -> Result<Vec<(String, u64)>>,
+    write: &mut ShardWriter<'_>,
 ) -> Result<ModelSaveReport> {
     std::fs::create_dir_all(dir).map_err(|e| model_error(dir, format!("cannot create the model directory: {e}")))?;
     let index = dir.join(INDEX_NAME);

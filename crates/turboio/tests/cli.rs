@@ -435,7 +435,9 @@ fn torch_checkpoints_inspect_load_and_convert() {
     let o = turboio(&["inspect", f]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
-    for needle in ["torch.save checkpoint", "state_dict.emb", "[1, 48]", "shared storage", "skipped (not a tensor): epoch"] {
+    for needle in
+        ["torch.save checkpoint", "state_dict.emb", "[1, 48]", "shared storage", "skipped (not a tensor): epoch"]
+    {
         assert!(out.contains(needle), "inspect lacks {needle}:\n{out}");
     }
     let o = turboio(&["inspect", f, "--json", "--top-level-key", "state_dict"]);

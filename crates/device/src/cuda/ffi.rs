@@ -341,6 +341,37 @@ pub(crate) struct AesArgs {
     pub pos: u64,
 }
 
+/// The arguments of `turboio_cast` (see `cast_kernel`).
+pub(crate) struct CastArgs {
+    pub src: u64,
+    pub dst: u64,
+    pub n: u64,
+    pub from: u32,
+    pub to: u32,
+}
+
+/// Queues the dtype conversion kernel on `stream`.
+///
+/// # Safety
+/// `func` is `turboio_cast` from the kernel source; the `n` elements at `src` and `dst` (sizes
+/// by their dtype codes) are device memory of the stream's context that stays allocated until
+/// the stream has run the kernel.
+pub(crate) unsafe fn launch_cast(
+    func: &cudarc::driver::CudaFunction,
+    stream: &CudaStream,
+    args: &CastArgs,
+    grid: u32,
+    block: u32,
+) -> Result<(), DriverError> {
+    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    let mut b = stream.launch_builder(func);
+    b.arg(&args.src).arg(&args.dst).arg(&args.n).arg(&args.from).arg(&args.to);
+    let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the argument list matches the kernel's signature (const u8*, u8*, u64, u32, u32);
+    // memory validity is the caller's guarantee.
+    unsafe { b.launch(cfg) }.map(|_| ())
+}
+
 /// Queues the AES-CTR kernel on `stream`.
 ///
 /// # Safety

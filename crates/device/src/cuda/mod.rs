@@ -42,8 +42,8 @@ mod ffi;
 
 use crate::aes_kernel::{iv_halves, RoundKeys, KERNEL_NAME, SOURCE};
 use crate::{
-    check_range, AfterUpload, Allocation, Arena, Device, DeviceError, DeviceId, DeviceKey, DeviceKind, HostBuffer,
-    PendingTransfer, Result, Staging, StagingPool, Transfer,
+    check_range, AfterUpload, Allocation, Arena, CastJob, Device, DeviceError, DeviceId, DeviceKey, DeviceKind,
+    HostBuffer, PendingTransfer, Result, Staging, StagingPool, Transfer,
 };
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream};
 use std::any::Any;
@@ -57,6 +57,9 @@ const HOST_UPLOAD_CHUNK: usize = 64 << 20;
 
 /// Threads per block of the decryption kernel.
 const AES_BLOCK: u32 = 256;
+
+/// Threads per block of the conversion kernel (one element each).
+const CAST_BLOCK: u32 = 256;
 
 /// How many CUDA devices this process sees; `Err` says why CUDA is unusable (no libcuda, no
 /// device), in words for the user.
@@ -84,6 +87,13 @@ pub fn compile_kernel_ptx(arch: Option<&str>) -> std::result::Result<String, Str
     Ok(ffi::compile_ptx(SOURCE, arch.map(str::to_owned))?.to_src())
 }
 
+/// The dtype conversion kernel, compiled to PTX for `arch` like
+/// [`compile_kernel_ptx`] (only NVRTC is needed).
+pub fn compile_cast_kernel_ptx(arch: Option<&str>) -> std::result::Result<String, String> {
+    ffi::nvrtc()?;
+    Ok(ffi::compile_ptx(crate::cast_kernel::SOURCE, arch.map(str::to_owned))?.to_src())
+}
+
 struct Kernel {
     func: CudaFunction,
 }
@@ -95,6 +105,7 @@ struct Shared {
     streams: Vec<Arc<CudaStream>>,
     next: AtomicUsize,
     kernel: OnceLock<std::result::Result<Kernel, String>>,
+    cast_kernel: OnceLock<std::result::Result<Kernel, String>>,
     read_only_register: bool,
     sm_count: u32,
     arch: (i32, i32),
@@ -140,6 +151,7 @@ impl Shared {
             streams,
             next: AtomicUsize::new(0),
             kernel: OnceLock::new(),
+            cast_kernel: OnceLock::new(),
         });
         all.insert(ordinal, shared.clone());
         Ok(shared)
@@ -163,22 +175,35 @@ impl Shared {
 
     /// The decryption kernel, compiled and loaded on first use.
     fn kernel(&self) -> std::result::Result<&Kernel, String> {
-        self.kernel
-            .get_or_init(|| {
-                ffi::nvrtc()?;
-                let arch = (self.arch.0 > 0).then(|| format!("compute_{}{}", self.arch.0, self.arch.1));
-                let ptx = ffi::compile_ptx(SOURCE, arch)?;
-                let module = self.ctx.load_module(ptx).map_err(|e| {
-                    format!(
-                        "the driver could not load the kernel NVRTC compiled ({}); NVRTC may be newer than the driver",
-                        ffi::describe(e)
-                    )
-                })?;
-                let func = module.load_function(KERNEL_NAME).map_err(ffi::describe)?;
-                Ok(Kernel { func })
-            })
-            .as_ref()
-            .map_err(Clone::clone)
+        self.compiled(&self.kernel, SOURCE, KERNEL_NAME)
+    }
+
+    /// The dtype conversion kernel, compiled and loaded on first use.
+    fn cast_kernel(&self) -> std::result::Result<&Kernel, String> {
+        self.compiled(&self.cast_kernel, crate::cast_kernel::SOURCE, crate::cast_kernel::KERNEL_NAME)
+    }
+
+    fn compiled<'a>(
+        &self,
+        slot: &'a OnceLock<std::result::Result<Kernel, String>>,
+        source: &str,
+        name: &str,
+    ) -> std::result::Result<&'a Kernel, String> {
+        slot.get_or_init(|| {
+            ffi::nvrtc()?;
+            let arch = (self.arch.0 > 0).then(|| format!("compute_{}{}", self.arch.0, self.arch.1));
+            let ptx = ffi::compile_ptx(source, arch)?;
+            let module = self.ctx.load_module(ptx).map_err(|e| {
+                format!(
+                    "the driver could not load the kernel NVRTC compiled ({}); NVRTC may be newer than the driver",
+                    ffi::describe(e)
+                )
+            })?;
+            let func = module.load_function(name).map_err(ffi::describe)?;
+            Ok(Kernel { func })
+        })
+        .as_ref()
+        .map_err(Clone::clone)
     }
 }
 
@@ -563,6 +588,47 @@ impl Device for CudaDevice {
             let n = per.min(len - done);
             self.queue_keystream(key, self.shared.stream(), dst.ptr + (offset + done) as u64, n, pos + done as u64)?;
             done += n;
+        }
+        self.shared.synchronize()
+    }
+
+    fn casts(&self) -> bool {
+        true
+    }
+
+    fn cast(&self, src: &dyn Allocation, dst: &dyn Allocation, jobs: &[CastJob]) -> Result<()> {
+        let (src, dst) = (self.own(src)?, self.own(dst)?);
+        let kernel = self
+            .shared
+            .cast_kernel()
+            .map_err(|reason| DeviceError::Unavailable { device: self.shared.id.to_string(), reason })?;
+        for j in jobs {
+            check_range(self.shared.id, src.len, j.src_offset, j.src_len())?;
+            check_range(self.shared.id, dst.len, j.dst_offset, j.dst_len())?;
+            let codes = (crate::cast_kernel::code(j.from), crate::cast_kernel::code(j.to));
+            let (Some(from), Some(to)) = codes else {
+                return Err(DeviceError::Unsupported {
+                    device: self.shared.id,
+                    what: format!("converting {} to {} in device memory", j.from, j.to),
+                });
+            };
+            if j.elements == 0 {
+                continue;
+            }
+            let grid =
+                (j.elements as u64).div_ceil(u64::from(CAST_BLOCK)).min(u64::from(self.shared.sm_count) * 8).max(1);
+            let args = ffi::CastArgs {
+                src: src.ptr + j.src_offset as u64,
+                dst: dst.ptr + j.dst_offset as u64,
+                n: j.elements as u64,
+                from,
+                to,
+            };
+            // SAFETY: `kernel.func` is turboio_cast; both ranges were checked against allocations
+            // of this device above, which outlive the stream's work (cuMemFree waits for it), and
+            // the jobs' destinations do not overlap their sources (separate allocations).
+            unsafe { ffi::launch_cast(&kernel.func, self.shared.stream(), &args, grid as u32, CAST_BLOCK) }
+                .map_err(|e| self.shared.driver_error("launching the conversion kernel", e))?;
         }
         self.shared.synchronize()
     }
