@@ -2,7 +2,7 @@
 //!
 //! [`SOURCE`] is one CUDA C++ file (`src/cuda/cast.cu`), compiled by the CUDA device with NVRTC
 //! at run time and, by the test suite, as plain C++ for the host (with the shim of the AES
-//! kernel's tests), where it is compared bit for bit with [`turboio_format::cast`] on every 8-
+//! kernel's tests), where it is compared bit for bit with [`turboio_format::cast()`] on every 8-
 //! and 16-bit pattern of every pair and on random wider ones: the conversion a GPU does is the
 //! one the CPU does, which is torch's `.to()`.
 //!

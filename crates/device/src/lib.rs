@@ -376,7 +376,7 @@ pub trait Device: Send + Sync + fmt::Debug {
     }
 
     /// Runs each [`CastJob`] from `src` into `dst` (allocations of this device), bit-identical
-    /// to [`turboio_format::cast`], and waits.
+    /// to [`turboio_format::cast()`], and waits.
     fn cast(&self, _src: &dyn Allocation, _dst: &dyn Allocation, _jobs: &[CastJob]) -> Result<()> {
         Err(unsupported(self.id(), "converting dtypes in device memory"))
     }

@@ -11,7 +11,7 @@
 //! convert each piece as the disk delivers it instead of waiting for the whole file. Hot, the
 //! mapping is populated from the page cache (no copy) and the conversion is the only pass over
 //! the bytes. Either way the bytes move once: page cache -> converted arena, the same traffic as
-//! a plain copied load, plus the arithmetic ([`turboio_format::cast`], bit-identical to torch's
+//! a plain copied load, plus the arithmetic ([`turboio_format::cast()`], bit-identical to torch's
 //! `.to()`).
 //!
 //! Onto a device that converts in its own memory ([`Device::casts`]: the CUDA device, with an

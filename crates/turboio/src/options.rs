@@ -150,7 +150,7 @@ pub struct LoadOptions {
     #[cfg(feature = "cipher")]
     pub encryption: Option<crate::crypt::Encryption>,
     /// Convert every floating tensor (F64, F32, F16, BF16, F8_E4M3, F8_E5M2) to this dtype on
-    /// the way in, bit-identical to torch's `.to()` ([`turboio_format::cast`]); other tensors
+    /// the way in, bit-identical to torch's `.to()` ([`turboio_format::cast()`]); other tensors
     /// pass through. `None` (the default): tensors keep their dtype.
     pub dtype: Option<turboio_format::Dtype>,
 }
