@@ -22,6 +22,9 @@ const LOADERS: [&str; 6] = [
     "gloo 2 ranks: collectives",
 ];
 
+/// The disk-ceiling row's name.
+const CEILING: &str = "ceiling: O_DIRECT of every shard at once (no memory touched)";
+
 /// The model directory, generated once.
 fn model_dir(dir: &Path, size: u64) -> Result<PathBuf> {
     let out = dir.join(format!("model-{}", size >> 20));
@@ -106,6 +109,22 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, runs: usize, no_cold: bool
         }
         rows.extend(these);
     }
+    // The disk's ceiling for the same bytes: every shard read at once with O_DIRECT (queue depth
+    // 32 each, 1 MiB blocks, into reused buffers: no page cache, no page of fresh memory touched).
+    let mut ceiling = Vec::new();
+    if !no_cold {
+        for _ in 0..runs {
+            drop_caches().map_err(|e| anyhow::anyhow!("cold rows: {e}"))?;
+            let t = std::time::Instant::now();
+            std::thread::scope(|sc| {
+                let hs: Vec<_> =
+                    shards.iter().map(|p| sc.spawn(move || crate::ceiling::odirect_sequential(p, 32, 1 << 20))).collect();
+                hs.into_iter().try_for_each(|h| h.join().map_err(|_| anyhow::anyhow!("ceiling thread panicked"))?.map(drop))
+            })?;
+            ceiling.push(t.elapsed().as_secs_f64());
+        }
+        rows.push(Row { loader: CEILING, cache: "cold", times: ceiling.clone(), bytes_read: None });
+    }
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -149,6 +168,8 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, runs: usize, no_cold: bool
         }
     };
     check("cold: one job vs file after file", get(LOADERS[0], "cold"), get(LOADERS[1], "cold"), 1.3);
+    // What any loader could gain over file after file: the disk's time for the bytes.
+    check("cold: disk ceiling vs file after file (the most one job could gain)", get(CEILING, "cold"), get(LOADERS[1], "cold"), 1.3);
     check("cold: one job vs safetensors looped", get(LOADERS[0], "cold"), get(LOADERS[2], "cold"), 1.5);
     let best_hot_peer = [LOADERS[2], LOADERS[3]].iter().filter_map(|l| get(l, "hot")).fold(f64::INFINITY, f64::min);
     check("hot: one job vs the best peer", get(LOADERS[0], "hot"), Some(best_hot_peer), 1.0);

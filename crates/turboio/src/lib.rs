@@ -17,7 +17,10 @@
 //!    - **mapped** (CPU, the default for local unencrypted files): a private writable mapping
 //!      populated with `MADV_POPULATE_READ`. Hot, no byte is copied (about 40 GB/s on the
 //!      build machine); cold, the whole range is asked for first (`MADV_WILLNEED`) so the disk
-//!      sees a deep queue, and the file ends up in the page cache for the next process. A page
+//!      sees a deep queue, the populating threads read one byte of each page as it arrives (on
+//!      virtual machines the first CPU access to such a page is expensive, and is better paid
+//!      here, in parallel and overlapped with the reads, than by the user's first pass), and the
+//!      file ends up in the page cache for the next process. A page
 //!      is copied only if written.
 //!    - **copied** (CPU, asked for, encrypted files, or a bypassed cache): one arena (4 KiB
 //!      pages unless huge pages are asked for, [`LoadOptions::huge_pages`]) filled by parallel
