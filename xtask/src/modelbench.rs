@@ -117,9 +117,12 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, runs: usize, no_cold: bool
             drop_caches().map_err(|e| anyhow::anyhow!("cold rows: {e}"))?;
             let t = std::time::Instant::now();
             std::thread::scope(|sc| {
-                let hs: Vec<_> =
-                    shards.iter().map(|p| sc.spawn(move || crate::ceiling::odirect_sequential(p, 32, 1 << 20))).collect();
-                hs.into_iter().try_for_each(|h| h.join().map_err(|_| anyhow::anyhow!("ceiling thread panicked"))?.map(drop))
+                let hs: Vec<_> = shards
+                    .iter()
+                    .map(|p| sc.spawn(move || crate::ceiling::odirect_sequential(p, 32, 1 << 20)))
+                    .collect();
+                hs.into_iter()
+                    .try_for_each(|h| h.join().map_err(|_| anyhow::anyhow!("ceiling thread panicked"))?.map(drop))
             })?;
             ceiling.push(t.elapsed().as_secs_f64());
         }
@@ -169,7 +172,12 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, runs: usize, no_cold: bool
     };
     check("cold: one job vs file after file", get(LOADERS[0], "cold"), get(LOADERS[1], "cold"), 1.3);
     // What any loader could gain over file after file: the disk's time for the bytes.
-    check("cold: disk ceiling vs file after file (the most one job could gain)", get(CEILING, "cold"), get(LOADERS[1], "cold"), 1.3);
+    check(
+        "cold: disk ceiling vs file after file (the most one job could gain)",
+        get(CEILING, "cold"),
+        get(LOADERS[1], "cold"),
+        1.3,
+    );
     check("cold: one job vs safetensors looped", get(LOADERS[0], "cold"), get(LOADERS[2], "cold"), 1.5);
     let best_hot_peer = [LOADERS[2], LOADERS[3]].iter().filter_map(|l| get(l, "hot")).fold(f64::INFINITY, f64::min);
     check("hot: one job vs the best peer", get(LOADERS[0], "hot"), Some(best_hot_peer), 1.0);
