@@ -5,50 +5,21 @@
 //! Needs a C++ compiler (`$CXX`, else `g++`): without one the test prints that it was skipped,
 //! unless `TURBOIO_REQUIRE_CXX=1`, which makes a missing compiler a failure (CI sets it).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 use turboio_cipher::{CtrCipher, Iv, Key};
 use turboio_device::aes_kernel::{iv_halves, RoundKeys, SOURCE};
 
 type Launch = unsafe extern "C" fn(*mut u8, u64, *const u32, u32, u64, u64, u64, u32);
 
+mod host_cxx;
+
 /// Builds the host library once per test binary; `None` when no compiler is available.
 fn host_kernel() -> Option<&'static (libloading::Library, Launch)> {
     static LIB: OnceLock<Option<(libloading::Library, Launch)>> = OnceLock::new();
     LIB.get_or_init(|| {
-        let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
-        let here = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("aes-host-{}.so", std::process::id()));
-        let cu = here.join("src/cuda/aes_ctr.cu");
-        assert_eq!(std::fs::read_to_string(&cu).unwrap(), SOURCE, "the test compiles the source the device uses");
-        let status = Command::new(&cxx)
-            .args(["-O2", "-std=c++17", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wall", "-Werror"])
-            .arg(format!("-DTURBOIO_AES_CU=\"{}\"", cu.display()))
-            .arg("-I")
-            .arg(here.join("tests/aes_host"))
-            .arg(here.join("tests/aes_host/harness.cpp"))
-            .arg("-o")
-            .arg(&out)
-            .status();
-        match status {
-            Ok(s) if s.success() => {}
-            Ok(s) => panic!("{cxx} failed to compile the kernel source for the host ({s})"),
-            Err(e) => {
-                assert!(
-                    std::env::var_os("TURBOIO_REQUIRE_CXX").is_none(),
-                    "TURBOIO_REQUIRE_CXX is set but {cxx} cannot run: {e}"
-                );
-                eprintln!("skipped: no C++ compiler ({cxx}: {e}); the kernel's host comparison did not run");
-                return None;
-            }
-        }
-        // SAFETY: a library we just built from our own sources; its only initialisers are the
-        // C++ runtime's.
-        let lib = unsafe { libloading::Library::new(&out) }.expect("load the host kernel");
+        let lib = host_cxx::build("aes_ctr.cu", SOURCE, "harness.cpp", "TURBOIO_AES_CU")?;
         // SAFETY: the symbol is `turboio_host_launch` of harness.cpp, whose C signature is `Launch`.
         let f: Launch = unsafe { *lib.get::<Launch>(b"turboio_host_launch\0").expect("symbol") };
-        let _ = std::fs::remove_file(&out);
         Some((lib, f))
     })
     .as_ref()

@@ -13,13 +13,7 @@ import resource
 import subprocess
 import time
 
-
-def vm_hwm():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+from py_load import peak_rss as vm_hwm
 
 
 def main():
