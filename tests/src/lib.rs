@@ -39,6 +39,11 @@ impl Rng {
     }
 }
 
+/// Bytes from the hex string Python's `bytes.hex()` prints.
+pub fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
 /// Runs a Python snippet with arguments; panics with its stderr on failure. Returns stdout.
 pub fn run_python(python: &Path, code: &str, args: &[&str]) -> String {
     let out = Command::new(python).arg("-c").arg(code).args(args).output().expect("run python");

@@ -8,7 +8,7 @@ use turboio::device::testing::OpaqueDevice;
 use turboio::device::Device;
 use turboio::pt::PtOptions;
 use turboio::{CachePolicy, Held, LoadMode, LoadOptions, SaveOptions};
-use turboio_tests::{disk_dir, python, run_python};
+use turboio_tests::{disk_dir, python, run_python, unhex};
 
 /// Saves a checkpoint with torch (ties, a transposed view, a slice, nested dicts, several
 /// dtypes, an empty tensor, a scalar) and prints `{name: hex of its contiguous bytes}` as
@@ -30,10 +30,6 @@ def flat(d, p=""):
             yield p + k, v
 print(json.dumps({k: v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes().hex() for k, v in flat(back)}))
 "#;
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
-}
 
 #[test]
 fn torch_checkpoints_load_on_every_path_as_torch_reads_them() {

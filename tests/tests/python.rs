@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use turboio::{Dtype, LoadMode, LoadOptions, SaveOptions, SaveTensor};
-use turboio_tests::{bytes, disk_dir, python, run_python};
+use turboio_tests::{bytes, disk_dir, python, run_python, unhex};
 
 const WRITE: &str = r#"
 import json, sys
@@ -48,10 +48,6 @@ with safe_open(path, framework="np") as f:
     meta = f.metadata()
 print(json.dumps({"meta": meta, "tensors": {n: {"dtype": v["dtype"], "shape": list(v["shape"]), "hex": bytes(v["data"]).hex()} for n, v in items}}))
 "#;
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
-}
 
 fn check_file(path: &std::path::Path, expected: &serde_json::Map<String, serde_json::Value>) {
     for mode in [LoadMode::Mapped, LoadMode::Copied] {
