@@ -179,6 +179,13 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, runs: usize, no_cold: bool
         1.3,
     );
     check("cold: one job vs safetensors looped", get(LOADERS[0], "cold"), get(LOADERS[2], "cold"), 1.5);
+    check(
+        "cold: disk ceiling vs safetensors looped (the most any loader could gain)",
+        get(CEILING, "cold"),
+        get(LOADERS[2], "cold"),
+        1.5,
+    );
+    check("cold: one job vs the disk ceiling", get(LOADERS[0], "cold"), get(CEILING, "cold"), 0.9);
     let best_hot_peer = [LOADERS[2], LOADERS[3]].iter().filter_map(|l| get(l, "hot")).fold(f64::INFINITY, f64::min);
     check("hot: one job vs the best peer", get(LOADERS[0], "hot"), Some(best_hot_peer), 1.0);
     Ok(s)

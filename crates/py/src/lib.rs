@@ -686,9 +686,11 @@ fn parse_shard_size(s: &str) -> PyResult<u64> {
     turboio::model::parse_shard_size(s).map_err(PyValueError::new_err)
 }
 
-/// The bytes of a whole file held for a `.pt` load: the file mapped privately (copy-on-write)
-/// and populated from the page cache, or, for an encrypted file, its decrypted copy. Exported to
-/// torch as one flat uint8 DLPack tensor (zero copy); the `.pt` tensors are strided views of it.
+/// The bytes of a `.pt` load (the file mapped privately and populated from the page cache, or a
+/// copy: decrypted, `O_DIRECT`, remote), or a range of them ([`slice`](Self::slice): one per
+/// storage). Exported to torch as one flat uint8 DLPack tensor (zero copy); the `.pt` tensors are
+/// strided views of their storage's slice, so each tensor's torch storage is its own (as after
+/// `torch.load`: saving one tensor writes its storage, not the whole file).
 ///
 /// Like `ExportedLoad`, nothing in Rust reads the bytes once this exists: only the address is
 /// used, so torch may write to them.
@@ -704,6 +706,17 @@ impl PyFileBytes {
     /// Bytes.
     fn __len__(&self) -> usize {
         self.len
+    }
+
+    /// `len` bytes from `offset`, sharing the memory (which stays alive while any slice does).
+    fn slice(&self, offset: usize, len: usize) -> PyResult<PyFileBytes> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(PyValueError::new_err(format!(
+                "bytes {offset}..{offset}+{len} are outside the {} bytes held",
+                self.len
+            )));
+        }
+        Ok(PyFileBytes { owner: self.owner.clone(), addr: self.addr + offset, len })
     }
 
     /// The DLPack protocol (CPU): one flat uint8 tensor of every byte of the file.

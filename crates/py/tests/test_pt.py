@@ -62,6 +62,13 @@ def test_views_offsets_strides_and_shared_storages(tmp):
     assert all(got[k].untyped_storage().data_ptr() == ptr for k in sd)
     got["base"][2, 3] = -1
     assert got["rows"][0, 3] == -1 and got["same"][2, 3] == -1
+    # Each storage is its own torch storage, as after torch.load: saving one tensor writes its
+    # storage (240 bytes here), not the whole file.
+    assert got["base"].untyped_storage().nbytes() == 60 * 4
+    other = tmp / "other.pt"
+    torch.save({"x": torch.ones(3), "y": torch.zeros(1000)}, other)
+    got2 = turboio.load(str(other))
+    assert got2["x"].untyped_storage().nbytes() == 12 and got2["y"].untyped_storage().nbytes() == 4000
 
 
 def test_module_state_dict_with_tied_weights_and_nested_dicts(tmp):

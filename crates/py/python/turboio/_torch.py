@@ -196,13 +196,14 @@ def pt_tensors(path, cipher=False, top_level_key=None, threads=0, cache="auto"):
     data, (storages, tensors, _skipped) = _turboio.load_pt(
         path, top_level_key=top_level_key, cipher=cipher, threads=threads, cache=cache
     )
-    buf = torch.from_dlpack(data)
     views = []
     for offset, nbytes, dtype in storages:
         td = torch_dtype(dtype)
         if td is None:
             raise ValueError(f"{path}: torch dtype {dtype} is not available in this torch")
-        views.append(buf[offset : offset + nbytes].view(td))
+        # One export per storage: each keeps the load alive, and a tensor's torch storage is
+        # its own storage's bytes, not the whole file's.
+        views.append(torch.from_dlpack(data.slice(offset, nbytes)).view(td))
     out = {}
     for name, _dtype, shape, strides, storage, storage_offset in tensors:
         s = views[storage]
