@@ -128,7 +128,7 @@ impl Loader {
     ];
 }
 
-fn median_of(v: &[f64]) -> f64 {
+pub(crate) fn median_of(v: &[f64]) -> f64 {
     let mut t = v.to_vec();
     t.sort_by(f64::total_cmp);
     t.get(t.len() / 2).copied().unwrap_or(f64::NAN)

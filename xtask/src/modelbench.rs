@@ -6,7 +6,7 @@
 //! then a 2-rank gloo run of turboio's fastsafetensors API, direct against collectives, with the
 //! bytes each rank read from storage.
 
-use crate::bench::{drop_caches, warm};
+use crate::bench::{drop_caches, median_of as median, warm};
 use crate::test::root;
 use anyhow::{bail, Context, Result};
 use std::fmt::Write as _;
@@ -48,12 +48,6 @@ struct Row {
     cache: &'static str,
     times: Vec<f64>,
     bytes_read: Option<Vec<u64>>,
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 fn run_child(python: &Path, loader: &str, dir: &Path) -> Result<(f64, Option<Vec<u64>>)> {

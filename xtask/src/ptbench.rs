@@ -6,7 +6,7 @@
 //! `python -m turboio.convert` and veTurboIO's way (`torch.load` + `save_file`), with the peak
 //! memory of each.
 
-use crate::bench::{measure, ratio, warm, Check, Loader, Row};
+use crate::bench::{measure, median_of as median, ratio, warm, Check, Loader, Row};
 use crate::test::root;
 use anyhow::{bail, Context, Result};
 use std::fmt::Write as _;
@@ -30,7 +30,7 @@ struct Conversion {
     peak_rss: u64,
 }
 
-fn convert_once(python: &Path, how: &str, pt: &Path, out: &Path) -> Result<(f64, u64)> {
+fn convert_once(python: &Path, cli: &Path, how: &str, pt: &Path, out: &Path) -> Result<(f64, u64)> {
     let o = Command::new(python)
         .arg(root().join("crates/py/bench/py_convert.py"))
         .args(["--how", how, "--input"])
@@ -38,7 +38,7 @@ fn convert_once(python: &Path, how: &str, pt: &Path, out: &Path) -> Result<(f64,
         .arg("--output")
         .arg(out)
         .arg("--cli")
-        .arg(crate::bench::cli()?)
+        .arg(cli)
         .output()
         .with_context(|| format!("run conversion {how}"))?;
     if !o.status.success() {
@@ -83,13 +83,14 @@ pub fn run(
 
     eprintln!("{label}: conversions, {conversions} runs ...");
     let out = pt.with_extension("converted.safetensors");
+    let cli = crate::bench::cli()?;
     let mut convs: Vec<Conversion> =
         CONVERSIONS.iter().map(|&(_, name)| Conversion { name, seconds: Vec::new(), peak_rss: 0 }).collect();
     for r in 0..conversions {
         for i in crate::bench::run_order(CONVERSIONS.len(), r) {
             warm(&pt)?;
             let _ = std::fs::remove_file(&out);
-            let (s, peak) = convert_once(python, CONVERSIONS[i].0, &pt, &out)?;
+            let (s, peak) = convert_once(python, &cli, CONVERSIONS[i].0, &pt, &out)?;
             convs[i].seconds.push(s);
             convs[i].peak_rss = convs[i].peak_rss.max(peak);
         }
@@ -110,11 +111,6 @@ pub fn run(
     let (copied, converting) = (Loader::TurboCopied.name(), Loader::TurboConvert.name());
     add("converting to BF16 vs plain copied load (< 1.5x)", "hot", converting, copied, 1.0 / 1.5);
     add("converting to BF16 vs plain copied load (< 1.5x)", "cold", converting, copied, 1.0 / 1.5);
-    let median = |v: &[f64]| {
-        let mut v = v.to_vec();
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-    };
     let bound = largest as f64 * 1.5 + (512u64 << 20) as f64;
     if let Some(cli) = convs.first().filter(|c| c.peak_rss > 0) {
         checks.push(Check {

@@ -81,9 +81,13 @@ pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Resul
     let host = LoadOptions { device: None, dtype: None, ..opts.clone() };
     let mut planned = plan(path, &host, &cpu)?;
     if !planned.header().is_some_and(|h| h.tensors().iter().any(|t| converts(t, target))) {
-        // Nothing to convert: the plain load, onto the asked-for device.
-        drop(planned);
-        return crate::load(path, &LoadOptions { dtype: None, ..opts.clone() });
+        // Nothing to convert: the plain load, onto the asked-for device (the CPU one is planned).
+        if opts.device.as_ref().is_some_and(|d| d.id().kind != DeviceKind::Cpu) {
+            drop(planned);
+            return crate::load(path, &LoadOptions { dtype: None, ..opts.clone() });
+        }
+        let read = planned.fill(&cpu, &host, &io_options(&host))?;
+        return planned.finish(read, &host);
     }
     // Cold mapped: ask for everything, then let the converting threads read as pages arrive.
     let fused = planned.defer_cold_populate();
@@ -265,11 +269,9 @@ pub(crate) fn cast_loaded(
     let mut report = src.report.clone();
     if count_progress {
         report.bytes = src.header.file_len();
-    }
-    report.converted = converted;
-    if count_progress {
         report.read.method = "mmap, converted as read";
     }
+    report.converted = converted;
     report.held = Held::Copied;
     let (memory, device) = match on_device {
         Some(device) => {

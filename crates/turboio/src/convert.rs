@@ -120,9 +120,7 @@ fn convert_error(path: &Path, message: impl Into<String>) -> Error {
 fn index_pt(path: &Path, opts: &ConvertOptions) -> Result<(Opened, PtIndex)> {
     let opened = open(path, &opts.load)?;
     let pt_opts = PtOptions { top_level_key: opts.top_level_key.clone(), ..Default::default() };
-    let index = PtIndex::parse(&crate::load::PlainReader { file: &opened, bypass: false }, &pt_opts).map_err(|e| {
-        convert_error(path, format!("cannot convert this torch checkpoint without executing code: {e}"))
-    })?;
+    let index = crate::pt::index(path, &opened, false, &pt_opts, "convert")?;
     Ok((opened, index))
 }
 
@@ -331,7 +329,7 @@ fn validate(
     #[cfg(feature = "cipher")]
     let read_opts = LoadOptions { encryption: opts.save.encryption.clone(), ..read_opts };
     let written = open(output, &read_opts)?;
-    let header: Header = crate::load::read_header_of(output, &read_opts)?;
+    let header: Header = crate::load::read_header(&written, false)?;
     if header.len() != specs.len() {
         return Err(fail(format!("{} tensors written, {} expected", header.len(), specs.len())));
     }

@@ -23,17 +23,11 @@ const FIRST_READ: u64 = 1 << 20;
 /// Reads and validates the header of an open file (only the first `8 + N` bytes are read),
 /// with `O_DIRECT` when the load bypasses the page cache (so that even the header leaves the
 /// cache as it was).
-fn read_header(file: &Opened, bypass: bool) -> Result<Header> {
+pub(crate) fn read_header(file: &Opened, bypass: bool) -> Result<Header> {
     let path = file.path();
     let len = file.len();
-    let read = |offset: u64, dst: &mut [u8]| -> Result<()> {
-        if bypass {
-            let io = IoOptions { threads: 1, direct: DirectIo::On, ..Default::default() };
-            file.read(vec![ReadRequest { offset, dst }], &io).map(drop)
-        } else {
-            file.read_exact_at(offset, dst)
-        }
-    };
+    let reader = PlainReader { file, bypass };
+    let read = |offset: u64, dst: &mut [u8]| reader.read(offset, dst);
     let mut prefix = vec![0u8; len.min(FIRST_READ) as usize];
     read(0, &mut prefix)?;
     let format_error = |e| {
@@ -90,15 +84,21 @@ pub(crate) struct PlainReader<'a> {
     pub(crate) bypass: bool,
 }
 
-impl turboio_pt::ReadAt for PlainReader<'_> {
-    fn read_exact_at(&self, offset: u64, dst: &mut [u8]) -> std::io::Result<()> {
-        let r = if self.bypass {
+impl PlainReader<'_> {
+    /// Fills `dst` with the plain bytes at `offset`.
+    pub(crate) fn read(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        if self.bypass {
             let io = IoOptions { threads: 1, direct: DirectIo::On, ..Default::default() };
             self.file.read(vec![ReadRequest { offset, dst }], &io).map(drop)
         } else {
             self.file.read_exact_at(offset, dst)
-        };
-        r.map_err(std::io::Error::other)
+        }
+    }
+}
+
+impl turboio_pt::ReadAt for PlainReader<'_> {
+    fn read_exact_at(&self, offset: u64, dst: &mut [u8]) -> std::io::Result<()> {
+        self.read(offset, dst).map_err(std::io::Error::other)
     }
 
     fn len(&self) -> u64 {
@@ -233,12 +233,7 @@ pub(crate) fn plan_pt(
     pt: &turboio_pt::PtOptions,
 ) -> Result<Planned> {
     plan_parsed(path, opts, device, &mut |opened, bypass| {
-        turboio_pt::PtIndex::parse(&PlainReader { file: opened, bypass }, pt).map(|i| Parsed::Pt(Box::new(i))).map_err(
-            |e| Error::Unsupported {
-                path: path.to_owned(),
-                message: format!("cannot load this torch checkpoint without executing code: {e}"),
-            },
-        )
+        crate::pt::index(path, opened, bypass, pt, "load").map(|i| Parsed::Pt(Box::new(i)))
     })
 }
 

@@ -229,17 +229,25 @@ impl LoadedFile {
         let view = self
             .tensor(name)
             .ok_or_else(|| Error::format(&self.path, turboio_format::FormatError::TensorNotFound(name.to_owned())))?;
-        if let Some(b) = view.bytes() {
-            return Ok(b.to_vec());
+        match view.bytes() {
+            Some(b) => Ok(b.to_vec()),
+            None => download(&self.path, self.device.as_ref(), self.memory(), view.offset_in_memory(), view.len()),
         }
-        let device = self
-            .device
-            .as_ref()
-            .ok_or_else(|| Error::Unsupported { path: self.path.clone(), message: "no device to copy from".into() })?;
-        let mut out = vec![0u8; view.len()];
-        device
-            .download(self.memory.as_ref(), view.offset_in_memory(), &mut out)
-            .map_err(|e| Error::device(&self.path, e))?;
-        Ok(out)
     }
+}
+
+/// Copies `len` bytes at `offset` of device memory to the host (loads whose memory the CPU
+/// cannot address).
+pub(crate) fn download(
+    path: &Path,
+    device: Option<&Arc<dyn Device>>,
+    memory: &dyn Allocation,
+    offset: usize,
+    len: usize,
+) -> Result<Vec<u8>> {
+    let device =
+        device.ok_or_else(|| Error::Unsupported { path: path.to_owned(), message: "no device to copy from".into() })?;
+    let mut out = vec![0u8; len];
+    device.download(memory, offset, &mut out).map_err(|e| Error::device(path, e))?;
+    Ok(out)
 }

@@ -23,7 +23,8 @@
 //! Dtype conversion on load is a safetensors feature; convert a checkpoint once with
 //! [`crate::convert`] (`--dtype`) instead.
 
-use crate::load::{cpu_device, io_options, load_device, plan_pt, Parsed};
+use crate::backend::Opened;
+use crate::load::{cpu_device, io_options, load_device, open, plan_pt, Parsed, PlainReader};
 use crate::loaded::LoadReport;
 use crate::{Error, LoadOptions, Result};
 use std::path::{Path, PathBuf};
@@ -161,21 +162,14 @@ impl LoadedPt {
             path: self.path.clone(),
             message: format!("the checkpoint holds no tensor `{name}`"),
         })?;
-        let span = self.index.file_span(view.tensor);
-        let len = (span.end - span.start) as usize;
         let downloaded;
         let src = match view.bytes {
             Some(b) => b,
             None => {
-                let device = self.device.as_ref().ok_or_else(|| Error::Unsupported {
-                    path: self.path.clone(),
-                    message: "no device to copy from".into(),
-                })?;
-                let mut buf = vec![0u8; len];
-                device
-                    .download(self.memory.as_ref(), view.offset, &mut buf)
-                    .map_err(|e| Error::device(&self.path, e))?;
-                downloaded = buf;
+                let span = self.index.file_span(view.tensor);
+                let len = (span.end - span.start) as usize;
+                downloaded =
+                    crate::loaded::download(&self.path, self.device.as_ref(), self.memory(), view.offset, len)?;
                 &downloaded
             }
         };
@@ -185,6 +179,22 @@ impl LoadedPt {
             .map_err(|e| Error::Unsupported { path: self.path.clone(), message: e.to_string() })?;
         Ok(out)
     }
+}
+
+/// Indexes an open checkpoint (the zip directory and the pickle; no tensor byte is read);
+/// `doing` words the error ("load", "convert", "read").
+pub(crate) fn index(path: &Path, opened: &Opened, bypass: bool, pt: &PtOptions, doing: &str) -> Result<PtIndex> {
+    PtIndex::parse(&PlainReader { file: opened, bypass }, pt).map_err(|e| Error::Unsupported {
+        path: path.to_owned(),
+        message: format!("cannot {doing} this torch checkpoint without executing code: {e}"),
+    })
+}
+
+/// Reads only the index of a PyTorch checkpoint (decrypting when the options ask for it): its
+/// storages, tensors and skipped entries, without reading any tensor byte.
+pub fn read_index(path: impl AsRef<Path>, opts: &LoadOptions, pt: &PtOptions) -> Result<PtIndex> {
+    let path = path.as_ref();
+    index(path, &open(path, opts)?, opts.cache == crate::CachePolicy::Bypass, pt, "read")
 }
 
 /// Loads every tensor of a PyTorch checkpoint (`.pt` / `.bin`) without executing its pickle;

@@ -22,10 +22,7 @@ fn pt_options(top_level_key: Option<&str>) -> PtOptions {
 /// `inspect x.pt`: tensors (name, dtype, shape, strides, storage), shared storages, skipped
 /// entries; only the zip directory and the pickle are read.
 pub fn inspect(file: &Path, json: bool, opts: &LoadOptions, top_level_key: Option<&str>) -> CliResult {
-    let lazy = LoadOptions { mode: turboio::LoadMode::Lazy, ..opts.clone() };
-    let lazy = if opts.encryption.is_some() { LoadOptions { mode: turboio::LoadMode::Copied, ..lazy } } else { lazy };
-    let loaded = turboio::load_pt(file, &lazy, &pt_options(top_level_key))?;
-    let index = loaded.index();
+    let index = &turboio::pt::read_index(file, opts, &pt_options(top_level_key))?;
     let mut users: BTreeMap<usize, Vec<&str>> = BTreeMap::new();
     for t in index.tensors() {
         users.entry(t.storage).or_default().push(&t.name);
