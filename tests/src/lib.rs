@@ -26,6 +26,8 @@ pub fn bytes(len: usize, seed: u64) -> Vec<u8> {
 mod python;
 pub use python::python;
 
+pub mod s3;
+
 /// xorshift: test choices (kill points, delays) that vary but are the same on every run.
 pub struct Rng(pub u64);
 
@@ -132,7 +134,7 @@ pub mod model_crash {
     /// The largest shard of version `v`: even versions in 2 shards, odd ones in 3, so that the
     /// sets differ in count as well as content.
     pub fn max_shard(v: u64) -> u64 {
-        if v % 2 == 0 {
+        if v.is_multiple_of(2) {
             (3 * LEN) as u64
         } else {
             (2 * LEN) as u64

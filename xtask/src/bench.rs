@@ -208,7 +208,7 @@ fn parse_size(s: &str) -> Result<u64> {
 }
 
 pub(crate) fn size_name(n: u64) -> String {
-    if n % (1 << 30) == 0 {
+    if n.is_multiple_of(1 << 30) {
         format!("{}GiB", n >> 30)
     } else {
         format!("{}MiB", n >> 20)

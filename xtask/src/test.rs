@@ -131,8 +131,82 @@ pub fn install_wheel(python: &Path) -> Result<()> {
     )
 }
 
+/// Every package in `Cargo.lock` declares a `rust-version` no newer than the workspace's, so the
+/// declared minimum Rust is true (resolver 3 keeps new packages within it; a `cargo update` that
+/// pulls a newer requirement fails here).
+fn check_rust_versions() -> Result<()> {
+    eprintln!("\n==> rust-version of every locked package <= the workspace's");
+    let out = cargo()
+        .args(["metadata", "--locked", "--format-version", "1"])
+        .current_dir(root())
+        .output()
+        .context("cannot run cargo metadata")?;
+    if !out.status.success() {
+        bail!("cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).context("cargo metadata's JSON")?;
+    let version = |s: &str| -> Vec<u64> { s.split('.').map(|p| p.parse().unwrap_or(0)).collect() };
+    let packages = meta["packages"].as_array().context("cargo metadata has no packages")?;
+    let ours = packages
+        .iter()
+        .find(|p| p["name"] == "turboio")
+        .and_then(|p| p["rust_version"].as_str())
+        .context("the turboio package declares no rust-version")?;
+    let mut newer: Vec<String> = packages
+        .iter()
+        .filter_map(|p| {
+            let rv = p["rust_version"].as_str()?;
+            let (mut a, mut b) = (version(rv), version(ours));
+            a.resize(3, 0);
+            b.resize(3, 0);
+            (a > b).then(|| format!("{} {} needs Rust {rv}", p["name"].as_str().unwrap_or("?"), p["version"]))
+        })
+        .collect();
+    newer.sort();
+    if !newer.is_empty() {
+        bail!("Cargo.lock holds packages newer than the workspace's rust-version {ours}:\n  {}", newer.join("\n  "));
+    }
+    eprintln!("    {} packages, all within rust-version {ours}", packages.len());
+    Ok(())
+}
+
+/// nginx for the `http://` range-read tests (Debian's `nginx-light`, installed here when
+/// missing and this runs as root). Returns whether it is there; the tests then require it.
+fn ensure_nginx() -> bool {
+    let present =
+        || ["/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/bin/nginx"].iter().any(|p| Path::new(p).exists());
+    if present() {
+        return true;
+    }
+    // /proc/self belongs to the process's effective user.
+    let root = std::os::unix::fs::MetadataExt::uid(&match std::fs::metadata("/proc/self") {
+        Ok(m) => m,
+        Err(_) => return false,
+    }) == 0;
+    if !root {
+        eprintln!("note: nginx is not installed and this is not root: the http:// tests will say skipped");
+        return false;
+    }
+    let install = |update: bool| {
+        if update {
+            let _ = step("apt-get update", Command::new("apt-get").args(["update", "-q"]));
+        }
+        step(
+            "install nginx-light (http:// range-read tests)",
+            Command::new("apt-get")
+                .args(["install", "-y", "-q", "nginx-light"])
+                .env("DEBIAN_FRONTEND", "noninteractive"),
+        )
+    };
+    if install(false).is_err() {
+        let _ = install(true);
+    }
+    present()
+}
+
 pub fn run(args: Args) -> Result<()> {
     let start = std::time::Instant::now();
+    check_rust_versions()?;
     if !args.fast {
         step("rustfmt", cargo().args(["fmt", "--all", "--", "--check"]))?;
         step(
@@ -169,6 +243,9 @@ pub fn run(args: Args) -> Result<()> {
             }
             None => eprintln!("note: no {name} in the venv's nvidia wheels; the tests that need it will say skipped"),
         }
+    }
+    if ensure_nginx() {
+        tests.env("TURBOIO_REQUIRE_NGINX", "1");
     }
     step("tests", &mut tests)?;
     step("python tests", Command::new(&python).args(["-m", "pytest", "-q", "crates/py/tests"]))?;

@@ -98,7 +98,7 @@ pub fn cast_len(n: usize, from: Dtype, to: Dtype) -> Option<usize> {
         return Some(n);
     }
     let (fs, ts) = (from.byte_size()?, to.byte_size()?);
-    if n % fs != 0 {
+    if !n.is_multiple_of(fs) {
         return None;
     }
     (n / fs).checked_mul(ts)
@@ -126,7 +126,7 @@ pub fn cast(src: &[u8], from: Dtype, to: Dtype, dst: &mut [u8]) -> Result<(), Ca
     }
     // Both castable, so both have a byte size.
     let (fs, ts) = (from.byte_size().unwrap_or(1), to.byte_size().unwrap_or(1));
-    if src.len() % fs != 0 {
+    if !src.len().is_multiple_of(fs) {
         return Err(CastError::Misaligned { len: src.len(), dtype: from, size: fs });
     }
     let elements = src.len() / fs;

@@ -107,7 +107,7 @@ impl Dtype {
     /// Bytes per element, or `None` for the sub-byte types (F4, F6_*).
     pub const fn byte_size(self) -> Option<usize> {
         let bits = self.bits();
-        if bits % 8 == 0 {
+        if bits.is_multiple_of(8) {
             Some(bits / 8)
         } else {
             None

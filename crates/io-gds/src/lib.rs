@@ -575,6 +575,14 @@ impl Storage for GdsStorage {
         self.posix.write_file(path, source, opts)
     }
 
+    fn list(&self, dir: &Path) -> Result<Vec<std::path::PathBuf>, StorageError> {
+        self.posix.list(dir)
+    }
+
+    fn remove_file(&self, path: &Path) -> Result<(), StorageError> {
+        self.posix.remove_file(path)
+    }
+
     fn writes_from_device(&self, kind: &str) -> bool {
         kind == "cuda"
     }

@@ -229,4 +229,24 @@ impl Storage for PosixStorage {
     fn write_file(&self, path: &Path, source: &dyn WriteSource, opts: &IoOptions<'_>) -> Result<(), StorageError> {
         write::write_file(&self.cfg, path, source, opts)
     }
+
+    fn list(&self, dir: &Path) -> Result<Vec<std::path::PathBuf>, StorageError> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(dir).map_err(|e| StorageError::io(dir, "read_dir", e))? {
+            let entry = entry.map_err(|e| StorageError::io(dir, "read_dir", e))?;
+            // Files, and symbolic links to files (as `Path::is_file` follows them).
+            if entry.path().is_file() {
+                out.push(entry.path());
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    fn remove_file(&self, path: &Path) -> Result<(), StorageError> {
+        match std::fs::remove_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(StorageError::io(path, "unlink", e)),
+            _ => Ok(()),
+        }
+    }
 }

@@ -85,7 +85,7 @@ pub(crate) fn plan_buffered(offset: u64, len: usize, block: usize) -> Vec<Piece>
 /// Pieces of an `O_DIRECT` read of `len` bytes at file `offset` into memory at `dst_addr`.
 /// `block` must be a multiple of [`ALIGN`].
 pub(crate) fn plan_direct(offset: u64, dst_addr: usize, len: usize, block: usize) -> Vec<Piece> {
-    debug_assert!(block >= ALIGN as usize && block % ALIGN as usize == 0);
+    debug_assert!(block >= ALIGN as usize && block.is_multiple_of(ALIGN as usize));
     let mut out = Vec::new();
     if len == 0 {
         return out;

@@ -122,7 +122,7 @@ pub fn to_little_endian(dtype: Dtype, bytes: &mut [u8]) -> Result<(), PtError> {
         Dtype::C64 => 4, // two f32
         d => d.byte_size().unwrap_or(1),
     };
-    if bytes.len() % size != 0 {
+    if !bytes.len().is_multiple_of(size) {
         return Err(PtError::ByteSwap { len: bytes.len(), dtype });
     }
     if size > 1 {

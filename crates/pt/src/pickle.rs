@@ -725,7 +725,7 @@ impl<'a> Vm<'a> {
     }
 
     fn pairs(&mut self, items: Vec<Val>) -> Result<Vec<(Val, Val)>, PtError> {
-        if items.len() % 2 != 0 {
+        if !items.len().is_multiple_of(2) {
             return Err(self.err(format!("{} with an odd number of items", opname(self.data[self.at]))));
         }
         self.count(items.len() as u64)?;

@@ -89,7 +89,7 @@ fn compare(dir: &Path, case: &str, opts: &PtOptions, prefix: &str) -> usize {
             assert!(file[span.start as usize..span.end as usize] == got[..], "{ctx}: contiguous span is not its bytes");
         }
         let st = index.storage_of(t);
-        assert!(st.offset % 64 == 0, "{ctx}: torch aligns storages to 64 bytes");
+        assert!(st.offset.is_multiple_of(64), "{ctx}: torch aligns storages to 64 bytes");
         assert!(index.file_span(t).end <= st.offset + st.len);
     }
     if prefix.is_empty() {

@@ -158,6 +158,32 @@ fn open_target(py: Python<'_>, device: &str, staging: Option<&PyStagingPool>) ->
     }
 }
 
+/// The object-storage backend with explicit options (endpoint, region, credentials,
+/// concurrency, part size, bandwidth cap; see `turboio::object::ObjectOptions`), for the
+/// `storage_options=` of the Python API. Its `repr` never shows a secret.
+#[pyclass(name = "ObjectStorage", module = "turboio._turboio", frozen)]
+struct PyObjectStorage {
+    inner: Arc<dyn turboio::storage::Storage>,
+}
+
+#[pymethods]
+impl PyObjectStorage {
+    #[new]
+    fn new(options: BTreeMap<String, String>) -> PyResult<Self> {
+        let options = turboio::object::ObjectOptions::from_pairs(options).map_err(PyValueError::new_err)?;
+        Ok(PyObjectStorage { inner: Arc::new(turboio::object::ObjectStorage::new(options)) })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{:?}", self.inner)
+    }
+}
+
+/// The storage a call was given.
+fn storage_arg(storage: Option<&PyObjectStorage>) -> Option<Arc<dyn turboio::storage::Storage>> {
+    storage.map(|s| s.inner.clone())
+}
+
 /// The GPUDirect Storage backend for `gds` = `"auto"` / `"on"`, none for `"off"`.
 fn gds_storage(gds: &str) -> PyResult<Option<Arc<dyn turboio::storage::Storage>>> {
     use turboio::gds::{GdsConfig, GdsMode, GdsStorage};
@@ -560,7 +586,7 @@ fn parse_dtype(dtype: Option<&str>) -> PyResult<Option<Dtype>> {
 /// CUDA device (`device="cuda:N"`; `gds` = "auto"/"on"/"off" for GPUDirect Storage; `staging`
 /// keeps pinned buffers across loads).
 #[pyfunction]
-#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", pool=None, huge_pages=None, progress=None, cipher=false, device="cpu", gds="off", staging=None, dtype=None))]
+#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", pool=None, huge_pages=None, progress=None, cipher=false, device="cpu", gds="off", staging=None, dtype=None, storage=None))]
 #[allow(clippy::too_many_arguments)]
 fn load(
     py: Python<'_>,
@@ -576,15 +602,21 @@ fn load(
     gds: &str,
     staging: Option<&PyStagingPool>,
     dtype: Option<&str>,
+    storage: Option<&PyObjectStorage>,
 ) -> PyResult<PyLoaded> {
     let dtype = parse_dtype(dtype)?;
     let cancel = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
     let target = open_target(py, device, staging)?;
-    let storage = gds_storage(gds)?;
-    // GDS for local files loaded to a GPU; scheme paths (sfcs://) keep their own backend.
+    // The storage given (an object store with explicit options), else GDS for local files
+    // loaded to a GPU; scheme paths (sfcs://, s3://...) otherwise keep their own backend.
     let local = !path.to_str().is_some_and(|p| p.contains("://"));
-    let storage = if target.is_some() && local { storage } else { None };
+    let gds = gds_storage(gds)?;
+    let storage = match storage_arg(storage) {
+        Some(s) => Some(s),
+        None if target.is_some() && local => gds,
+        None => None,
+    };
     let opts = LoadOptions {
         device: target,
         storage,
@@ -613,7 +645,7 @@ fn load(
 /// job into the CPU (GIL released, Ctrl-C cancels): every shard validated and the index checked
 /// first, then all shards read in one pipeline. Returns one `LoadedFile` per shard.
 #[pyfunction]
-#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", progress=None, cipher=false, dtype=None))]
+#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", progress=None, cipher=false, dtype=None, storage=None))]
 #[allow(clippy::too_many_arguments)]
 fn load_model(
     py: Python<'_>,
@@ -624,11 +656,13 @@ fn load_model(
     progress: Option<Bound<'_, PyAny>>,
     cipher: bool,
     dtype: Option<&str>,
+    storage: Option<&PyObjectStorage>,
 ) -> PyResult<Vec<PyLoaded>> {
     let dtype = parse_dtype(dtype)?;
     let cancel = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
     let opts = LoadOptions {
+        storage: storage_arg(storage),
         progress: Some(done.clone()),
         threads,
         cache: parse_cache(cache)?,
@@ -652,7 +686,8 @@ fn load_model(
 /// Private to the Python package, which passes only `data_ptr()`s of contiguous CPU tensors it
 /// keeps referenced for the call.
 #[pyfunction]
-#[pyo3(signature = (dir, tensors, max_shard_size, metadata=None, threads=0, cipher=false))]
+#[pyo3(signature = (dir, tensors, max_shard_size, metadata=None, threads=0, cipher=false, storage=None))]
+#[allow(clippy::too_many_arguments)]
 fn _save_model_dir(
     py: Python<'_>,
     dir: std::path::PathBuf,
@@ -661,10 +696,12 @@ fn _save_model_dir(
     metadata: Option<BTreeMap<String, String>>,
     threads: usize,
     cipher: bool,
+    storage: Option<&PyObjectStorage>,
 ) -> PyResult<(String, Vec<String>)> {
     let dtypes = tensors.iter().map(|t| dtype_of(&t.1)).collect::<PyResult<Vec<_>>>()?;
     let cancel = Arc::new(AtomicBool::new(false));
     let opts = SaveOptions {
+        storage: storage_arg(storage),
         threads,
         cancel: Some(cancel.clone()),
         encryption: encryption(cipher, false),
@@ -774,7 +811,8 @@ fn pt_tables(loaded: &turboio::LoadedPt) -> PtTables {
 /// cache, or copied (`O_DIRECT` with `cache="bypass"`; always for encrypted and `sfcs://`
 /// files). Returns the load's bytes and the tables the Python layer builds tensors from.
 #[pyfunction]
-#[pyo3(signature = (path, top_level_key=None, cipher=false, threads=0, cache="auto", mode="auto"))]
+#[pyo3(signature = (path, top_level_key=None, cipher=false, threads=0, cache="auto", mode="auto", storage=None))]
+#[allow(clippy::too_many_arguments)]
 fn load_pt(
     py: Python<'_>,
     path: std::path::PathBuf,
@@ -783,10 +821,12 @@ fn load_pt(
     threads: usize,
     cache: &str,
     mode: &str,
+    storage: Option<&PyObjectStorage>,
 ) -> PyResult<(PyFileBytes, PtTables)> {
     let cancel = Arc::new(AtomicBool::new(false));
     let pt = turboio::pt::PtOptions { top_level_key, ..Default::default() };
     let opts = LoadOptions {
+        storage: storage_arg(storage),
         threads,
         cache: parse_cache(cache)?,
         mode: parse_mode(mode)?,
@@ -805,7 +845,7 @@ fn load_pt(
 /// `pytorch_model.bin.index.json`) to safetensors without executing its pickle (GIL released,
 /// Ctrl-C cancels); see `turboio::convert`. Returns a report dict.
 #[pyfunction]
-#[pyo3(signature = (input, output, top_level_key=None, clone_shared=false, dtype=None, validate=false, overwrite=false, threads=0, cipher=false, cache="auto"))]
+#[pyo3(signature = (input, output, top_level_key=None, clone_shared=false, dtype=None, validate=false, overwrite=false, threads=0, cipher=false, cache="auto", storage=None))]
 #[allow(clippy::too_many_arguments)]
 fn convert<'py>(
     py: Python<'py>,
@@ -819,17 +859,24 @@ fn convert<'py>(
     threads: usize,
     cipher: bool,
     cache: &str,
+    storage: Option<&PyObjectStorage>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let cancel = Arc::new(AtomicBool::new(false));
     let opts = turboio::convert::ConvertOptions {
         load: LoadOptions {
+            storage: storage_arg(storage),
             threads,
             cache: parse_cache(cache)?,
             cancel: Some(cancel.clone()),
             encryption: encryption(cipher, false),
             ..Default::default()
         },
-        save: SaveOptions { threads, cancel: Some(cancel.clone()), ..Default::default() },
+        save: SaveOptions {
+            threads,
+            storage: storage_arg(storage),
+            cancel: Some(cancel.clone()),
+            ..Default::default()
+        },
         top_level_key,
         shared: if clone_shared {
             turboio::convert::SharedTensors::Clone
@@ -867,11 +914,20 @@ fn header_info(h: &Header) -> HeaderInfo {
 /// Reads and validates a file's header only: `(data_start, file_len, metadata, [(name, dtype, shape, begin, end)])`
 /// (offsets of the plain file, when `cipher` decrypts it).
 #[pyfunction]
-#[pyo3(signature = (path, cipher=false))]
-fn read_header(py: Python<'_>, path: std::path::PathBuf, cipher: bool) -> PyResult<HeaderInfo> {
+#[pyo3(signature = (path, cipher=false, storage=None))]
+fn read_header(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    cipher: bool,
+    storage: Option<&PyObjectStorage>,
+) -> PyResult<HeaderInfo> {
     let cancel = Arc::new(AtomicBool::new(false));
-    let opts =
-        LoadOptions { encryption: encryption(cipher, false), cancel: Some(cancel.clone()), ..Default::default() };
+    let opts = LoadOptions {
+        storage: storage_arg(storage),
+        encryption: encryption(cipher, false),
+        cancel: Some(cancel.clone()),
+        ..Default::default()
+    };
     let h = interruptible(py, &cancel, None, || turboio::read_header_of(&path, &opts))?;
     Ok(header_info(&h))
 }
@@ -880,11 +936,20 @@ fn read_header(py: Python<'_>, path: std::path::PathBuf, cipher: bool) -> PyResu
 /// header length followed by `{` after optional whitespace), `"torch"` (a zip archive or a
 /// pickle, as `torch.save` writes), or `"unknown"`.
 #[pyfunction]
-#[pyo3(signature = (path, cipher=false))]
-fn file_kind(py: Python<'_>, path: std::path::PathBuf, cipher: bool) -> PyResult<&'static str> {
+#[pyo3(signature = (path, cipher=false, storage=None))]
+fn file_kind(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    cipher: bool,
+    storage: Option<&PyObjectStorage>,
+) -> PyResult<&'static str> {
     let cancel = Arc::new(AtomicBool::new(false));
-    let opts =
-        LoadOptions { encryption: encryption(cipher, false), cancel: Some(cancel.clone()), ..Default::default() };
+    let opts = LoadOptions {
+        storage: storage_arg(storage),
+        encryption: encryption(cipher, false),
+        cancel: Some(cancel.clone()),
+        ..Default::default()
+    };
     let (prefix, len) = interruptible(py, &cancel, None, || turboio::read_prefix(&path, 4096, &opts))?;
     Ok(if looks_like_safetensors(&prefix, len) {
         "safetensors"
@@ -897,15 +962,17 @@ fn file_kind(py: Python<'_>, path: std::path::PathBuf, cipher: bool) -> PyResult
 
 /// The whole plain file (decrypted with `cipher`), e.g. an encrypted torch pickle.
 #[pyfunction]
-#[pyo3(signature = (path, cipher=false, threads=0))]
+#[pyo3(signature = (path, cipher=false, threads=0, storage=None))]
 fn read_all<'py>(
     py: Python<'py>,
     path: std::path::PathBuf,
     cipher: bool,
     threads: usize,
+    storage: Option<&PyObjectStorage>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let cancel = Arc::new(AtomicBool::new(false));
     let opts = LoadOptions {
+        storage: storage_arg(storage),
         threads,
         encryption: encryption(cipher, false),
         cancel: Some(cancel.clone()),
@@ -928,7 +995,7 @@ fn parse_bytes(data: &[u8]) -> PyResult<HeaderInfo> {
 /// Private to the Python package, which passes only `data_ptr()`s of contiguous CPU tensors
 /// (or shared-memory buffers) it has checked and keeps referenced for the call.
 #[pyfunction]
-#[pyo3(signature = (path, requests, threads=0, cache="auto", cipher=false))]
+#[pyo3(signature = (path, requests, threads=0, cache="auto", cipher=false, storage=None))]
 fn _read_into(
     py: Python<'_>,
     path: std::path::PathBuf,
@@ -936,10 +1003,12 @@ fn _read_into(
     threads: usize,
     cache: &str,
     cipher: bool,
+    storage: Option<&PyObjectStorage>,
 ) -> PyResult<u64> {
     let cancel = Arc::new(AtomicBool::new(false));
     let read = Arc::new(AtomicU64::new(0));
     let opts = LoadOptions {
+        storage: storage_arg(storage),
         threads,
         cache: parse_cache(cache)?,
         encryption: encryption(cipher, false),
@@ -1092,7 +1161,8 @@ fn specs_of(tensors: &[RawTensor]) -> PyResult<Vec<TensorSpec<'_>>> {
 /// Private to the Python package, which passes only `data_ptr()`s of contiguous CPU tensors it
 /// keeps referenced for the call.
 #[pyfunction]
-#[pyo3(signature = (path, tensors, metadata=None, threads=0, cipher=false, cipher_header=false))]
+#[pyo3(signature = (path, tensors, metadata=None, threads=0, cipher=false, cipher_header=false, storage=None))]
+#[allow(clippy::too_many_arguments)]
 fn _save(
     py: Python<'_>,
     path: std::path::PathBuf,
@@ -1101,11 +1171,13 @@ fn _save(
     threads: usize,
     cipher: bool,
     cipher_header: bool,
+    storage: Option<&PyObjectStorage>,
 ) -> PyResult<()> {
     let specs = specs_of(&tensors)?;
     let data = RawData(tensors.iter().map(|t| (t.3, t.4)).collect());
     let cancel = Arc::new(AtomicBool::new(false));
     let opts = SaveOptions {
+        storage: storage_arg(storage),
         threads,
         cancel: Some(cancel.clone()),
         encryption: encryption(cipher, cipher_header),
@@ -1164,7 +1236,8 @@ impl PySaveHandle {
 ///
 /// Private to the Python package, like `_save`.
 #[pyfunction]
-#[pyo3(signature = (path, tensors, metadata=None, threads=0, cipher=false, cipher_header=false))]
+#[pyo3(signature = (path, tensors, metadata=None, threads=0, cipher=false, cipher_header=false, storage=None))]
+#[allow(clippy::too_many_arguments)]
 fn _save_async(
     py: Python<'_>,
     path: std::path::PathBuf,
@@ -1173,9 +1246,15 @@ fn _save_async(
     threads: usize,
     cipher: bool,
     cipher_header: bool,
+    storage: Option<&PyObjectStorage>,
 ) -> PyResult<PySaveHandle> {
     let dtypes = tensors.iter().map(|t| dtype_of(&t.1)).collect::<PyResult<Vec<_>>>()?;
-    let opts = SaveOptions { threads, encryption: encryption(cipher, cipher_header), ..Default::default() };
+    let opts = SaveOptions {
+        storage: storage_arg(storage),
+        threads,
+        encryption: encryption(cipher, cipher_header),
+        ..Default::default()
+    };
     let handle = py.detach(|| {
         // SAFETY: see `_save`'s doc: each address holds `t.4` readable bytes for the call, and
         // `save_async` copies them before it returns.
@@ -1243,16 +1322,18 @@ fn _save_device(
 
 /// Writes `data` to `path` atomically, encrypted with `cipher` (e.g. a `torch.save` pickle).
 #[pyfunction]
-#[pyo3(signature = (path, data, cipher=false, cipher_header=false))]
+#[pyo3(signature = (path, data, cipher=false, cipher_header=false, storage=None))]
 fn write_file(
     py: Python<'_>,
     path: std::path::PathBuf,
     data: &[u8],
     cipher: bool,
     cipher_header: bool,
+    storage: Option<&PyObjectStorage>,
 ) -> PyResult<()> {
     let cancel = Arc::new(AtomicBool::new(false));
     let opts = SaveOptions {
+        storage: storage_arg(storage),
         encryption: encryption(cipher, cipher_header),
         cancel: Some(cancel.clone()),
         ..Default::default()
@@ -1290,6 +1371,7 @@ fn looks_like_safetensors(prefix: &[u8], file_len: u64) -> bool {
 /// The extension module.
 #[pymodule]
 fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyObjectStorage>()?;
     m.add_class::<PyLoaded>()?;
     m.add_class::<PyTensor>()?;
     m.add_class::<PyArenaPool>()?;

@@ -32,11 +32,11 @@ def block(t, dim, rank, world):
     return t.narrow(dim, start, max(0, min(step, size - start)))
 
 
-def worker(rank, world, d):
+def worker(rank, world, d, prefix=None):
     from turboio.fastsafetensors import SafeTensorsFileLoader
 
     dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=rank, world_size=world)
-    files = [f"{d}/{i}.safetensors" for i in range(3)]
+    files = [f"{prefix or d}/{i}.safetensors" for i in range(3)]
     ref = {k: v for part in reference() for k, v in part.items()}
     out = {}
     for mode in ("collectives", "direct"):
@@ -99,3 +99,32 @@ def test_shard_mode_is_checked():
 
     with pytest.raises(ValueError, match="shard_mode"):
         SafeTensorsFileLoader(None, shard_mode="gossip")
+
+
+def test_sharding_from_object_storage(tmp, monkeypatch):
+    """The same on files in an S3 bucket (moto's server on 127.0.0.1), every rank configured
+    from the environment: direct mode fetches only this rank's byte ranges."""
+    pytest.importorskip("moto")
+    from test_object import ACCESS_KEY, SECRET_KEY, Server
+
+    server = Server()
+    try:
+        server.client.create_bucket(Bucket="dist-objects")
+        d = tmp / "dist-s3"
+        d.mkdir()
+        for i, part in enumerate(reference()):
+            server.client.put_object(Bucket="dist-objects", Key=f"m/{i}.safetensors", Body=st.save(part))
+        for k, v in {
+            "AWS_ENDPOINT_URL": server.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_REGION": "us-east-1",
+        }.items():
+            monkeypatch.setenv(k, v)
+        mp.spawn(worker, args=(2, str(d), "s3://dist-objects/m"), nprocs=2, join=True)
+        for r in range(2):
+            res = json.loads((d / f"rank{r}.json").read_text())
+            direct = res["direct"]["bytes_read_sharding"]
+            assert 0 < direct <= res["direct"]["bound"], (r, res)
+    finally:
+        server.stop()

@@ -17,11 +17,16 @@ pub struct Capabilities {
     /// The scratch directory is a local directory that `std::fs` can list (to check that no
     /// temporary file is left behind after a failed write).
     pub local_dir: bool,
+    /// Directories exist: writing into a missing one fails with "not found". Object stores
+    /// have key prefixes instead, which need no creating.
+    pub directories: bool,
+    /// [`Storage::list`] and [`Storage::remove_file`] are implemented.
+    pub lists: bool,
 }
 
 impl Default for Capabilities {
     fn default() -> Self {
-        Capabilities { local_dir: true }
+        Capabilities { local_dir: true, directories: true, lists: true }
     }
 }
 
@@ -49,6 +54,9 @@ pub fn run_all(storage: &dyn Storage, dir: &Path, caps: Capabilities, opts: &IoO
     hook_sees_every_byte(storage, dir, opts);
     overwrite_replaces(storage, dir, opts);
     failed_write_keeps_old_file(storage, dir, caps, opts);
+    if caps.lists {
+        list_and_remove(storage, dir, caps, opts);
+    }
 }
 
 fn write(storage: &dyn Storage, path: &Path, data: &[u8], opts: &IoOptions<'_>) {
@@ -281,8 +289,30 @@ pub fn failed_write_keeps_old_file(storage: &dyn Storage, dir: &Path, caps: Capa
             assert_eq!(listing(&sub), before, "{}: a temporary file was left behind", storage.name());
         }
     }
-    let err = storage
-        .write_file(&scratch(dir, "missing-dir/x.bin"), &BytesSource(b"abc"), opts)
-        .expect_err("the directory does not exist");
-    assert!(err.is_not_found(), "{err:?}");
+    if caps.directories {
+        let err = storage
+            .write_file(&scratch(dir, "missing-dir/x.bin"), &BytesSource(b"abc"), opts)
+            .expect_err("the directory does not exist");
+        assert!(err.is_not_found(), "{err:?}");
+    }
+}
+
+/// [`Storage::list`] gives the files directly in a directory (not those of its subdirectories),
+/// as full paths, sorted; [`Storage::remove_file`] removes one, and removing a missing file is
+/// not an error.
+pub fn list_and_remove(storage: &dyn Storage, dir: &Path, caps: Capabilities, opts: &IoOptions<'_>) {
+    let sub = scratch(dir, "listing");
+    if caps.local_dir {
+        std::fs::create_dir_all(sub.join("nested")).unwrap();
+    }
+    for name in ["b.bin", "a.safetensors", "nested/c.bin"] {
+        write(storage, &sub.join(name), name.as_bytes(), opts);
+    }
+    let listed = storage.list(&sub).unwrap_or_else(|e| panic!("{}: list failed: {e}", storage.name()));
+    assert_eq!(listed, vec![sub.join("a.safetensors"), sub.join("b.bin")], "{}: listing", storage.name());
+    storage.remove_file(&sub.join("b.bin")).unwrap();
+    assert!(storage.open(&sub.join("b.bin")).expect_err("removed").is_not_found());
+    storage.remove_file(&sub.join("b.bin")).expect("removing a missing file is not an error");
+    assert_eq!(storage.list(&sub).unwrap(), vec![sub.join("a.safetensors")]);
+    assert_eq!(read_all(storage, &sub.join("nested/c.bin"), opts), b"nested/c.bin");
 }

@@ -300,4 +300,20 @@ pub trait Storage: Send + Sync + Debug {
     ) -> Result<()> {
         Err(StorageError::Unsupported { backend: self.name(), what: "writing from device memory".into() })
     }
+
+    /// The files directly in the directory `dir` (for object stores: the objects under the key
+    /// prefix `dir/`), as full paths, sorted. Used for model directories. Backends that cannot
+    /// list answer [`StorageError::Unsupported`].
+    fn list(&self, dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+        let _ = dir;
+        Err(StorageError::Unsupported { backend: self.name(), what: "listing a directory".into() })
+    }
+
+    /// Removes the file at `path`; a file that does not exist is not an error. Used to remove
+    /// a model directory's replaced shards. Backends that cannot answer
+    /// [`StorageError::Unsupported`].
+    fn remove_file(&self, path: &Path) -> Result<()> {
+        let _ = path;
+        Err(StorageError::Unsupported { backend: self.name(), what: "removing a file".into() })
+    }
 }

@@ -219,14 +219,43 @@ struct Scheme {
 
 /// Every scheme turboio knows, compiled in or not (so that a missing feature is a clear error,
 /// not a local file named `sfcs:`).
-const SCHEMES: &[Scheme] = &[Scheme {
-    prefix: "sfcs://",
-    feature: "sfcs",
-    #[cfg(feature = "sfcs")]
-    storage: Some(sfcs_storage),
-    #[cfg(not(feature = "sfcs"))]
-    storage: None,
-}];
+const SCHEMES: &[Scheme] = &[
+    Scheme {
+        prefix: "sfcs://",
+        feature: "sfcs",
+        #[cfg(feature = "sfcs")]
+        storage: Some(sfcs_storage),
+        #[cfg(not(feature = "sfcs"))]
+        storage: None,
+    },
+    object_scheme("s3://"),
+    object_scheme("gs://"),
+    object_scheme("az://"),
+    object_scheme("abfs://"),
+    object_scheme("abfss://"),
+    object_scheme("http://"),
+    object_scheme("https://"),
+];
+
+/// A URL scheme of the object-storage backend (`object` feature).
+const fn object_scheme(prefix: &'static str) -> Scheme {
+    Scheme {
+        prefix,
+        feature: "object",
+        #[cfg(feature = "object")]
+        storage: Some(object_storage),
+        #[cfg(not(feature = "object"))]
+        storage: None,
+    }
+}
+
+/// The process-wide object-storage backend (configured from the environment; stores built on
+/// first use of each bucket).
+#[cfg(feature = "object")]
+fn object_storage() -> Arc<dyn Storage> {
+    static OBJECT: std::sync::OnceLock<Arc<dyn Storage>> = std::sync::OnceLock::new();
+    OBJECT.get_or_init(|| Arc::new(turboio_io_object::ObjectStorage::global())).clone()
+}
 
 /// The process-wide SFCS backend (configured from the environment at each operation; the
 /// library is loaded on first use).
@@ -237,7 +266,7 @@ fn sfcs_storage() -> Arc<dyn Storage> {
 }
 
 /// The backend of `path`'s scheme, `None` for a local path.
-fn scheme_storage(path: &Path) -> Result<Option<Arc<dyn Storage>>> {
+pub(crate) fn scheme_storage(path: &Path) -> Result<Option<Arc<dyn Storage>>> {
     let Some(text) = path.to_str() else { return Ok(None) };
     match SCHEMES.iter().find(|s| text.starts_with(s.prefix)) {
         None => Ok(None),
@@ -248,6 +277,96 @@ fn scheme_storage(path: &Path) -> Result<Option<Arc<dyn Storage>>> {
         }),
     }
 }
+
+/// For a path with a scheme of its own (`s3://...`, `sfcs://...`): the backend to reach it
+/// through (the one given, else the scheme's); `None` for a local path.
+pub(crate) fn remote_storage(storage: Option<&Arc<dyn Storage>>, path: &Path) -> Result<Option<Arc<dyn Storage>>> {
+    Ok(scheme_storage(path)?.map(|s| storage.cloned().unwrap_or(s)))
+}
+
+/// Where a model's files are: the local file system (read and listed with `std::fs`, as
+/// directories, symbolic links and the writer's temporaries need), or a backend of its own
+/// (an object store's key prefix, SFCS), reached through the `Storage` contract.
+pub(crate) enum Place {
+    Local,
+    Remote(Arc<dyn Storage>),
+}
+
+impl Place {
+    pub(crate) fn of(storage: Option<&Arc<dyn Storage>>, path: &Path) -> Result<Place> {
+        Ok(match remote_storage(storage, path)? {
+            Some(s) => Place::Remote(s),
+            None => Place::Local,
+        })
+    }
+
+    /// A small file's bytes (an index), `None` if it does not exist.
+    pub(crate) fn read(&self, path: &Path) -> Result<Option<Vec<u8>>> {
+        match self {
+            Place::Local => match std::fs::read(path) {
+                Ok(b) => Ok(Some(b)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(e) => {
+                    Err(Error::Unsupported { path: path.to_owned(), message: format!("cannot read the file: {e}") })
+                }
+            },
+            Place::Remote(s) => {
+                let f = match s.open(path) {
+                    Ok(f) => f,
+                    Err(e) if e.is_not_found() => return Ok(None),
+                    Err(e) => return Err(Error::storage(path, e)),
+                };
+                let len = usize::try_from(f.len()).unwrap_or(usize::MAX);
+                if len > MAX_INDEX_BYTES {
+                    return Err(Error::Unsupported {
+                        path: path.to_owned(),
+                        message: format!("{len} bytes, more than an index file can be"),
+                    });
+                }
+                let mut buf = vec![0u8; len];
+                f.read_exact_at(0, &mut buf).map_err(|e| Error::storage(path, e))?;
+                Ok(Some(buf))
+            }
+        }
+    }
+
+    /// The files directly in `dir`.
+    pub(crate) fn list(&self, dir: &Path) -> Result<Vec<PathBuf>> {
+        match self {
+            Place::Local => Ok(std::fs::read_dir(dir)
+                .map_err(|e| Error::Unsupported {
+                    path: dir.to_owned(),
+                    message: format!("cannot list the directory: {e}"),
+                })?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .collect()),
+            Place::Remote(s) => s.list(dir).map_err(|e| Error::storage(dir, e)),
+        }
+    }
+
+    /// True if a file exists at `path`.
+    pub(crate) fn exists(&self, path: &Path) -> Result<bool> {
+        match self {
+            Place::Local => Ok(path.exists()),
+            Place::Remote(s) => match s.open(path) {
+                Ok(_) => Ok(true),
+                Err(e) if e.is_not_found() => Ok(false),
+                Err(e) => Err(Error::storage(path, e)),
+            },
+        }
+    }
+
+    /// Removes a file; true if it is gone.
+    pub(crate) fn remove(&self, path: &Path) -> bool {
+        match self {
+            Place::Local => std::fs::remove_file(path).is_ok(),
+            Place::Remote(s) => s.remove_file(path).is_ok(),
+        }
+    }
+}
+
+/// The largest index JSON read from a remote store (an index of a million tensors is ~100 MB).
+const MAX_INDEX_BYTES: usize = 256 << 20;
 
 /// The storage backend that serves `path` when no backend is given explicitly, and the path
 /// to hand it: the scheme's backend (`sfcs://...` with the `sfcs` feature) or the local file

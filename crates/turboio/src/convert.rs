@@ -35,7 +35,7 @@
 //! compares its header (names, dtypes, shapes, aliases) and every byte of every tensor with the
 //! input read again, chunk by chunk.
 
-use crate::backend::Opened;
+use crate::backend::{Opened, Place};
 use crate::load::open;
 use crate::{Error, LoadOptions, Result, SaveOptions};
 use std::collections::{BTreeMap, HashMap};
@@ -106,7 +106,10 @@ pub fn convert(input: impl AsRef<Path>, output: impl AsRef<Path>, opts: &Convert
     if let Some(d) = opts.dtype {
         crate::cast::check_target(input, d)?;
     }
-    let is_dir_input = input.is_dir() || input.extension().is_some_and(|e| e == "json");
+    let is_dir_input = input.is_dir()
+        || input.extension().is_some_and(|e| e == "json")
+        || (crate::backend::scheme_storage(input)?.is_some()
+            && !input.extension().is_some_and(|e| e == "bin" || e == "pt" || e == "pth"));
     let mut report = if is_dir_input { convert_dir(input, output, opts)? } else { convert_file(input, output, opts)? };
     report.elapsed = started.elapsed();
     Ok(report)
@@ -325,7 +328,8 @@ fn validate(
     opts: &ConvertOptions,
 ) -> Result<()> {
     let fail = |msg: String| convert_error(output, format!("--validate-result: {msg}"));
-    let read_opts = LoadOptions { threads: opts.load.threads, ..Default::default() };
+    let read_opts =
+        LoadOptions { threads: opts.load.threads, storage: opts.save.storage.clone(), ..Default::default() };
     #[cfg(feature = "cipher")]
     let read_opts = LoadOptions { encryption: opts.save.encryption.clone(), ..read_opts };
     let written = open(output, &read_opts)?;
@@ -368,7 +372,7 @@ fn convert_file(input: &Path, output: &Path, opts: &ConvertOptions) -> Result<Co
     if output.is_dir() {
         return Err(convert_error(output, "is a directory; a .pt file converts to a .safetensors file"));
     }
-    if output.exists() && !opts.overwrite {
+    if Place::of(opts.save.storage.as_ref(), output)?.exists(output)? && !opts.overwrite {
         return Err(convert_error(output, "exists; pass --overwrite (ConvertOptions::overwrite) to replace it"));
     }
     let mut report = ConvertReport::default();
@@ -378,15 +382,23 @@ fn convert_file(input: &Path, output: &Path, opts: &ConvertOptions) -> Result<Co
 
 /// The `.pt` shards of a directory or an index JSON: the index's `weight_map` values in order
 /// of first appearance, or every `*.bin` / `*.pt` file in name order.
-fn pt_shards(input: &Path) -> Result<Vec<PathBuf>> {
-    let index = if input.is_dir() {
-        ["pytorch_model.bin.index.json", "model.bin.index.json"].iter().map(|n| input.join(n)).find(|p| p.exists())
-    } else {
+fn pt_shards(input: &Path, place: &Place) -> Result<Vec<PathBuf>> {
+    let index = if input.extension().is_some_and(|e| e == "json") {
         Some(input.to_owned())
+    } else {
+        let mut found = None;
+        for n in ["pytorch_model.bin.index.json", "model.bin.index.json"] {
+            if place.exists(&input.join(n))? {
+                found = Some(input.join(n));
+                break;
+            }
+        }
+        found
     };
     if let Some(index) = index {
         let dir = index.parent().unwrap_or(Path::new("."));
-        let text = std::fs::read(&index).map_err(|e| convert_error(&index, format!("cannot read the index: {e}")))?;
+        let text =
+            place.read(&index)?.ok_or_else(|| convert_error(&index, "cannot read the index: it does not exist"))?;
         let json: serde_json::Value =
             serde_json::from_slice(&text).map_err(|e| convert_error(&index, format!("the index is not JSON: {e}")))?;
         let map = json
@@ -403,7 +415,7 @@ fn pt_shards(input: &Path) -> Result<Vec<PathBuf>> {
                 })?;
             let p = dir.join(name);
             if !shards.contains(&p) {
-                if !p.exists() {
+                if !place.exists(&p)? {
                     return Err(convert_error(&index, format!("names shard {name}, which does not exist")));
                 }
                 shards.push(p);
@@ -411,10 +423,11 @@ fn pt_shards(input: &Path) -> Result<Vec<PathBuf>> {
         }
         return Ok(shards);
     }
-    let mut shards: Vec<PathBuf> = std::fs::read_dir(input)
-        .map_err(|e| convert_error(input, format!("cannot list the directory: {e}")))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "bin" || x == "pt" || x == "pth"))
+    let local = matches!(place, Place::Local);
+    let mut shards: Vec<PathBuf> = place
+        .list(input)?
+        .into_iter()
+        .filter(|p| (!local || p.is_file()) && p.extension().is_some_and(|x| x == "bin" || x == "pt" || x == "pth"))
         .collect();
     shards.sort();
     if shards.is_empty() {
@@ -424,11 +437,14 @@ fn pt_shards(input: &Path) -> Result<Vec<PathBuf>> {
 }
 
 fn convert_dir(input: &Path, output: &Path, opts: &ConvertOptions) -> Result<ConvertReport> {
-    let shards = pt_shards(input)?;
+    let shards = pt_shards(input, &Place::of(opts.load.storage.as_ref(), input)?)?;
     if output.is_file() {
         return Err(convert_error(output, "is a file; a directory of shards converts to a model directory"));
     }
-    let occupied = output.read_dir().map(|mut d| d.next().is_some()).unwrap_or(false);
+    let occupied = match Place::of(opts.save.storage.as_ref(), output)? {
+        Place::Local => output.read_dir().map(|mut d| d.next().is_some()).unwrap_or(false),
+        remote => !remote.list(output)?.is_empty(),
+    };
     if occupied && !opts.overwrite {
         return Err(convert_error(
             output,
@@ -463,13 +479,13 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let index = d.path().join("pytorch_model.bin.index.json");
         std::fs::write(&index, r#"{"weight_map": {"a": "../escape.bin"}}"#).unwrap();
-        let e = pt_shards(d.path()).unwrap_err().to_string();
+        let e = pt_shards(d.path(), &Place::Local).unwrap_err().to_string();
         assert!(e.contains("plain file name") && e.contains("pytorch_model.bin.index.json"), "{e}");
         std::fs::write(&index, r#"{"weight_map": {"a": "missing.bin"}}"#).unwrap();
-        let e = pt_shards(d.path()).unwrap_err().to_string();
+        let e = pt_shards(d.path(), &Place::Local).unwrap_err().to_string();
         assert!(e.contains("missing.bin") && e.contains("does not exist"), "{e}");
         std::fs::remove_file(&index).unwrap();
-        let e = pt_shards(d.path()).unwrap_err().to_string();
+        let e = pt_shards(d.path(), &Place::Local).unwrap_err().to_string();
         assert!(e.contains("no .bin"), "{e}");
     }
 }

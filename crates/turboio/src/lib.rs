@@ -61,13 +61,18 @@
 //! | `cipher` | veTurboIO's encrypted files (AES-CTR, KMS) |
 //! | `cuda` | NVIDIA GPUs as load targets (`device::cuda`; libcuda and NVRTC loaded at run time) |
 //! | `gds` | GPUDirect Storage (`gds::GdsStorage`; libcufile loaded at run time); implies `cuda` |
-//! | `cli` (default) | the `turboio` binary (with `posix`, `cipher`, `cuda`, `gds`) |
+//! | `cli` (default) | the `turboio` binary (with `posix`, `cipher`, `cuda`, `gds`, `object`) |
 //! | `sfcs` | `sfcs://` paths: veMLP's SFCS cache through libcloudfs, loaded at run time (`turboio_io_sfcs`) |
+//! | `object` | `s3://`, `gs://`, `az://`, `abfs[s]://`, `http(s)://` URLs through object_store ([`object`]) |
 //! | `testing` | re-exports the opaque test device |
 //!
 //! Paths pick their backend through a small scheme registry ([`storage_for`]): `sfcs://...`
-//! goes to the SFCS backend (feature `sfcs`; without it, such a path is an error naming the
-//! feature), everything else to the local file system. [`LoadOptions::storage`] and
+//! goes to the SFCS backend (feature `sfcs`), `s3://`, `gs://`, `az://`, `abfs[s]://` and
+//! `http(s)://` URLs to the object-storage backend (feature `object`; configured from the
+//! environment, or give an [`object::ObjectStorage`] with explicit options as the storage);
+//! without the feature such a path is an error naming it. Everything else goes to the local
+//! file system. Model directories work on every backend that can list (an object store's
+//! "directory" is a key prefix). [`LoadOptions::storage`] and
 //! [`SaveOptions::storage`] override the choice (e.g. `gds::GdsStorage` for GPU loads).
 //! Nothing CUDA is needed to build any feature. A device or backend left out of the build
 //! answers with a clear "not compiled in" error; one compiled in but missing at run time (no
@@ -107,6 +112,11 @@ pub use turboio_device as device;
 pub use turboio_format as format;
 pub use turboio_format::{Dtype, Header, TensorInfo, TensorSpec};
 pub use turboio_storage as storage;
+
+/// The object-storage backend (`s3://`, `gs://`, `az://`, `http(s)://`), to give explicit
+/// options: `LoadOptions { storage: Some(Arc::new(object::ObjectStorage::new(options))), .. }`.
+#[cfg(feature = "object")]
+pub use turboio_io_object as object;
 
 #[cfg(feature = "posix")]
 pub use turboio_io_posix as posix;

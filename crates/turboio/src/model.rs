@@ -44,12 +44,14 @@
 //! removes. The index is always written, even for a single shard, so that this holds for
 //! every save.
 
+use crate::backend::Place;
 use crate::load::{cpu_device, load_device, plan, Planned};
 use crate::{Error, LoadOptions, LoadReport, LoadedFile, Result, SaveOptions, SaveTensor, TensorView};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use turboio_storage::IoOptions;
+use turboio_storage::{IoOptions, Storage};
 
 /// The index file's name in a model directory.
 pub const INDEX_NAME: &str = "model.safetensors.index.json";
@@ -74,15 +76,52 @@ pub struct ModelFiles {
 
 impl ModelFiles {
     /// Finds the files of the model at `path` (a file, a directory, or an index JSON) and
-    /// parses the index, without reading any shard.
+    /// parses the index, without reading any shard. URLs of a remote backend (`s3://bucket/model`)
+    /// work too: a "directory" is a key prefix.
     pub fn resolve(path: impl AsRef<Path>) -> Result<ModelFiles> {
+        Self::resolve_in(path, None)
+    }
+
+    /// [`resolve`](Self::resolve) through `storage` (the one a load or save is given, else the
+    /// one of the path's scheme, else the local file system).
+    pub fn resolve_in(path: impl AsRef<Path>, storage: Option<&Arc<dyn Storage>>) -> Result<ModelFiles> {
         let path = path.as_ref();
+        let place = Place::of(storage, path)?;
+        let Place::Remote(remote) = &place else { return Self::resolve_local(path) };
+        let text = path.to_string_lossy();
+        if text.ends_with(".json") {
+            return Self::from_index(path, &place);
+        }
+        if [".safetensors", ".pt", ".pth", ".bin"].iter().any(|x| text.ends_with(x)) {
+            return Ok(ModelFiles::single(path));
+        }
+        let index = path.join(INDEX_NAME);
+        if place.read(&index)?.is_some() {
+            return Self::from_index(&index, &place);
+        }
+        let shards: Vec<PathBuf> = remote
+            .list(path)
+            .map_err(|e| model_error(path, format!("cannot list the model's objects: {e}")))?
+            .into_iter()
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        if shards.is_empty() {
+            return Err(model_error(path, format!("no {INDEX_NAME} and no *.safetensors object under this prefix")));
+        }
+        Ok(ModelFiles { index: None, shards, weight_map: None, metadata: BTreeMap::new() })
+    }
+
+    fn single(path: &Path) -> ModelFiles {
+        ModelFiles { index: None, shards: vec![path.to_owned()], weight_map: None, metadata: BTreeMap::new() }
+    }
+
+    fn resolve_local(path: &Path) -> Result<ModelFiles> {
         let meta =
             std::fs::metadata(path).map_err(|e| model_error(path, format!("cannot read the model path: {e}")))?;
         if meta.is_dir() {
             let index = path.join(INDEX_NAME);
             if index.is_file() {
-                return Self::from_index(&index);
+                return Self::from_index(&index, &Place::Local);
             }
             let mut shards: Vec<PathBuf> = std::fs::read_dir(path)
                 .map_err(|e| model_error(path, format!("cannot list the directory: {e}")))?
@@ -96,13 +135,13 @@ impl ModelFiles {
             return Ok(ModelFiles { index: None, shards, weight_map: None, metadata: BTreeMap::new() });
         }
         if path.to_string_lossy().ends_with(".json") {
-            return Self::from_index(path);
+            return Self::from_index(path, &Place::Local);
         }
-        Ok(ModelFiles { index: None, shards: vec![path.to_owned()], weight_map: None, metadata: BTreeMap::new() })
+        Ok(ModelFiles::single(path))
     }
 
-    fn from_index(index: &Path) -> Result<ModelFiles> {
-        let text = std::fs::read(index).map_err(|e| model_error(index, format!("cannot read the index: {e}")))?;
+    fn from_index(index: &Path, place: &Place) -> Result<ModelFiles> {
+        let text = place.read(index)?.ok_or_else(|| model_error(index, "cannot read the index: it does not exist"))?;
         let json: serde_json::Value = serde_json::from_slice(&text)
             .map_err(|e| model_error(index, format!("the index is not valid JSON: {e}")))?;
         let map = json
@@ -143,7 +182,8 @@ impl ModelFiles {
         if shards.is_empty() {
             return Err(model_error(index, "the index's weight_map is empty"));
         }
-        for s in &shards {
+        // (Remote shards are not looked up here: opening one that is missing fails naming it.)
+        for s in shards.iter().filter(|_| matches!(place, Place::Local)) {
             if !s.is_file() {
                 return Err(model_error(
                     index,
@@ -312,7 +352,7 @@ impl LoadedModel {
 /// [module docs](self).
 pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedModel> {
     let started = Instant::now();
-    let files = ModelFiles::resolve(path)?;
+    let files = ModelFiles::resolve_in(path, opts.storage.as_ref())?;
     let cpu = cpu_device(opts);
     // Converting loads read each shard into host memory and convert it there (see `cast`).
     let host;
@@ -542,16 +582,19 @@ pub(crate) fn save_shard_set(
     opts: &SaveOptions,
     write: &mut ShardWriter<'_>,
 ) -> Result<ModelSaveReport> {
-    std::fs::create_dir_all(dir).map_err(|e| model_error(dir, format!("cannot create the model directory: {e}")))?;
+    let place = Place::of(opts.storage.as_ref(), dir)?;
+    if let Place::Local = place {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| model_error(dir, format!("cannot create the model directory: {e}")))?;
+    }
     let index = dir.join(INDEX_NAME);
-    // Names the current index uses: the new set must not overwrite any of them.
-    let old: Vec<PathBuf> = match ModelFiles::from_index(&index) {
+    let index_exists = place.read(&index)?.is_some();
+    // Names the current index uses: the new set must not overwrite any of them. (An unreadable
+    // old index: its shards are unknown, so every new name gets a tag.)
+    let old: Vec<PathBuf> = match ModelFiles::from_index(&index, &place) {
         Ok(f) => f.shards,
-        Err(_) if !index.exists() => Vec::new(),
-        // An unreadable old index: its shards are unknown, so every new name gets a tag.
         Err(_) => Vec::new(),
     };
-    let index_exists = index.exists();
     let plain: Vec<String> = (1..=m).map(|i| format!("model-{i:05}-of-{m:05}.safetensors")).collect();
     let taken = |n: &str| old.iter().any(|p| p.file_name().is_some_and(|f| f == n));
     let names: Vec<String> = if plain.iter().any(|n| taken(n)) || (index_exists && old.is_empty()) {
@@ -597,16 +640,13 @@ pub(crate) fn save_shard_set(
     // 3. The old set and shards of killed saves, now unreferenced.
     let mut removed = Vec::new();
     let keep: std::collections::HashSet<&str> = names.iter().map(String::as_str).collect();
-    let stale = std::fs::read_dir(dir)
-        .map_err(|e| model_error(dir, format!("cannot list the model directory: {e}")))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| (!keep.contains(n) && is_shard_name(n)) || is_dead_writers_temp(n))
-        });
+    let stale = place.list(dir)?.into_iter().filter(|p| {
+        p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| (!keep.contains(n) && is_shard_name(n)) || is_dead_writers_temp(n))
+    });
     for p in old.into_iter().filter(|p| !shards.contains(p)).chain(stale) {
-        if !removed.contains(&p) && std::fs::remove_file(&p).is_ok() {
+        if !removed.contains(&p) && place.remove(&p) {
             removed.push(p);
         }
     }

@@ -142,6 +142,6 @@ mod tests {
     #[test]
     fn available_memory_is_read_from_meminfo() {
         let bytes = super::available_memory().expect("/proc/meminfo has MemAvailable on Linux >= 3.14");
-        assert!(bytes > 0 && bytes % 1024 == 0, "{bytes}");
+        assert!(bytes > 0 && bytes.is_multiple_of(1024), "{bytes}");
     }
 }

@@ -401,7 +401,7 @@ pub mod strategies {
             .prop_map(|(name, dtype, mut shape)| {
                 // Sub-byte types need a count that fills whole bytes.
                 let count: usize = shape.iter().product();
-                if count * dtype.bits() % 8 != 0 {
+                if !(count * dtype.bits()).is_multiple_of(8) {
                     shape.push(if dtype == Dtype::F4 { 2 } else { 4 });
                 }
                 (name, dtype, shape)

@@ -25,7 +25,7 @@ if _importlib_util.find_spec("torch") is None:
         "(or install turboio with its extra, `pip install 'turboio[torch]'`)"
     )
 
-from . import _cuda, _turboio
+from . import _cuda, _remote, _turboio
 from ._turboio import __version__
 
 # Background saves (`save_file(..., blocking=False)`) finish before the interpreter exits.
@@ -105,6 +105,8 @@ def _local_path(file):
         path = _os.fsdecode(path)
     if len(path) > 7 and path.startswith("sfcs://"):
         return path
+    if _remote.is_object_url(path):
+        return path
     if len(path) > 9 and path.startswith("/dev/shm/"):
         return path
     if _os.environ.get("VETURBOIO_USE_SFCS_SDK", "0") == "1":
@@ -112,8 +114,9 @@ def _local_path(file):
     return path
 
 
-def _is_sfcs(path):
-    return path.startswith("sfcs://")
+def _is_remote(path):
+    """sfcs:// and object-store URLs: read through their backends, never with `open()`."""
+    return _remote.is_remote(path)
 
 
 def _cache_policy(use_direct_io, cache):
@@ -125,14 +128,14 @@ def _cache_policy(use_direct_io, cache):
     return cache
 
 
-def _is_safetensors(path, use_cipher=False):
+def _is_safetensors(path, use_cipher=False, storage=None):
     """True if the file's content (decrypted with `use_cipher`) is a safetensors file, which
     tells it from a torch pickle whatever its name."""
-    return _turboio.file_kind(_os.fspath(path), cipher=bool(use_cipher)) == "safetensors"
+    return _turboio.file_kind(_os.fspath(path), cipher=bool(use_cipher), storage=storage) == "safetensors"
 
 
-def _kind(path, cipher):
-    kind = _turboio.file_kind(path, cipher=cipher)
+def _kind(path, cipher, storage=None):
+    kind = _turboio.file_kind(path, cipher=cipher, storage=storage)
     if kind == "unknown":
         if cipher:
             raise ValueError(
@@ -158,6 +161,7 @@ def load(
     top_level_key=None,
     unsafe_pickle_fallback=False,
     dtype=None,
+    storage_options=None,
 ):
     """Loads a safetensors or torch `.pt` file (detected by content) into a dict of tensors.
 
@@ -201,6 +205,13 @@ def load(
     as torch's `.to()` would; other tensors (integers, bool) are returned as stored. For
     safetensors files the conversion is done by the reader (one pass, into one new buffer); for
     `.pt` files it is a `.to()` after the load.
+
+    `file` may be an object-store URL (`s3://bucket/key`, `gs://`, `az://`, `https://`): the
+    header comes with one ranged GET and the data with parallel ranged GETs straight into the
+    load's memory, pinned to the object's version. Credentials and endpoints come from the
+    environment (`AWS_*`, `GOOGLE_*`, `AZURE_*`) or from `storage_options` (a turboio extension:
+    `{"endpoint": ..., "region": ..., "access_key_id": ..., "secret_access_key": ...,
+    "concurrency": 16, "part_size": "8MiB", "max_bandwidth": "500MB"}`).
     """
     import torch
 
@@ -217,11 +228,12 @@ def load(
     device = _cuda.target(map_location)
     cache = _cache_policy(use_direct_io, cache)
     n = _threads(num_thread)
-    if not _is_sfcs(path) and not _os.path.exists(path):
+    storage = _remote.storage(path, storage_options)
+    if not _is_remote(path) and not _os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
-    if _kind(path, cipher) == "torch":
+    if _kind(path, cipher, storage) == "torch":
         try:
-            sd = _pt_tensors(path, cipher=cipher, top_level_key=top_level_key, threads=n, cache=cache)
+            sd = _pt_tensors(path, cipher=cipher, top_level_key=top_level_key, threads=n, cache=cache, storage=storage)
         except ValueError:
             if not unsafe_pickle_fallback:
                 raise
@@ -229,8 +241,8 @@ def load(
             sd = _convert(sd, dtype)
             return sd if device == "cpu" else {k: v.to(device) for k, v in sd.items()}
         # Only when asked: torch.load executes the pickle (restricted by weights_only=True).
-        if cipher or _is_sfcs(path):
-            data = _turboio.read_all(path, cipher=cipher, threads=n)
+        if cipher or _is_remote(path):
+            data = _turboio.read_all(path, cipher=cipher, threads=n, storage=storage)
             sd = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
         else:
             # A file object, not the path: recent torch guesses the format from the file name.
@@ -238,7 +250,7 @@ def load(
                 sd = torch.load(f, map_location=device, weights_only=True)
         return _convert(sd, dtype) if isinstance(sd, dict) else sd
     if state_dict:
-        return _load_into(path, state_dict, n, cache, cipher, helper)
+        return _load_into(path, state_dict, n, cache, cipher, helper, storage)
     pool = helper._pool if isinstance(helper, IOHelper) else None
     staging = helper._staging if isinstance(helper, IOHelper) else None
     loaded = _turboio.load(
@@ -252,15 +264,16 @@ def load(
         gds=_cuda.gds_setting(),
         staging=staging,
         dtype=dtype,
+        storage=storage,
     )
     return _tensors_of(loaded, aliases=enable_fast_mode)
 
 
-def _load_into(path, state_dict, num_thread, cache, cipher, helper=None):
-    data_start, _, _, infos = _turboio.read_header(path, cipher=cipher)
+def _load_into(path, state_dict, num_thread, cache, cipher, helper=None, storage=None):
+    data_start, _, _, infos = _turboio.read_header(path, cipher=cipher, storage=storage)
     gpu = {state_dict[name].device for name, *_ in infos if state_dict[name].device.type == "cuda"}
     if gpu:
-        return _load_into_cuda(path, state_dict, infos, num_thread, cache, cipher, helper, gpu)
+        return _load_into_cuda(path, state_dict, infos, num_thread, cache, cipher, helper, gpu, storage)
     requests, resize = [], []
     for name, dtype, shape, begin, end in infos:
         t = state_dict[name]
@@ -275,14 +288,14 @@ def _load_into(path, state_dict, num_thread, cache, cipher, helper=None):
         if end > begin:
             requests.append((data_start + begin, t.data_ptr(), end - begin))
         resize.append((t, shape))
-    _turboio._read_into(path, requests, threads=num_thread, cache=cache, cipher=cipher)
+    _turboio._read_into(path, requests, threads=num_thread, cache=cache, cipher=cipher, storage=storage)
     for t, shape in resize:
         if list(t.shape) != list(shape):
             t.resize_(shape)
     return state_dict
 
 
-def _load_into_cuda(path, state_dict, infos, num_thread, cache, cipher, helper, devices):
+def _load_into_cuda(path, state_dict, infos, num_thread, cache, cipher, helper, devices, storage=None):
     """Pre-allocated CUDA tensors: the file is loaded to their GPU, then copied into them on the
     device (veTurboIO's checks first, so nothing is half-filled on a mismatch)."""
     if len(devices) > 1 or any(state_dict[name].device.type != "cuda" for name, *_ in infos):
@@ -298,7 +311,13 @@ def _load_into_cuda(path, state_dict, infos, num_thread, cache, cipher, helper, 
             raise RuntimeError("allocated tensor size not enough")
     staging = helper._staging if isinstance(helper, IOHelper) else None
     loaded = _turboio.load(
-        path, threads=num_thread, cache=cache, cipher=cipher, device=_cuda.target(device), staging=staging
+        path,
+        threads=num_thread,
+        cache=cache,
+        cipher=cipher,
+        device=_cuda.target(device),
+        staging=staging,
+        storage=storage,
     )
     src = _tensors_of(loaded, aliases=False)
     for name, dtype, shape, begin, end in infos:
@@ -323,7 +342,7 @@ def load_to_shmem(file, num_thread=32, helper=None, use_direct_io=False, use_cip
     data = None
     if _kind(path, cipher) == "safetensors":
         _, size, _, _ = _turboio.read_header(path, cipher=cipher)  # validates before copying
-    elif cipher or _is_sfcs(path):
+    elif cipher or _is_remote(path):
         data = _turboio.read_all(path, cipher=cipher)
         size = len(data)
     else:
@@ -355,6 +374,7 @@ def save_file(
     helper=None,
     enable_fast_mode=False,
     blocking=True,
+    storage_options=None,
 ):
     """Saves a dict of tensors as safetensors, atomically (the old file survives any failure).
 
@@ -366,6 +386,10 @@ def save_file(
     With `force_save_shared_tensor`, tensors sharing memory are stored once and the others
     recorded as aliases in `__metadata__` (they are removed from `state_dict`, or cloned with
     `force_clone_shared_tensor`), exactly as veTurboIO does.
+
+    `file` may be an object-store URL (`s3://bucket/key.safetensors`, `gs://`, `az://`): a
+    multipart upload from the tensors, visible only once complete (an error or a kill leaves
+    the previous object as it was); `storage_options` as for `load`.
     """
     path = _local_path(file)
     cipher, header = _cipher_for_save(use_cipher)
@@ -380,7 +404,8 @@ def save_file(
         tensors = {k: (v.contiguous() if hasattr(v, "contiguous") else v) for k, v in state_dict.items()}
     from .torch import _write
 
-    return _write(tensors, path, metadata, cipher=cipher, cipher_header=header, blocking=blocking)
+    storage = _remote.storage(path, storage_options)
+    return _write(tensors, path, metadata, cipher=cipher, cipher_header=header, blocking=blocking, storage=storage)
 
 
 def save_model(model, file, use_cipher=False):

@@ -183,7 +183,7 @@ def threads(num_thread):
     return max(1, min(int(num_thread or n), n))
 
 
-def pt_tensors(path, cipher=False, top_level_key=None, threads=0, cache="auto"):
+def pt_tensors(path, cipher=False, top_level_key=None, threads=0, cache="auto", storage=None):
     """The tensors of a `torch.save` checkpoint, read without executing its pickle (turboio's
     allow-listed reader): `{dotted name: tensor}`, each a strided view of the load's bytes (the
     file mapped from the page cache, or copied, with O_DIRECT for `cache="bypass"`, or
@@ -194,7 +194,7 @@ def pt_tensors(path, cipher=False, top_level_key=None, threads=0, cache="auto"):
     from ._dtypes import torch_dtype
 
     data, (storages, tensors, _skipped) = _turboio.load_pt(
-        path, top_level_key=top_level_key, cipher=cipher, threads=threads, cache=cache
+        path, top_level_key=top_level_key, cipher=cipher, threads=threads, cache=cache, storage=storage
     )
     views = []
     for offset, nbytes, dtype in storages:

@@ -23,7 +23,7 @@ in the same order), two ways to shard, chosen with `shard_mode=` (a turboio exte
 import math
 import os
 
-from . import _cuda, _turboio
+from . import _cuda, _remote, _turboio
 from ._dtypes import load_dtype, torch_dtype, torch_dtype_for
 from ._torch import tensor_from, threads as _threads
 
@@ -84,8 +84,11 @@ class FilesBufferOnDevice:
     """The loaded files: `get_tensor`, `get_sharded`, ... (see the module docs for the two
     shard modes)."""
 
-    def __init__(self, loads, pg, dtype=None, headers=None, owners=None, mode="collectives", device=None, threads=0):
+    def __init__(
+        self, loads, pg, dtype=None, headers=None, owners=None, mode="collectives", device=None, threads=0, storage=None
+    ):
         self._pg = pg
+        self._storage = storage  # {filename: object-store backend} for URLs given storage_options
         self._dtype = dtype
         self._loads = loads  # {filename: LoadedFile}, this rank's files (collectives)
         self._mode = mode
@@ -169,7 +172,9 @@ class FilesBufferOnDevice:
             for o in range(outer):
                 requests.append((data_start + begin + (o * size + start) * inner, base + o * row, row))
         if requests:
-            self._read += _turboio._read_into(filename, requests, threads=_threads(self._threads))
+            self._read += _turboio._read_into(
+                filename, requests, threads=_threads(self._threads), storage=(self._storage or {}).get(filename)
+            )
         return out
 
     def _collective_full(self, name):
@@ -284,8 +289,12 @@ class SafeTensorsFileLoader:
         debug_log=False,
         framework="pytorch",
         shard_mode="collectives",
+        storage_options=None,
         **kwargs,
     ):
+        """`storage_options` (a turboio extension) configures the object-store backend for
+        `s3://`, `gs://`, `az://` and `https://` files (as for `turboio.load`); without it the
+        environment does. Direct mode then fetches only this rank's byte ranges."""
         if shard_mode not in ("collectives", "direct"):
             raise ValueError(f"shard_mode must be 'collectives' or 'direct', not {shard_mode!r}")
         self.shard_mode = shard_mode
@@ -298,12 +307,17 @@ class SafeTensorsFileLoader:
         self._staging = _turboio.StagingPool()  # pinned buffers reused by every file of this loader
         self.meta = {}  # filename -> (metadata, rank)
         self._headers = {}
+        self._storage_options = storage_options
+        self._storage = {}  # filename -> object-store backend (URLs with storage_options)
 
     def add_filenames(self, filenames):
         for rank, files in filenames.items():
             for f in files:
                 path = os.fspath(f)
-                data_start, _, metadata, infos = _turboio.read_header(path)
+                storage = _remote.storage(path, self._storage_options)
+                if storage is not None:
+                    self._storage[path] = storage
+                data_start, _, metadata, infos = _turboio.read_header(path, storage=storage)
                 self.meta[path] = (metadata, rank)
                 self._headers[path] = (data_start, infos)
 
@@ -346,6 +360,7 @@ class SafeTensorsFileLoader:
                 # One process: floating tensors are converted by the reader, in one pass. With
                 # several, every rank converts what it receives (the owners send stored dtypes).
                 dtype=None if distributed else name,
+                storage=self._storage.get(path),
             )
         owners = {path: rank for path, (_, rank) in self.meta.items()}
         return FilesBufferOnDevice(
@@ -357,11 +372,13 @@ class SafeTensorsFileLoader:
             mode=self.shard_mode,
             device=self.device if (distributed or self.shard_mode == "direct") else None,
             threads=self.max_threads,
+            storage=self._storage,
         )
 
     def reset(self):
         self.meta = {}
         self._headers = {}
+        self._storage = {}
 
     def close(self):
         self.reset()

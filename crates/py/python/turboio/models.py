@@ -13,7 +13,7 @@
 
 import os
 
-from . import _turboio
+from . import _remote, _turboio
 from ._torch import raw_tensors, remove_duplicate_names, tensors_of, threads
 
 
@@ -33,7 +33,17 @@ def _block(t, dim, rank, world_size):
 
 
 def load_model(
-    path, device="cpu", rank=None, world_size=None, shard_dims=None, *, num_thread=0, cache="auto", use_cipher=False, dtype=None
+    path,
+    device="cpu",
+    rank=None,
+    world_size=None,
+    shard_dims=None,
+    *,
+    num_thread=0,
+    cache="auto",
+    use_cipher=False,
+    dtype=None,
+    storage_options=None,
 ):
     """Loads a whole model into a dict of tensors: `path` is a safetensors file, a directory of
     shards (with or without `model.safetensors.index.json`), or the index JSON itself.
@@ -48,6 +58,10 @@ def load_model(
     tensors along `dim` (fastsafetensors' split); other tensors come back whole. `device` other
     than "cpu" moves the tensors there after the load. `dtype` (e.g. `torch.bfloat16`) converts
     every floating tensor on the way in, as `turboio.load` does.
+
+    `path` may be an object-store URL: `s3://bucket/models/llama` is the model under that key
+    prefix (its index, else every `*.safetensors` object directly under it); `storage_options`
+    as for `turboio.load`.
     """
     import torch
 
@@ -56,12 +70,17 @@ def load_model(
     if world_size is not None and not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, {world_size})")
     path = os.fspath(path)
-    if not os.path.exists(path):
+    if not _remote.is_remote(path) and not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
     from ._dtypes import load_dtype
 
     shards = _turboio.load_model(
-        path, threads=threads(num_thread), cache=cache, cipher=bool(use_cipher), dtype=load_dtype(dtype)
+        path,
+        threads=threads(num_thread),
+        cache=cache,
+        cipher=bool(use_cipher),
+        dtype=load_dtype(dtype),
+        storage=_remote.storage(path, storage_options),
     )
     out = {}
     for loaded in shards:
@@ -79,7 +98,9 @@ def load_model(
     return out
 
 
-def save_model_dir(state_dict, dir, max_shard_size="5GB", metadata=None, *, num_thread=0, use_cipher=False):
+def save_model_dir(
+    state_dict, dir, max_shard_size="5GB", metadata=None, *, num_thread=0, use_cipher=False, storage_options=None
+):
     """Saves a dict of tensors as a sharded model directory: shards of at most `max_shard_size`
     (`"5GB"`, `"500MB"`, `"2GiB"` or a byte count; a larger tensor gets a shard of its own)
     named `model-0000N-of-0000M.safetensors`, and `model.safetensors.index.json` (`metadata`
@@ -90,6 +111,10 @@ def save_model_dir(state_dict, dir, max_shard_size="5GB", metadata=None, *, num_
     commit point), and the old set is removed after. A crash at any point leaves a directory
     that loads as the old model or the new one. Tensors sharing memory are stored once (the
     other names are dropped, as `safetensors.torch.save_model` does). Returns the index's path.
+
+    `dir` may be an object-store prefix (`s3://bucket/models/run1`): the same protocol, with
+    each shard a multipart upload visible only when complete and the index the commit point
+    (`storage_options` as for `turboio.load`).
     """
     if isinstance(max_shard_size, str):
         max_shard_size = _turboio.parse_shard_size(max_shard_size)
@@ -103,22 +128,30 @@ def save_model_dir(state_dict, dir, max_shard_size="5GB", metadata=None, *, num_
             del tensors[name]
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     records, keep = raw_tensors(tensors)
+    dir = os.fspath(dir)
     index, _shards = _turboio._save_model_dir(
-        os.fspath(dir), records, max_shard_size, metadata, threads=threads(num_thread), cipher=bool(use_cipher)
+        dir,
+        records,
+        max_shard_size,
+        metadata,
+        threads=threads(num_thread),
+        cipher=bool(use_cipher),
+        storage=_remote.storage(dir, storage_options),
     )
     del keep
     return index
 
 
-def iter_weights(files_or_dir, device="cpu"):
+def iter_weights(files_or_dir, device="cpu", *, storage_options=None):
     """Yields `(name, tensor)` for every tensor of a model directory (or index JSON) or of a list
     of safetensors files, shard by shard, in the shape of vLLM's safetensors weight iterators.
     Each tensor owns a reference to its shard's memory, so it stays valid after the iterator
-    moves on (and that memory is freed when the last tensor of the shard is dropped)."""
+    moves on (and that memory is freed when the last tensor of the shard is dropped). Paths may
+    be object-store URLs (`storage_options` as for `turboio.load`)."""
     import torch
 
     dev = torch.device(device)
     for path in _paths(files_or_dir):
-        for loaded in _turboio.load_model(path, threads=threads(0)):
+        for loaded in _turboio.load_model(path, threads=threads(0), storage=_remote.storage(path, storage_options)):
             for name, t in tensors_of(loaded).items():
                 yield name, (t if dev.type == "cpu" else t.to(dev))

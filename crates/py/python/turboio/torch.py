@@ -7,7 +7,7 @@ when possible, zero copy), saves are atomic and byte-identical to safetensors' o
 import os
 import struct
 
-from . import _cuda, _turboio
+from . import _cuda, _remote, _turboio
 from ._dtypes import torch_dtype_for, torch_shape
 from ._torch import alias_shared, raw_tensors, remove_duplicate_names, single_cuda_device, tensor_from, tensors_of
 
@@ -55,33 +55,41 @@ def _check_device(device):
     return _cuda.target(device)
 
 
-def _load(filename, mode="auto", device="cpu"):
+def _load(filename, mode="auto", device="cpu", storage_options=None):
+    path = os.fspath(filename)
+    storage = _remote.storage(path, storage_options)
     try:
-        return _turboio.load(os.fspath(filename), mode=mode, device=device, gds=_cuda.gds_setting())
+        return _turboio.load(path, mode=mode, device=device, gds=_cuda.gds_setting(), storage=storage)
     except FileNotFoundError:
         raise
     except ValueError as e:
         raise _error(e, "deserializing header") from None
 
 
-def load_file(filename, device="cpu"):
+def load_file(filename, device="cpu", *, storage_options=None):
     """Loads a safetensors file into a dict of tensors (zero-copy views of one load), on the CPU
-    or straight into a GPU (`device="cuda:N"`, or an int)."""
+    or straight into a GPU (`device="cuda:N"`, or an int). `filename` may be an object-store
+    URL (`s3://...`, `gs://...`, `az://...`, `https://...`; `storage_options`, a turboio
+    extension, as for `turboio.load`)."""
     dev = _check_device(device)
-    return tensors_of(_load(filename, device=dev), aliases=False)
+    return tensors_of(_load(filename, device=dev, storage_options=storage_options), aliases=False)
 
 
-def save_file(tensors, filename, metadata=None, *, blocking=True):
+def save_file(tensors, filename, metadata=None, *, blocking=True, storage_options=None):
     """Saves a dict of tensors (atomically; byte-identical to safetensors' writer).
 
     With `blocking=False` (a turboio extension) the tensors are copied into reused host
     buffers and the file is written in the background: the call returns a handle with
     `wait()`, `done()` and `exception()` as soon as the copy is made, and the tensors may then
-    be changed or freed."""
-    return _write(tensors, filename, metadata, blocking=blocking)
+    be changed or freed.
+
+    `filename` may be an object-store URL (`s3://bucket/key.safetensors`): a multipart upload,
+    visible only once complete (`storage_options` as for `load_file`)."""
+    storage = _remote.storage(os.fspath(filename), storage_options)
+    return _write(tensors, filename, metadata, blocking=blocking, storage=storage)
 
 
-def _write(tensors, filename, metadata=None, cipher=False, cipher_header=False, blocking=True):
+def _write(tensors, filename, metadata=None, cipher=False, cipher_header=False, blocking=True, storage=None):
     # CUDA tensors saved while the caller waits are written from device memory; background
     # saves snapshot host copies (the caller may change the tensors as soon as save returns).
     metadata = _check_metadata(metadata)
@@ -104,7 +112,9 @@ def _write(tensors, filename, metadata=None, cipher=False, cipher_header=False, 
             )
             handle = None
         else:
-            handle = save(os.fspath(filename), records, metadata, cipher=cipher, cipher_header=cipher_header)
+            handle = save(
+                os.fspath(filename), records, metadata, cipher=cipher, cipher_header=cipher_header, storage=storage
+            )
     except ValueError as e:
         raise _error(e, "serializing") from None
     del keep
@@ -194,16 +204,16 @@ class safe_open:
     `get_slice(name)[...]` reads just the byte ranges of the slice.
     """
 
-    def __init__(self, filename, framework="pt", device="cpu"):
+    def __init__(self, filename, framework="pt", device="cpu", *, storage_options=None):
         if framework not in _FRAMEWORKS:
             raise SafetensorError(f"framework {framework} is invalid (turboio.torch supports pt)")
         self._device = _check_device(device)
         self._path = os.fspath(filename)
-        remote = self._path.startswith("sfcs://")
+        remote = _remote.is_remote(self._path)
         if not remote and not os.path.exists(self._path):
             raise FileNotFoundError(f"No such file or directory: {self._path}")
-        # Lazy loads map a local file; sfcs:// files are copied.
-        self._loaded = _load(self._path, mode="copied" if remote else "lazy")
+        # Lazy loads map a local file; sfcs:// files and object-store URLs are copied.
+        self._loaded = _load(self._path, mode="copied" if remote else "lazy", storage_options=storage_options)
         self._infos = {n: (d, s, b, e) for n, d, s, b, e in self._loaded.infos()}
         self._order = [n for n, *_ in self._loaded.infos()]
         self._tensors = None

@@ -12,6 +12,7 @@ use clap::{Parser, Subcommand};
 use out::outln;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 use turboio::{parse_direct, CachePolicy, DirectIo, LoadMode, LoadOptions, LoadedFile, SaveOptions};
 
@@ -22,6 +23,35 @@ use turboio::{parse_direct, CachePolicy, DirectIo, LoadMode, LoadOptions, Loaded
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// An option of the object-storage backend, for s3://, gs://, az://, abfs[s]:// and
+    /// http(s):// paths (repeatable): endpoint=URL, region=R, access_key_id=K,
+    /// secret_access_key=S, session_token=T, allow_http=true, concurrency=N (requests in
+    /// flight, default 16), part_size=16MiB (bytes per GET / uploaded part, default 8MiB),
+    /// max_bandwidth=500MB (bytes per second), max_retries=N, retry_timeout=SECONDS, or any
+    /// other object_store key. Without them (and for what they leave out) the environment is
+    /// read as each cloud's tools read it: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+    /// AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL, GOOGLE_APPLICATION_CREDENTIALS,
+    /// AZURE_STORAGE_ACCOUNT_NAME, ... (prefer the environment for secrets: a command line is
+    /// visible to other users).
+    #[arg(long = "storage-option", global = true, value_name = "KEY=VALUE", value_parser = parse_key_value)]
+    storage_option: Vec<(String, String)>,
+}
+
+fn parse_key_value(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.to_owned())),
+        _ => Err(format!("expected KEY=VALUE, not `{s}`")),
+    }
+}
+
+/// The explicit storage for `path`: the object-storage backend built from `--storage-option`s
+/// when there are any and `path` is an object-store URL; else `None` (the scheme registry and
+/// the environment decide).
+fn storage_for(
+    path: &Path,
+    object: &Option<Arc<dyn turboio::storage::Storage>>,
+) -> Option<Arc<dyn turboio::storage::Storage>> {
+    object.as_ref().filter(|_| turboio::object::is_object_url(path)).cloned()
 }
 
 #[derive(Subcommand, Debug)]
@@ -176,10 +206,21 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let object: Option<Arc<dyn turboio::storage::Storage>> = if cli.storage_option.is_empty() {
+        None
+    } else {
+        match turboio::object::ObjectOptions::from_pairs(cli.storage_option.iter().map(|(k, v)| (k, v))) {
+            Ok(o) => Some(Arc::new(turboio::object::ObjectStorage::new(o))),
+            Err(e) => {
+                eprintln!("turboio: error: --storage-option: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    };
     let result = match cli.command {
         Command::Inspect { file, json, top_level_key, cipher } => {
             cipher.encryption().map_err(Into::into).and_then(|encryption| {
-                let opts = LoadOptions { encryption, ..Default::default() };
+                let opts = LoadOptions { encryption, storage: storage_for(&file, &object), ..Default::default() };
                 if !is_model(&file) && pt::is_pt(&file, &opts) {
                     pt::inspect(&file, json, &opts, top_level_key.as_deref())
                 } else {
@@ -203,7 +244,9 @@ fn main() -> ExitCode {
             gpu,
         } => cipher.encryption().map_err(Into::into).and_then(|encryption| {
             let cache = direct.map_or(cache, CachePolicy::from);
-            let opts = LoadOptions { threads, cache, mode, huge_pages, encryption, dtype, ..Default::default() };
+            let storage = storage_for(&file, &object);
+            let opts =
+                LoadOptions { threads, cache, mode, huge_pages, encryption, dtype, storage, ..Default::default() };
             gpu.apply(opts).and_then(|opts| {
                 if !is_model(&file) && pt::is_pt(&file, &opts) {
                     pt::load(&file, opts, repeat, check, top_level_key.as_deref())
@@ -223,13 +266,15 @@ fn main() -> ExitCode {
             threads,
             cipher,
         } => cipher.encryption().map_err(Into::into).and_then(|encryption| {
-            let opts = LoadOptions { encryption, ..Default::default() };
-            pt::convert(&input, &output, &opts, threads, top_level_key, clone_shared, dtype, validate_result, overwrite)
+            let opts = LoadOptions { encryption, storage: storage_for(&input, &object), ..Default::default() };
+            let save = SaveOptions { threads, storage: storage_for(&output, &object), ..Default::default() };
+            pt::convert(&input, &output, &opts, save, top_level_key, clone_shared, dtype, validate_result, overwrite)
         }),
         Command::Gen { out, shards, size, seed, cipher } => {
+            let storage = storage_for(&out, &object);
             cipher.encryption().map_err(Into::into).and_then(|encryption| match shards {
-                Some(n) => gen_model(&out, n, size, seed, encryption),
-                None => gen(&out, size, seed, encryption),
+                Some(n) => gen_model(&out, n, size, seed, encryption, storage),
+                None => gen(&out, size, seed, encryption, storage),
             })
         }
         Command::Encrypt { input, output, cipher } => cipher::encrypt(&input, &output, &cipher),
@@ -261,9 +306,13 @@ fn parse_count(s: &str) -> Result<usize, String> {
     }
 }
 
-/// Whether a path names a model (a directory or an index JSON) rather than one file.
+/// Whether a path names a model (a directory or an index JSON) rather than one file. An
+/// object-store URL without a checkpoint's extension is a model "directory" (a key prefix).
 fn is_model(path: &Path) -> bool {
-    path.is_dir() || path.extension().is_some_and(|e| e == "json")
+    path.is_dir()
+        || path.extension().is_some_and(|e| e == "json")
+        || (turboio::object::is_object_url(path)
+            && !path.extension().is_some_and(|e| ["safetensors", "pt", "pth", "bin"].iter().any(|x| e == *x)))
 }
 
 fn inspect(file: &Path, json: bool, opts: &LoadOptions) -> CliResult {
@@ -335,7 +384,8 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
         let huge = opts.huge_pages.unwrap_or_else(turboio::device::default_huge_pages);
         opts.arenas = Some(turboio::device::ArenaPool::with_huge_pages(1, huge));
     }
-    let file_len = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
+    // (A remote file's length is known once opened.)
+    let mut file_len = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
     let mut times = Vec::new();
     for run in 1..=repeat {
         let bar = progress::Bar::start(file_len, &format!("loading {}", file.display()));
@@ -343,6 +393,9 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
         let loaded = turboio::load(file, &opts);
         bar.finish();
         let loaded = loaded?;
+        if file_len == 0 {
+            file_len = loaded.header().file_len();
+        }
         let r = loaded.report();
         times.push(r.elapsed.as_secs_f64());
         let cached = r.cached_fraction.map(|f| format!(", {:.0}% cached before", f * 100.0)).unwrap_or_default();
@@ -390,6 +443,10 @@ fn check_against_plain_read(loaded: &LoadedFile, opts: &LoadOptions) -> CliResul
         Some(enc) => turboio::read_all(
             loaded.path(),
             &LoadOptions { encryption: Some(enc.clone()), cache: CachePolicy::Keep, ..Default::default() },
+        )?,
+        None if opts.storage.is_some() || turboio::object::is_object_url(loaded.path()) => turboio::read_all(
+            loaded.path(),
+            &LoadOptions { storage: opts.storage.clone(), cache: CachePolicy::Keep, ..Default::default() },
         )?,
         None => {
             std::fs::read(loaded.path()).map_err(|e| format!("{}: plain read failed: {e}", loaded.path().display()))?
@@ -439,7 +496,13 @@ fn check_against_plain_read(loaded: &LoadedFile, opts: &LoadOptions) -> CliResul
     Ok(())
 }
 
-fn gen(out: &Path, size: u64, seed: u64, encryption: Option<turboio::crypt::Encryption>) -> CliResult {
+fn gen(
+    out: &Path,
+    size: u64,
+    seed: u64,
+    encryption: Option<turboio::crypt::Encryption>,
+    storage: Option<Arc<dyn turboio::storage::Storage>>,
+) -> CliResult {
     let min = turboio::sample::min_sample_size();
     if size < min {
         return Err(format!(
@@ -450,12 +513,17 @@ fn gen(out: &Path, size: u64, seed: u64, encryption: Option<turboio::crypt::Encr
         .into());
     }
     let bar = progress::Bar::start(size, &format!("writing {}", out.display()));
-    let opts = SaveOptions { progress: bar.counter(), encryption, ..Default::default() };
+    let read_back = storage.clone();
+    let opts = SaveOptions { progress: bar.counter(), encryption, storage, ..Default::default() };
     let start = Instant::now();
     let result = turboio::sample::write_sample(out, size, seed, &opts);
     bar.finish();
     let tensors = result?;
-    let len = std::fs::metadata(out)?.len();
+    let len = match std::fs::metadata(out) {
+        Ok(m) => m.len(),
+        // An object written to a store: its length from its header.
+        Err(_) => turboio::read_header_of(out, &LoadOptions { storage: read_back, ..Default::default() })?.file_len(),
+    };
     let secs = start.elapsed().as_secs_f64();
     outln!(
         "wrote {}: {} tensors, {} in {:.2} s ({}/s)",
@@ -469,7 +537,7 @@ fn gen(out: &Path, size: u64, seed: u64, encryption: Option<turboio::crypt::Encr
 }
 
 fn inspect_model(path: &Path, json: bool, opts: &LoadOptions) -> CliResult {
-    let files = turboio::ModelFiles::resolve(path)?;
+    let files = turboio::ModelFiles::resolve_in(path, opts.storage.as_ref())?;
     let summary = turboio::model::summarize(&files, opts)?;
     if json {
         let shards: Vec<serde_json::Value> = summary
@@ -514,8 +582,9 @@ fn inspect_model(path: &Path, json: bool, opts: &LoadOptions) -> CliResult {
 }
 
 fn load_model(path: &Path, mut opts: LoadOptions, repeat: usize, check: bool) -> CliResult {
-    let files = turboio::ModelFiles::resolve(path)?;
-    let total: u64 = files.shards.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
+    let files = turboio::ModelFiles::resolve_in(path, opts.storage.as_ref())?;
+    // (Remote shards' sizes are known once opened: their bar counts without a total.)
+    let mut total: u64 = files.shards.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
     let mut times = Vec::new();
     for run in 1..=repeat {
         let bar = progress::Bar::start(total, &format!("loading {}", path.display()));
@@ -524,6 +593,9 @@ fn load_model(path: &Path, mut opts: LoadOptions, repeat: usize, check: bool) ->
         bar.finish();
         let loaded = loaded?;
         let r = loaded.report();
+        if total == 0 {
+            total = r.bytes;
+        }
         times.push(r.elapsed.as_secs_f64());
         let mut how: Vec<String> =
             loaded.shard_reports().map(|s| format!("{}, {}; {}", s.held, s.read.method, s.cache)).collect();
@@ -565,6 +637,7 @@ fn gen_model(
     size: u64,
     seed: u64,
     encryption: Option<turboio::crypt::Encryption>,
+    storage: Option<Arc<dyn turboio::storage::Storage>>,
 ) -> CliResult {
     let min = turboio::sample::min_sample_size();
     if size < min {
@@ -574,10 +647,18 @@ fn gen_model(
         )
         .into());
     }
-    std::fs::create_dir_all(dir).map_err(|e| format!("{}: cannot create the directory: {e}", dir.display()))?;
+    let remote = turboio::object::is_object_url(dir);
+    if !remote {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: cannot create the directory: {e}", dir.display()))?;
+    }
     let start = Instant::now();
-    // The sample is written once as a single file beside the shards, then split.
-    let single = dir.join(".turboio-gen-sample.safetensors");
+    // The sample is written once as a single local file (beside the shards, or in the temporary
+    // directory for a remote model), then split.
+    let single = if remote {
+        std::env::temp_dir().join(format!(".turboio-gen-sample.{}.safetensors", std::process::id()))
+    } else {
+        dir.join(".turboio-gen-sample.safetensors")
+    };
     turboio::sample::write_sample(&single, size, seed, &SaveOptions::default())?;
     let result = (|| -> CliResult {
         let loaded = turboio::load(&single, &LoadOptions::default())?;
@@ -592,7 +673,8 @@ fn gen_model(
             .collect();
         let data: u64 = list.iter().map(|t| t.data.len() as u64).sum();
         let max = data.div_ceil(shards as u64).max(1);
-        let report = turboio::save_model_dir(dir, &list, None, max, &SaveOptions { encryption, ..Default::default() })?;
+        let report =
+            turboio::save_model_dir(dir, &list, None, max, &SaveOptions { encryption, storage, ..Default::default() })?;
         outln!(
             "wrote {}: {} tensors in {} shards, {} in {:.2} s",
             dir.display(),
@@ -617,7 +699,7 @@ fn demo(size: u64, dir: Option<PathBuf>, runs: usize) -> CliResult {
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let path = dir.join(format!("sample-{}.safetensors", size::format_size(size)));
     if std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0) < size {
-        gen(&path, size, 0, None)?;
+        gen(&path, size, 0, None, None)?;
     }
     let len = std::fs::metadata(&path)?.len();
     let header = turboio::read_header_of(&path, &LoadOptions::default())?;

@@ -87,7 +87,8 @@ pub fn inspect(file: &Path, json: bool, opts: &LoadOptions, top_level_key: Optio
 
 /// `load x.pt`: the checkpoint loaded as the library does, `--check`ed against a plain read.
 pub fn load(file: &Path, mut opts: LoadOptions, repeat: usize, check: bool, top_level_key: Option<&str>) -> CliResult {
-    let file_len = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
+    // (A remote file's bytes are known once loaded.)
+    let mut file_len = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
     let pt = pt_options(top_level_key);
     let mut times = Vec::new();
     for run in 1..=repeat {
@@ -97,6 +98,9 @@ pub fn load(file: &Path, mut opts: LoadOptions, repeat: usize, check: bool, top_
         bar.finish();
         let loaded = loaded?;
         let r = loaded.report();
+        if file_len == 0 {
+            file_len = r.bytes;
+        }
         times.push(r.elapsed.as_secs_f64());
         let cached = r.cached_fraction.map(|f| format!(", {:.0}% cached before", f * 100.0)).unwrap_or_default();
         outln!(
@@ -116,7 +120,12 @@ pub fn load(file: &Path, mut opts: LoadOptions, repeat: usize, check: bool, top_
         if check {
             let plain = turboio::read_all(
                 file,
-                &LoadOptions { encryption: opts.encryption.clone(), cache: CachePolicy::Keep, ..Default::default() },
+                &LoadOptions {
+                    encryption: opts.encryption.clone(),
+                    storage: opts.storage.clone(),
+                    cache: CachePolicy::Keep,
+                    ..Default::default()
+                },
             )?;
             let again = turboio::pt::PtIndex::parse(plain.as_slice(), &pt)?;
             if again.tensors() != loaded.index().tensors() {
@@ -148,7 +157,7 @@ pub fn convert(
     input: &Path,
     output: &Path,
     opts: &LoadOptions,
-    threads: usize,
+    save: turboio::SaveOptions,
     top_level_key: Option<String>,
     clone_shared: bool,
     dtype: Option<turboio::Dtype>,
@@ -156,8 +165,8 @@ pub fn convert(
     overwrite: bool,
 ) -> CliResult {
     let copts = ConvertOptions {
-        load: LoadOptions { threads, ..opts.clone() },
-        save: turboio::SaveOptions { threads, ..Default::default() },
+        load: LoadOptions { threads: save.threads, ..opts.clone() },
+        save,
         top_level_key,
         shared: if clone_shared { SharedTensors::Clone } else { SharedTensors::Alias },
         dtype,

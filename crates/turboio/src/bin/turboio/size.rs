@@ -31,7 +31,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 /// `4GiB`-style spelling for file names.
 pub fn format_size(n: u64) -> String {
     for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
-        if n >= 1 << shift && n % (1 << shift) == 0 {
+        if n >= 1 << shift && n.is_multiple_of(1 << shift) {
             return format!("{}{unit}", n >> shift);
         }
     }

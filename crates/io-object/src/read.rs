@@ -1,0 +1,326 @@
+//! The read path: one opening GET (size, ETag, the header's bytes), then parallel ranged GETs
+//! pinned to that ETag, each body copied into its final place as it arrives.
+
+use crate::{runtime, ObjectStorage};
+use bytes::Bytes;
+use futures_util::{StreamExt, TryStreamExt};
+use object_store::path::Path as ObjectPath;
+use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use turboio_storage::{split_requests, Chunk, IoOptions, RangeReader, ReadRequest, StorageError, StorageFile};
+
+/// An object opened for reading, pinned to the version it had when opened.
+pub(crate) struct ObjectFile {
+    storage: ObjectStorage,
+    url: PathBuf,
+    store: Arc<dyn ObjectStore>,
+    key: ObjectPath,
+    size: u64,
+    etag: Option<String>,
+    version: Option<String>,
+    /// The object's first bytes, from the opening GET.
+    prefix: Bytes,
+}
+
+impl fmt::Debug for ObjectFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ObjectFile")
+            .field("url", &self.storage.redact(&self.url.to_string_lossy()))
+            .field("size", &self.size)
+            .field("etag", &self.etag)
+            .finish_non_exhaustive()
+    }
+}
+
+/// True for failures worth fetching the rest of a part again for (object_store has already
+/// retried the request itself): not a missing object, a refusal, a changed object or a bad
+/// request.
+fn transient(e: &object_store::Error) -> bool {
+    use object_store::Error as E;
+    !matches!(
+        e,
+        E::NotFound { .. }
+            | E::Precondition { .. }
+            | E::PermissionDenied { .. }
+            | E::Unauthenticated { .. }
+            | E::NotSupported { .. }
+            | E::InvalidPath { .. }
+            | E::NotImplemented { .. }
+            | E::NotModified { .. }
+            | E::AlreadyExists { .. }
+    )
+}
+
+enum Fetch {
+    Done,
+    /// The body ended before the range was complete (a cut connection).
+    Short,
+}
+
+impl ObjectFile {
+    pub(crate) fn open(storage: &ObjectStorage, url: &Path) -> Result<ObjectFile, StorageError> {
+        let located = storage.locate(url)?;
+        let (store, key) = (located.store, located.key);
+        let want = storage.options().prefix_bytes.max(1) as u64;
+        let get = GetOptions { range: Some(GetRange::Bounded(0..want)), ..Default::default() };
+        let (s, k) = (store.clone(), key.clone());
+        let first = runtime::block_on(async move {
+            let r = s.get_opts(&k, get).await?;
+            let (meta, range) = (r.meta.clone(), r.range.clone());
+            let bytes = r.bytes().await?;
+            Ok::<_, object_store::Error>((meta, range, bytes))
+        })
+        .map_err(|e| StorageError::io(url, "GET", e))?;
+        let (size, etag, version, prefix) = match first {
+            Ok((meta, range, bytes)) => {
+                if range.start != 0 || bytes.len() as u64 != range.end - range.start || range.end > meta.size {
+                    return Err(StorageError::Io {
+                        path: url.to_owned(),
+                        op: "GET",
+                        source: std::io::Error::other(format!(
+                            "the server answered bytes {}..{} ({} received) of a {}-byte object for a request of bytes 0..{want}",
+                            range.start,
+                            range.end,
+                            bytes.len(),
+                            meta.size
+                        )),
+                    });
+                }
+                (meta.size, meta.e_tag, meta.version, bytes)
+            }
+            Err(e) if transient(&e) => {
+                // An empty object has no byte 0 to ask for: look it up instead.
+                let (s, k) = (store.clone(), key.clone());
+                match runtime::block_on(async move { s.head(&k).await })
+                    .map_err(|e| StorageError::io(url, "HEAD", e))?
+                {
+                    Ok(meta) if meta.size == 0 => (0, meta.e_tag, meta.version, Bytes::new()),
+                    Ok(_) => return Err(storage.error(url, "GET", e)),
+                    Err(head) => return Err(storage.error(url, "HEAD", head)),
+                }
+            }
+            Err(e) => return Err(storage.error(url, "GET", e)),
+        };
+        Ok(ObjectFile { storage: storage.clone(), url: url.to_owned(), store, key, size, etag, version, prefix })
+    }
+
+    fn check_range(&self, offset: u64, len: usize) -> Result<(), StorageError> {
+        match offset.checked_add(len as u64) {
+            Some(end) if end <= self.size => Ok(()),
+            end => Err(StorageError::ShortFile {
+                path: self.url.clone(),
+                offset,
+                end: end.unwrap_or(u64::MAX),
+                file_len: self.size,
+            }),
+        }
+    }
+
+    /// `dst` from the opening GET's bytes, when they hold it.
+    fn copy_from_prefix(&self, offset: u64, dst: &mut [u8]) -> bool {
+        let Ok(start) = usize::try_from(offset) else { return false };
+        match start.checked_add(dst.len()).and_then(|end| self.prefix.get(start..end)) {
+            Some(src) => {
+                dst.copy_from_slice(src);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// One ranged GET of `offset..offset + dst.len()` pinned to the opened version, its body
+    /// copied into `dst[*filled..]` as it arrives.
+    async fn get_into(
+        &self,
+        offset: u64,
+        dst: &mut [u8],
+        filled: &mut usize,
+        stop: &(dyn Fn() -> Result<(), StorageError> + Sync),
+    ) -> Result<Result<Fetch, object_store::Error>, StorageError> {
+        let start = offset + *filled as u64;
+        let end = offset + dst.len() as u64;
+        let get = GetOptions {
+            range: Some(GetRange::Bounded(start..end)),
+            if_match: self.etag.clone(),
+            version: self.version.clone(),
+            ..Default::default()
+        };
+        let result = match self.store.get_opts(&self.key, get).await {
+            Ok(r) => r,
+            Err(e) => return Ok(Err(e)),
+        };
+        if result.range != (start..end) {
+            return Err(self.protocol(format!(
+                "asked for bytes {start}..{end}, the server answered bytes {}..{}",
+                result.range.start, result.range.end
+            )));
+        }
+        let mut body = result.into_stream();
+        while let Some(piece) = body.next().await {
+            stop()?;
+            let piece = match piece {
+                Ok(p) => p,
+                Err(e) => return Ok(Err(e)),
+            };
+            let room = &mut dst[*filled..];
+            if piece.len() > room.len() {
+                return Err(self.protocol(format!("the server sent more than the {} bytes asked for", end - start)));
+            }
+            if let Some(wait) = self.storage.inner.limiter.reserve(piece.len()) {
+                tokio::time::sleep(wait).await;
+            }
+            room[..piece.len()].copy_from_slice(&piece);
+            *filled += piece.len();
+        }
+        Ok(Ok(if *filled == dst.len() { Fetch::Done } else { Fetch::Short }))
+    }
+
+    fn protocol(&self, message: String) -> StorageError {
+        StorageError::Io { path: self.url.clone(), op: "GET", source: std::io::Error::other(message) }
+    }
+
+    /// Fills `dst` with the bytes at `offset`, fetching again what a cut body left out.
+    async fn fetch(
+        &self,
+        offset: u64,
+        dst: &mut [u8],
+        stop: &(dyn Fn() -> Result<(), StorageError> + Sync),
+    ) -> Result<(), StorageError> {
+        let mut filled = 0usize;
+        let mut attempt = 0u32;
+        loop {
+            stop()?;
+            let why = match self.get_into(offset, dst, &mut filled, stop).await? {
+                Ok(Fetch::Done) => return Ok(()),
+                Ok(Fetch::Short) => format!("the body ended after {filled} of {} bytes", dst.len()),
+                Err(e) if transient(&e) => self.storage.redact(&e.to_string()),
+                Err(e) => return Err(self.storage.error(&self.url, "GET", e)),
+            };
+            if attempt >= self.storage.options().part_retries {
+                return Err(self.protocol(format!(
+                    "bytes {offset}..{} could not be read after {} attempts: {why}",
+                    offset + dst.len() as u64,
+                    attempt + 1
+                )));
+            }
+            attempt += 1;
+            tokio::time::sleep(Duration::from_millis(100 << attempt.min(6))).await;
+        }
+    }
+}
+
+struct Reader<'a>(&'a ObjectFile);
+
+impl RangeReader for Reader<'_> {
+    fn read_exact_at(&mut self, offset: u64, dst: &mut [u8]) -> Result<(), StorageError> {
+        let f = self.0;
+        f.check_range(offset, dst.len())?;
+        if dst.is_empty() || f.copy_from_prefix(offset, dst) {
+            return Ok(());
+        }
+        runtime::block_on(f.fetch(offset, dst, &|| Ok(()))).map_err(|e| StorageError::io(&f.url, "GET", e))?
+    }
+}
+
+impl StorageFile for ObjectFile {
+    fn path(&self) -> &Path {
+        &self.url
+    }
+
+    fn len(&self) -> u64 {
+        self.size
+    }
+
+    fn reader(&self) -> Result<Box<dyn RangeReader + '_>, StorageError> {
+        Ok(Box::new(Reader(self)))
+    }
+
+    fn read_ranges(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<(), StorageError> {
+        for r in &requests {
+            self.check_range(r.offset, r.dst.len())?;
+        }
+        let options = self.storage.options();
+        let part = options.part_size.max(1);
+        let mut remote: Vec<Chunk<'_>> = Vec::new();
+        for c in split_requests(requests, part) {
+            if c.dst.is_empty() {
+                continue;
+            }
+            if self.copy_from_prefix(c.offset, c.dst) {
+                if let Some(hook) = opts.hook {
+                    hook(c.offset, c.dst)?;
+                }
+                opts.add_progress(c.dst.len() as u64);
+            } else {
+                remote.push(c);
+            }
+        }
+        if remote.is_empty() {
+            return Ok(());
+        }
+        let total: u64 = remote.iter().map(|c| c.dst.len() as u64).sum();
+        let concurrency = options.concurrency.max(1);
+        let threads = opts.worker_count(total, part).min(concurrency).min(remote.len()).max(1);
+        let per_thread = concurrency.div_ceil(threads);
+        let queue = Mutex::new(remote.into_iter());
+        let failed = AtomicBool::new(false);
+        let first_error: Mutex<Option<StorageError>> = Mutex::new(None);
+        let stop = || -> Result<(), StorageError> {
+            opts.check_cancel()?;
+            if failed.load(Ordering::Relaxed) {
+                return Err(StorageError::Cancelled);
+            }
+            Ok(())
+        };
+        let work = || -> Result<(), StorageError> {
+            let next = || {
+                if failed.load(Ordering::Relaxed) {
+                    return None;
+                }
+                queue.lock().unwrap_or_else(|p| p.into_inner()).next()
+            };
+            let stop = &stop;
+            let parts = futures_util::stream::iter(std::iter::from_fn(next))
+                .map(|c: Chunk<'_>| async move {
+                    self.fetch(c.offset, c.dst, stop).await?;
+                    if let Some(hook) = opts.hook {
+                        hook(c.offset, c.dst)?;
+                    }
+                    opts.add_progress(c.dst.len() as u64);
+                    Ok::<(), StorageError>(())
+                })
+                .buffer_unordered(per_thread);
+            runtime::block_on(parts.try_for_each(|()| async { Ok(()) }))
+                .map_err(|e| StorageError::io(&self.url, "GET", e))?
+        };
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(|| {
+                        if let Err(e) = work() {
+                            failed.store(true, Ordering::Relaxed);
+                            let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                            // Keep the first real error, not the cancellations it caused.
+                            if slot.is_none() || matches!(*slot, Some(StorageError::Cancelled)) {
+                                *slot = Some(e);
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for h in handles {
+                if let Err(p) = h.join() {
+                    std::panic::resume_unwind(p);
+                }
+            }
+        });
+        match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}

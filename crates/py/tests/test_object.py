@@ -1,0 +1,188 @@
+"""Object storage through the wheel, against a real S3 server on 127.0.0.1 (moto's server, started
+by `tests/support/s3_server.py`): every load and save API on `s3://` URLs, with options given
+explicitly (`storage_options=`) and from the environment; saves read back by boto3 and the
+official `safetensors`; errors that name the URL and never a secret."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import turboio
+import turboio.torch as tt
+from conftest import ROOT, same, sample_dict
+
+boto3 = pytest.importorskip("boto3")
+pytest.importorskip("moto")
+
+ACCESS_KEY = "AKIATURBOIOTEST"
+SECRET_KEY = "turboio-secret-Zq8uXk2pW9"
+
+
+class Server:
+    def __init__(self):
+        script = ROOT / "tests" / "support" / "s3_server.py"
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        line = self.proc.stdout.readline()
+        assert line.startswith("PORT "), f"the S3 server did not start: {line!r}"
+        self.endpoint = f"http://127.0.0.1:{int(line.split()[1])}"
+        self.options = {
+            "endpoint": self.endpoint,
+            "region": "us-east-1",
+            "access_key_id": ACCESS_KEY,
+            "secret_access_key": SECRET_KEY,
+            "part_size": "5MiB",
+            "retry_timeout": 5,
+            "max_retries": 2,
+        }
+        self.client = boto3.client(
+            "s3", endpoint_url=self.endpoint, region_name="us-east-1", aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY
+        )
+
+    def faults(self, body):
+        import urllib.request
+
+        urllib.request.urlopen(urllib.request.Request(self.endpoint + "/__faults", data=body.encode(), method="POST")).read()
+
+    def get(self, bucket, key):
+        return self.client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def stop(self):
+        self.proc.stdin.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = Server()
+    for bucket in ("pyobj", "models"):
+        server.client.create_bucket(Bucket=bucket)
+    yield server
+    server.stop()
+
+
+def big_dict(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # Every dtype the official safetensors package reads back too.
+    out = {k: v for k, v in sample_dict(seed).items() if "e8m0" not in k and "fnuz" not in k}
+    # Several multipart parts and ranged GETs at 5 MiB parts.
+    out["big.f32"] = torch.randn(4 * 1024 * 1024, generator=g)
+    out["big.bf16"] = torch.randn(3000, 1000, generator=g).bfloat16()
+    return out
+
+
+def test_save_and_load_through_every_api_match_the_reference(s3, tmp):
+    from safetensors.torch import load as st_load
+
+    sd = big_dict(1)
+    opts = s3.options
+    # veTurboIO's API: the object's bytes are the local save's, byte for byte.
+    turboio.save_file(sd, "s3://pyobj/a.safetensors", storage_options=opts)
+    turboio.save_file(sd, str(tmp / "a.safetensors"))
+    body = s3.get("pyobj", "a.safetensors")
+    assert body == (tmp / "a.safetensors").read_bytes()
+    ref = st_load(body)
+    for name, t in turboio.load("s3://pyobj/a.safetensors", storage_options=opts).items():
+        assert same(t, ref[name]), name
+    # safetensors.torch's API.
+    tt.save_file(sd, "s3://pyobj/b.safetensors", metadata={"k": "v"}, storage_options=opts)
+    got = tt.load_file("s3://pyobj/b.safetensors", storage_options=opts)
+    assert set(got) == set(sd) and all(same(got[k], sd[k]) for k in sd)
+    with tt.safe_open("s3://pyobj/b.safetensors", framework="pt", storage_options=opts) as f:
+        assert f.metadata() == {"k": "v"}
+        assert same(f.get_tensor("big.bf16"), sd["big.bf16"])
+        assert same(f.get_slice("big.f32")[5:9], sd["big.f32"][5:9])
+    # Background saves to a URL.
+    handle = turboio.save_file(sd, "s3://pyobj/c.safetensors", blocking=False, storage_options=opts)
+    handle.wait()
+    assert s3.get("pyobj", "c.safetensors") == body
+    # Into pre-allocated tensors (veTurboIO's state_dict=).
+    dst = {k: torch.empty_like(v) for k, v in sd.items()}
+    turboio.load("s3://pyobj/a.safetensors", state_dict=dst, storage_options=opts)
+    assert all(same(dst[k], sd[k]) for k in sd)
+    # dtype on load.
+    bf = turboio.load("s3://pyobj/a.safetensors", dtype=torch.bfloat16, storage_options=opts)
+    assert same(bf["big.f32"], sd["big.f32"].bfloat16())
+
+
+def test_options_from_the_environment(s3, monkeypatch):
+    sd = {"w": torch.arange(100, dtype=torch.float32)}
+    turboio.save_file(sd, "s3://pyobj/env.safetensors", storage_options=s3.options)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    assert same(turboio.load("s3://pyobj/env.safetensors")["w"], sd["w"])
+    assert same(tt.load_file("s3://pyobj/env.safetensors")["w"], sd["w"])
+
+
+def test_models_under_a_prefix(s3):
+    sd = big_dict(2)
+    opts = s3.options
+    index = turboio.save_model_dir(sd, "s3://models/run1", max_shard_size="6MB", storage_options=opts)
+    assert index == "s3://models/run1/model.safetensors.index.json"
+    keys = [o["Key"] for o in s3.client.list_objects_v2(Bucket="models", Prefix="run1/")["Contents"]]
+    assert "run1/model.safetensors.index.json" in keys and len(keys) >= 4
+    got = turboio.load_model("s3://models/run1", storage_options=opts)
+    assert set(got) == set(sd) and all(same(got[k], sd[k]) for k in sd)
+    names = dict(turboio.iter_weights("s3://models/run1", storage_options=opts))
+    assert set(names) == set(sd)
+    # Replaced as a set: the old shards are gone after the commit.
+    small = {"only": torch.ones(10)}
+    turboio.save_model_dir(small, "s3://models/run1", storage_options=opts)
+    keys = sorted(o["Key"] for o in s3.client.list_objects_v2(Bucket="models", Prefix="run1/")["Contents"])
+    assert len(keys) == 2, keys
+    assert list(turboio.load_model("s3://models/run1", storage_options=opts)) == ["only"]
+
+
+def test_torch_checkpoints_from_s3(s3, tmp):
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(700, 300, generator=g)
+    sd = {"emb": w, "head": w, "t": w.t(), "n": torch.arange(7)}
+    torch.save(sd, tmp / "c.pt")
+    s3.client.upload_file(str(tmp / "c.pt"), "pyobj", "c.pt")
+    got = turboio.load("s3://pyobj/c.pt", storage_options=s3.options)
+    ref = torch.load(tmp / "c.pt", weights_only=True)
+    assert set(got) == set(ref) and all(same(got[k], ref[k]) for k in ref)
+    assert got["emb"].data_ptr() == got["head"].data_ptr()
+
+
+def test_errors_name_the_url_and_keep_secrets(s3):
+    opts = s3.options
+    with pytest.raises(FileNotFoundError, match="s3://pyobj/nope.safetensors"):
+        turboio.load("s3://pyobj/nope.safetensors", storage_options=opts)
+    with pytest.raises(FileNotFoundError, match="s3://no-such-bucket-x/a.safetensors"):
+        tt.load_file("s3://no-such-bucket-x/a.safetensors", storage_options=opts)
+    with pytest.raises(ValueError, match="concurrency"):
+        turboio.load("s3://pyobj/a.safetensors", storage_options={**opts, "concurrency": "lots"})
+    with pytest.raises(TypeError, match="storage_options"):
+        turboio.load("s3://pyobj/a.safetensors", storage_options=["endpoint"])
+    turboio.save_file({"x": torch.ones(3)}, "s3://pyobj/x.safetensors", storage_options=opts)
+    s3.faults('{"require_key": "AKIASOMEBODYELSE"}')
+    try:
+        with pytest.raises(Exception) as info:
+            turboio.load("s3://pyobj/x.safetensors", storage_options=opts)
+    finally:
+        s3.faults("{}")
+    text = str(info.value) + repr(info.value)
+    assert "s3://pyobj/x.safetensors" in text and "access denied" in text and SECRET_KEY not in text
+    from turboio import _remote
+
+    assert SECRET_KEY not in repr(_remote.storage("s3://pyobj/x", opts))
+
+
+def test_throttling_and_cut_bodies_are_retried(s3):
+    sd = big_dict(3)
+    turboio.save_file(sd, "s3://pyobj/retry.safetensors", storage_options=s3.options)
+    for faults in ('{"slowdown_every": 2}', '{"truncate_every": 3}'):
+        s3.faults(faults)
+        try:
+            got = turboio.load("s3://pyobj/retry.safetensors", storage_options=s3.options)
+        finally:
+            s3.faults("{}")
+        assert all(same(got[k], sd[k]) for k in sd), faults
