@@ -37,9 +37,14 @@ def test_files_follow_the_index_and_ignore_strays(tmp):
 
 
 def test_options_are_checked():
-    assert vllm_plugin.loader_options(None) == {"num_threads": 0, "cache": "auto", "mode": "auto"}
+    assert vllm_plugin.loader_options(None) == {"num_threads": 0, "cache": "auto", "mode": "auto", "storage_options": None}
     assert vllm_plugin.loader_options({"num_threads": 4, "cache": "keep"})["num_threads"] == 4
-    for bad, msg in [({"num_thread": 4}, "unknown option"), ({"cache": "never"}, "cache must"), ({"num_threads": "4"}, "must be a int")]:
+    for bad, msg in [
+        ({"num_thread": 4}, "unknown option"),
+        ({"cache": "never"}, "cache must"),
+        ({"num_threads": "4"}, "must be a int"),
+        ({"storage_options": "endpoint=x"}, "storage_options must be a dict"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             vllm_plugin.loader_options(bad)
 
@@ -89,6 +94,30 @@ def test_registered_loader_feeds_model_load_weights(tmp, monkeypatch):
         assert torch.equal(m.got[k], v), k
     with pytest.raises(ValueError, match="unknown option"):
         cls(types.SimpleNamespace(model_loader_extra_config={"bogus": 1}))
+
+
+def test_object_store_models_are_read_in_place(tmp):
+    """`vllm serve s3://bucket/model`: vLLM keeps the weights' URL in `model_weights` (its own
+    copy of the config lives in a local directory); the plug-in reads the shards from the bucket."""
+    pytest.importorskip("moto")
+    from test_object import Server
+
+    d, ref = model_dir(tmp)
+    server = Server()
+    try:
+        server.client.create_bucket(Bucket="vllm-models")
+        for f in d.iterdir():
+            server.client.upload_file(str(f), "vllm-models", f"llama/{f.name}")
+        url = "s3://vllm-models/llama"
+        config = types.SimpleNamespace(model=str(tmp), model_weights=url, revision=None)
+        assert vllm_plugin._local_dir(config) == url
+        options = vllm_plugin.loader_options({"storage_options": server.options})
+        got = dict(vllm_plugin.weights_iterator(url, options))
+        assert got.keys() == ref.keys(), "the index's shards, not the stray file"
+        for k, v in ref.items():
+            assert torch.equal(got[k], v), k
+    finally:
+        server.stop()
 
 
 def test_the_wheel_declares_the_entry_point():

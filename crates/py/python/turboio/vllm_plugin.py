@@ -4,8 +4,11 @@ The wheel declares an entry point in vLLM's `vllm.general_plugins` group; vLLM c
 `register()` at start-up, which registers the loader under the name "turboio" with vLLM's
 `register_model_loader`. The loader subclasses vLLM's `BaseModelLoader`:
 
-- `download_model(model_config)`: a local directory is used as it is; otherwise the
-  safetensors files and JSON of the repository are fetched with `huggingface_hub`.
+- `download_model(model_config)`: a local directory is used as it is, and an object-store
+  prefix (`s3://bucket/model`, `gs://...`, `az://...`: vLLM's `model_weights` when it pulled
+  the config and tokenizer of an `s3://` model itself, else the model path) is read in place;
+  otherwise the safetensors files and JSON of the repository are fetched with
+  `huggingface_hub`.
 - `load_weights(model, model_config)`: feeds `model.load_weights(...)` with `(name, tensor)`
   pairs from the model's shards: the ones `model.safetensors.index.json` lists when it exists
   (stray files beside them are ignored), else every `*.safetensors` file; the whole set is
@@ -13,7 +16,9 @@ The wheel declares an entry point in vLLM's `vllm.general_plugins` group; vLLM c
 
 Options, from `--model-loader-extra-config '{"num_threads": 8, "cache": "keep"}'`:
 `num_threads` (readers; default one per core), `cache` ("auto", "keep" or "bypass"), `mode`
-("auto", "mapped" or "copied"). Unknown keys are an error, so a typo does not pass silently.
+("auto", "mapped" or "copied"), `storage_options` (a dict, for object-store models: endpoint,
+region, credentials, concurrency, ... as `turboio.load` takes them; the environment otherwise).
+Unknown keys are an error, so a typo does not pass silently.
 
 vLLM is not a dependency of the wheel. Everything but the two vLLM classes lives in plain
 functions here (`weight_files`, `loader_options`, `weights_iterator`), tested without vLLM.
@@ -24,7 +29,7 @@ import json
 import os
 
 INDEX = "model.safetensors.index.json"
-OPTIONS = {"num_threads": int, "cache": str, "mode": str}
+OPTIONS = {"num_threads": int, "cache": str, "mode": str, "storage_options": dict}
 
 
 def weight_files(model_dir):
@@ -60,28 +65,44 @@ def loader_options(extra_config):
         raise ValueError(f"turboio loader: cache must be auto, keep or bypass, not {extra['cache']!r}")
     if extra.get("mode", "auto") not in ("auto", "mapped", "copied"):
         raise ValueError(f"turboio loader: mode must be auto, mapped or copied, not {extra['mode']!r}")
-    return {"num_threads": extra.get("num_threads", 0), "cache": extra.get("cache", "auto"), "mode": extra.get("mode", "auto")}
+    return {
+        "num_threads": extra.get("num_threads", 0),
+        "cache": extra.get("cache", "auto"),
+        "mode": extra.get("mode", "auto"),
+        "storage_options": extra.get("storage_options"),
+    }
 
 
 def weights_iterator(model_dir, options):
     """`(name, tensor)` for every tensor of the model (the index's shards, or every file),
     loaded as one job; tensors stay valid after the iterator moves on."""
-    from . import _turboio
+    from . import _remote, _turboio
     from ._torch import tensors_of, threads
 
+    storage = _remote.storage(model_dir, options.get("storage_options"))
     index = os.path.join(model_dir, INDEX)
-    if os.path.isfile(index):
-        sources = [index]
+    if _remote.is_remote(model_dir) or os.path.isfile(index):
+        # One job: the index (or, for a prefix without one, every *.safetensors object under it).
+        sources = [model_dir]
     else:
         sources = weight_files(model_dir)
     for source in sources:
-        for loaded in _turboio.load_model(source, threads=threads(options["num_threads"]), cache=options["cache"], mode=options["mode"]):
+        for loaded in _turboio.load_model(
+            source, threads=threads(options["num_threads"]), cache=options["cache"], mode=options["mode"], storage=storage
+        ):
             yield from tensors_of(loaded).items()
 
 
 def _local_dir(model_config, load_config=None):
+    from . import _remote
+
+    # vLLM pulls an object-store model's config and tokenizer into a local directory itself and
+    # keeps the weights' URL in `model_weights`; the weights are read from there, in place.
+    weights = getattr(model_config, "model_weights", None) or ""
+    if _remote.is_object_url(weights):
+        return weights
     path = model_config.model
-    if os.path.isdir(path):
+    if _remote.is_object_url(path) or os.path.isdir(path):
         return path
     from huggingface_hub import snapshot_download
 
