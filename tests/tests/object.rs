@@ -71,6 +71,19 @@ fn files_models_and_encrypted_files_load_from_s3_as_from_disk() {
         let remote = turboio::load("s3://models/sample.safetensors", &opts).unwrap();
         assert_same(&reference, &remote, &format!("{threads} threads"));
     }
+    // Into a device through pinned staging (the opaque test device: memory the CPU cannot
+    // address), as a GPU load from a bucket goes; and decrypted on the device.
+    let dev = Arc::new(turboio::device::testing::OpaqueDevice::new(0));
+    let opts = LoadOptions {
+        device: Some(dev.clone() as Arc<dyn turboio::device::Device>),
+        staging_chunk: 1 << 20,
+        ..fx.load_opts()
+    };
+    let staged = turboio::load("s3://models/sample.safetensors", &opts).unwrap();
+    assert_eq!(staged.report().held, turboio::Held::Staged);
+    assert_same(&reference, &staged, "staged into a device");
+    drop(staged);
+    assert_eq!(dev.live_allocations(), 0);
     // dtype on load: the same conversion as from the local file.
     let bf16 = LoadOptions { dtype: Some(turboio::Dtype::BF16), ..Default::default() };
     let a = turboio::load(&local, &bf16).unwrap();
