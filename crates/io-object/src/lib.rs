@@ -14,7 +14,8 @@
 //!
 //! [`StorageFile::read_ranges`] cuts the requested ranges into parts of
 //! [`ObjectOptions::part_size`] and keeps [`ObjectOptions::concurrency`] ranged GETs in flight,
-//! spread over the caller's worker threads; each part's body is copied straight into its final
+//! spread over the caller's worker threads (and shared by every read of one [`ObjectStorage`]:
+//! the files of a model load fill together within that bound); each part's body is copied straight into its final
 //! place (the load's arena, a staging buffer) as it arrives, never into a temporary file or a
 //! second full-size buffer, and the per-chunk hook (decryption, conversion) runs on the thread
 //! that received it. Parts inside the first GET's bytes are copied from them.
@@ -105,6 +106,9 @@ pub struct ObjectStorage {
 struct Inner {
     options: ObjectOptions,
     limiter: Limiter,
+    /// One permit per request in flight, shared by every read of this backend (a model load
+    /// fills many files at once; together they keep `concurrency` requests in flight).
+    permits: tokio::sync::Semaphore,
     /// Built stores (see [`StoreKey`]).
     stores: Mutex<HashMap<StoreKey, Arc<dyn ObjectStore>>>,
 }
@@ -135,7 +139,8 @@ impl ObjectStorage {
     /// environment).
     pub fn new(options: ObjectOptions) -> ObjectStorage {
         let limiter = Limiter::new(options.max_bandwidth);
-        ObjectStorage { inner: Arc::new(Inner { options, limiter, stores: Mutex::new(HashMap::new()) }) }
+        let permits = tokio::sync::Semaphore::new(options.concurrency.max(1));
+        ObjectStorage { inner: Arc::new(Inner { options, limiter, permits, stores: Mutex::new(HashMap::new()) }) }
     }
 
     /// The options.

@@ -149,6 +149,8 @@ impl ObjectFile {
             version: self.version.clone(),
             ..Default::default()
         };
+        // Held until the body is in: the backend's requests in flight stay within `concurrency`.
+        let _permit = self.storage.inner.permits.acquire().await.map_err(|_| StorageError::Cancelled)?;
         let result = match self.store.get_opts(&self.key, get).await {
             Ok(r) => r,
             Err(e) => return Ok(Err(e)),
@@ -237,6 +239,10 @@ impl StorageFile for ObjectFile {
 
     fn reader(&self) -> Result<Box<dyn RangeReader + '_>, StorageError> {
         Ok(Box::new(Reader(self)))
+    }
+
+    fn requests_in_flight(&self) -> usize {
+        self.storage.options().concurrency.max(1)
     }
 
     fn read_ranges(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<(), StorageError> {

@@ -213,6 +213,14 @@ pub trait StorageFile: Send + Sync + Debug {
         Err(StorageError::Unsupported { backend: "storage", what: "reading into device memory".into() })
     }
 
+    /// How many requests one bulk read of this file keeps in flight at most: 1 for local files
+    /// (their parallelism is the reader threads), a remote store's concurrency for object
+    /// storage. A model load fills up to this many files at once, so that many small files do
+    /// not leave a remote backend idle (the backend bounds its requests in flight itself).
+    fn requests_in_flight(&self) -> usize {
+        1
+    }
+
     /// The local file descriptor, for backends whose files can be memory-mapped.
     fn local_file(&self) -> Option<&std::fs::File> {
         None

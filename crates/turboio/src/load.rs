@@ -339,6 +339,12 @@ impl Planned {
         }
     }
 
+    /// The requests in flight one fill of this file keeps (see
+    /// `StorageFile::requests_in_flight`).
+    pub(crate) fn requests_in_flight(&self) -> usize {
+        self.opened.raw().requests_in_flight()
+    }
+
     /// For a cold mapped load, asks the kernel for the whole file now, without waiting (a
     /// model load asks for every shard before it fills any).
     pub(crate) fn read_ahead(&self) {

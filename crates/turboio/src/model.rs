@@ -365,11 +365,10 @@ pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedMo
         None => (opts, load_device(opts, &cpu), None),
     };
 
-    // Open, validate and allocate every shard before reading any tensor byte.
-    let mut planned: Vec<Planned> = Vec::with_capacity(files.shards.len());
-    for shard in &files.shards {
-        planned.push(plan(shard, opts, device)?);
-    }
+    // Open, validate and allocate every shard before reading any tensor byte; several at once
+    // (opening a remote shard is a request: a model of many shards would otherwise pay one
+    // round trip per shard in turn).
+    let planned = plan_all(&files.shards, opts, device)?;
     let names: Vec<Vec<&str>> = planned
         .iter()
         .map(|p| p.header().map(|h| h.tensors().iter().map(|t| t.name.as_str()).collect()).unwrap_or_default())
@@ -380,8 +379,11 @@ pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedMo
 
     // Fill every shard in one pipeline: `workers` fills at a time, largest first, sharing the
     // cores; cold mapped shards are all asked for from the disk first.
+    // A remote backend keeps many requests in flight per file: fill that many shards at once, so
+    // small shards do not leave it idle (it bounds its requests itself).
     let threads = if opts.threads == 0 { turboio_storage::default_threads() } else { opts.threads };
-    let workers = planned.len().clamp(1, threads);
+    let streams = planned.iter().map(Planned::requests_in_flight).max().unwrap_or(1);
+    let workers = planned.len().clamp(1, threads.max(streams));
     let per_fill = (threads / workers).max(1);
     for p in &planned {
         p.read_ahead();
@@ -441,6 +443,41 @@ pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedMo
     let report =
         ModelReport { files: shards.len(), bytes, elapsed: started.elapsed(), workers, threads_per_fill: per_fill };
     Ok(LoadedModel { files, shards, owner, report })
+}
+
+/// Plans every shard (see [`plan`]), up to 16 at a time; the first failure in shard order is
+/// the answer.
+fn plan_all(shards: &[PathBuf], opts: &LoadOptions, device: &dyn turboio_device::Device) -> Result<Vec<Planned>> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let slots: Vec<std::sync::Mutex<Option<Result<Planned>>>> = shards.iter().map(|_| Default::default()).collect();
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        for _ in 0..shards.len().clamp(1, 16) {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= shards.len() || failed.load(Ordering::Relaxed) {
+                    break;
+                }
+                let r = plan(&shards[i], opts, device);
+                failed.fetch_or(r.is_err(), Ordering::Relaxed);
+                *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+            });
+        }
+    });
+    let results: Vec<Option<Result<Planned>>> =
+        slots.into_iter().map(|s| s.into_inner().unwrap_or_else(|e| e.into_inner())).collect();
+    if let Some(i) = results.iter().position(|r| matches!(r, Some(Err(_)))) {
+        return match results.into_iter().nth(i) {
+            Some(Some(Err(e))) => Err(e),
+            _ => Err(model_error(&shards[i], "a shard was not opened")),
+        };
+    }
+    results
+        .into_iter()
+        .zip(shards)
+        .map(|(r, shard)| r.unwrap_or_else(|| Err(model_error(shard, "a shard was not opened"))))
+        .collect()
 }
 
 /// Parses a shard size: a number of bytes, or with a unit (`"5GB"`, `"500MB"`, `"2GiB"`, as
