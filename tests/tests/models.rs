@@ -193,6 +193,22 @@ fn a_resave_never_overwrites_the_set_the_index_names_and_removes_it_after() {
 }
 
 #[test]
+fn a_resave_removes_only_shards_it_recognises() {
+    // An index (hand-made, or of another writer) that names files which are not shards of this
+    // protocol: a save over it must not delete them.
+    let dir = disk_dir();
+    std::fs::write(dir.path().join("config.json"), b"{\"model_type\": \"llama\"}").unwrap();
+    std::fs::write(dir.path().join("README.md"), b"# my model").unwrap();
+    let index = serde_json::json!({"weight_map": {"a": "config.json", "b": "README.md"}});
+    std::fs::write(dir.path().join(turboio::model::INDEX_NAME), index.to_string()).unwrap();
+    let m = model();
+    turboio::save_model_dir(dir.path(), &views(&m), None, 2000, &SaveOptions::default()).unwrap();
+    assert_eq!(std::fs::read(dir.path().join("config.json")).unwrap(), b"{\"model_type\": \"llama\"}");
+    assert_eq!(std::fs::read(dir.path().join("README.md")).unwrap(), b"# my model");
+    assert_model(dir.path(), &m, &LoadOptions::default());
+}
+
+#[test]
 fn killed_sharded_saves_leave_the_old_or_the_new_model() {
     let kills: u64 = std::env::var("TURBOIO_MODEL_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
     let dir = disk_dir();

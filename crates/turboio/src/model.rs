@@ -682,7 +682,10 @@ pub(crate) fn save_shard_set(
             .and_then(|n| n.to_str())
             .is_some_and(|n| (!keep.contains(n) && is_shard_name(n)) || is_dead_writers_temp(n))
     });
-    for p in old.into_iter().filter(|p| !shards.contains(p)).chain(stale) {
+    // Only files this protocol writes: an old index that names `config.json` or a file of
+    // another writer never gets it deleted.
+    let ours = |p: &PathBuf| p.file_name().and_then(|n| n.to_str()).is_some_and(is_shard_name);
+    for p in old.into_iter().filter(|p| !shards.contains(p) && ours(p)).chain(stale) {
         if !removed.contains(&p) && place.remove(&p) {
             removed.push(p);
         }
