@@ -54,6 +54,13 @@ pub struct Args {
     /// written to `pt.md` in `--out`. (The full bench runs these rows too.)
     #[arg(long)]
     pub pt: bool,
+    /// Only the object-storage rows: the sample (the first size, default 4GiB) and a 9-shard
+    /// model uploaded to a local s3s-fs (installed into `target/bench-tools` on first use), loaded
+    /// by turboio against Run:ai Model Streamer and boto3 + safetensors, and the server's
+    /// ranged-GET ceiling, with no added latency and with 20 ms per request (default 3 runs);
+    /// written to `object.md` in `--out`. (The full bench runs these rows too.)
+    #[arg(long)]
+    pub object: bool,
     /// An SFCS directory (`sfcs://...`) for the SFCS rows (a save and copied loads through
     /// libcloudfs); they also need LIBCFS_PATH pointing at the vendor library. Without both,
     /// the rows are skipped with a message.
@@ -552,6 +559,16 @@ pub fn run(args: Args) -> Result<()> {
         println!("{report}\nwrote {}", args.out.join("model.md").display());
         return Ok(());
     }
+    if args.object {
+        let size = if args.sizes.is_empty() && !args.quick { 4 << 30 } else { sizes[0] };
+        let runs = args.runs.unwrap_or(if args.quick { 2 } else { 3 }).max(1);
+        let python = if args.no_python { None } else { Some(crate::pybench::setup()?) };
+        let report = crate::objectbench::run(python.as_deref(), &args.dir, size, runs, args.quick)?;
+        std::fs::create_dir_all(&args.out)?;
+        std::fs::write(args.out.join("object.md"), &report)?;
+        println!("{report}\nwrote {}", args.out.join("object.md").display());
+        return Ok(());
+    }
     // The sections that start many Python processes (each imports torch) run once in a smoke run.
     let process_runs = if args.quick { 1 } else { runs };
     if args.pt {
@@ -654,6 +671,24 @@ pub fn run(args: Args) -> Result<()> {
             std::fs::remove_file(&path)?;
         }
     }
+
+    // The object-storage rows, for the first size (skipped with the reason when the server
+    // cannot be installed or started). Not in the smoke run: it builds s3s-fs and installs
+    // Run:ai (minutes on a fresh machine); `cargo xtask bench --object --quick` is its smoke run.
+    let object_section = if args.quick {
+        "## Object storage\n\nNot in the --quick smoke run (it builds s3s-fs and installs Run:ai Model Streamer): \
+         `cargo xtask bench --object --quick`.\n"
+            .to_owned()
+    } else {
+        let object_runs = args.runs.unwrap_or(3).max(1);
+        eprintln!("{}: object storage, {object_runs} runs ...", size_name(sizes[0]));
+        crate::objectbench::run(python.as_deref(), &args.dir, sizes[0], object_runs, false).unwrap_or_else(|e| {
+            eprintln!("object rows skipped: {e:#}");
+            format!("## Object storage\n\nSkipped: {e:#}.\n")
+        })
+    };
+    std::fs::create_dir_all(&args.out)?;
+    std::fs::write(args.out.join("object.md"), &object_section)?;
 
     let mut checks = Vec::new();
     for &size in &sizes {
@@ -767,6 +802,8 @@ pub fn run(args: Args) -> Result<()> {
         report.push_str("\n## PyTorch `.pt` checkpoints and dtype conversion\n\n");
         report.push_str(section);
     }
+    report.push('\n');
+    report.push_str(&object_section);
     println!("{report}");
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(args.out.join("load.md"), &report)?;

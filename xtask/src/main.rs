@@ -3,7 +3,8 @@
 //! - `cargo xtask bench [--quick] [--device cuda:N] [--model]`: load benchmarks against baselines and
 //!   ceilings, hot and cold, written to `target/bench/`; with `--device`, GPU rows too; with
 //!   `--model`, only the whole-model rows (sharded directories, 2-rank gloo); with `--pt`, only
-//!   the `.pt` rows (loads, converting loads, conversions).
+//!   the `.pt` rows (loads, converting loads, conversions); with `--object`, only the
+//!   object-storage rows (S3 on a local s3s-fs, against Run:ai Model Streamer and boto3).
 //! - `cargo xtask test`: everything CI runs (fmt, clippy, tests in every feature set, docs,
 //!   Python interop in a venv it creates, a bench smoke run).
 
@@ -12,6 +13,7 @@ mod cachebench;
 mod ceiling;
 mod gpubench;
 mod modelbench;
+mod objectbench;
 mod ptbench;
 mod pybench;
 mod savebench;

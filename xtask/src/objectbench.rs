@@ -1,0 +1,907 @@
+//! `cargo xtask bench --object`: loads from an S3-compatible object store, turboio against the
+//! peers a user would otherwise reach for and against what the server itself can deliver.
+//!
+//! What it measures, and why: turboio's object backend (`turboio.load(url, storage_options=...)`
+//! for one safetensors object, `turboio.load_model(prefix, ...)` for a 9-shard model under a key
+//! prefix) promises parallel ranged GETs straight into the load's memory; this shows whether that
+//! reaches the server's own throughput and beats Run:ai Model Streamer (the peer built for
+//! exactly this job, at its default concurrency and at its best of 8/16/32) and the plain way
+//! (boto3 `download_file` to a temporary file, then `safetensors.torch.load_file`).
+//!
+//! - **Server**: s3s-fs 0.14.1 (the newest that builds on the workspace's Rust), installed into
+//!   `target/bench-tools` by `cargo install` on first use, serving a root under the data
+//!   directory on 127.0.0.1 with signed requests. Objects are uploaded *through* the server (so
+//!   it stores their ETags: a file copied into its root makes every GET hash the whole file),
+//!   once, and re-uploaded only when their size changed. The server is killed at the end, also
+//!   on errors (a guard).
+//! - **Loaders** run each in a Python process of their own (`crates/py/bench/py_object.py`),
+//!   which prints the load time, a first read of every 4 KiB page of the result and its peak
+//!   RSS; the loaders take turns in a shuffled order each run (`bench::run_order`), the median
+//!   of `--runs` is reported, and the server's files are in the page cache before every run.
+//! - **Ceiling**: the server's throughput for the same bytes with parallel 8 MiB ranged GETs (16
+//!   and 32 in flight) whose bodies are counted and dropped (no memory kept or touched), measured
+//!   here with object_store directly, same endpoint and credentials.
+//! - **Latency**: everything again through a TCP proxy in this process that holds every read
+//!   from the client for 20 ms before passing it on, so each request pays about 20 ms, as it
+//!   would against a store in another zone. Concurrency, not bandwidth, decides those rows.
+
+use crate::bench::{median_of as median, run_order, size_name, warm};
+use crate::test::root;
+use anyhow::{bail, Context, Result};
+use futures_util::{StreamExt, TryStreamExt};
+use object_store::aws::AmazonS3Builder;
+use object_store::path::Path as Key;
+use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const S3S_FS_VERSION: &str = "0.14.1";
+const BUCKET: &str = "bench";
+const FILE_KEY: &str = "sample.safetensors";
+const MODEL_PREFIX: &str = "model";
+const MODEL_SHARDS: usize = 9;
+const ACCESS_KEY: &str = "turboio-bench";
+const SECRET_KEY: &str = "turboio-bench-secret";
+const REGION: &str = "us-east-1";
+/// Added to every request in the second half of the rows.
+const LATENCY: Duration = Duration::from_millis(20);
+/// Bytes per ranged GET of the ceiling (turboio's and Run:ai's default part too).
+const PART: u64 = 8 << 20;
+/// Bytes per uploaded part.
+const UPLOAD_PART: usize = 64 << 20;
+/// Run:ai concurrencies tried once each; the fastest is measured as a row of its own.
+const RUNAI_TRIALS: [usize; 3] = [8, 16, 32];
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Loader {
+    Turbo,
+    RunaiDefault,
+    RunaiTuned,
+    Boto3,
+    Ceiling(usize),
+}
+
+const LOADERS: [Loader; 6] =
+    [Loader::Turbo, Loader::RunaiDefault, Loader::RunaiTuned, Loader::Boto3, Loader::Ceiling(16), Loader::Ceiling(32)];
+
+impl Loader {
+    fn name(self) -> String {
+        match self {
+            Loader::Turbo => format!(
+                "turboio.load / turboio.load_model ({} in flight, {} MiB parts: the defaults)",
+                turboio::object::DEFAULT_CONCURRENCY,
+                turboio::object::DEFAULT_PART_SIZE >> 20
+            ),
+            Loader::RunaiDefault => "Run:ai Model Streamer 0.17 (default concurrency)".into(),
+            Loader::RunaiTuned => "Run:ai Model Streamer 0.17 (best of concurrency 8/16/32)".into(),
+            Loader::Boto3 => "boto3 download_file + safetensors.torch.load_file".into(),
+            Loader::Ceiling(n) => format!("ceiling: object_store 8 MiB ranged GETs, {n} in flight, bodies dropped"),
+        }
+    }
+
+    /// The name the child script knows (None: measured here).
+    fn script_name(self) -> Option<&'static str> {
+        match self {
+            Loader::Turbo => Some("turboio"),
+            Loader::RunaiDefault | Loader::RunaiTuned => Some("runai"),
+            Loader::Boto3 => Some("boto3"),
+            Loader::Ceiling(_) => None,
+        }
+    }
+}
+
+/// The two things loaded: one object, and a model under a key prefix.
+const TARGETS: [&str; 2] = ["file", "model"];
+
+#[derive(Default, Clone)]
+struct Cell {
+    times: Vec<f64>,
+    peak_rss: u64,
+    failed: Option<String>,
+}
+
+struct Row {
+    loader: Loader,
+    /// What the name does not say (Run:ai's chosen concurrency).
+    note: String,
+    cells: [Cell; 2],
+    skipped: Option<String>,
+}
+
+impl Row {
+    fn time(&self, target: usize) -> Option<f64> {
+        let c = &self.cells[target];
+        (self.skipped.is_none() && c.failed.is_none() && !c.times.is_empty()).then(|| median(&c.times))
+    }
+}
+
+/// s3s-fs, killed when dropped.
+struct Server {
+    child: Child,
+    port: u16,
+    start_s: f64,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The s3s-fs binary, installed into `target/bench-tools` if it is not there yet.
+fn s3s_fs() -> std::result::Result<PathBuf, String> {
+    let tools = root().join("target/bench-tools");
+    let bin = tools.join("bin/s3s-fs");
+    if bin.exists() {
+        return Ok(bin);
+    }
+    eprintln!("installing s3s-fs {S3S_FS_VERSION} into {} (several minutes on 2 cores) ...", tools.display());
+    let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["install", "s3s-fs", "--version", S3S_FS_VERSION, "--features", "binary", "--locked", "--root"])
+        .arg(&tools)
+        .status()
+        .map_err(|e| format!("cannot run cargo install: {e}"))?;
+    if !status.success() || !bin.exists() {
+        return Err(format!(
+            "`cargo install s3s-fs --version {S3S_FS_VERSION} --features binary --locked` failed ({status})"
+        ));
+    }
+    Ok(bin)
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Starts s3s-fs on a free port of 127.0.0.1 serving `dir`; returns once it accepts connections.
+fn start_server(bin: &Path, dir: &Path) -> Result<Server> {
+    std::fs::create_dir_all(dir.join(BUCKET))?;
+    let log = dir.with_extension("log");
+    let port = free_port()?;
+    let t = Instant::now();
+    let out = std::fs::File::create(&log)?;
+    let child = Command::new(bin)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--access-key", ACCESS_KEY, "--secret-key"])
+        .arg(SECRET_KEY)
+        .arg(dir)
+        .stdout(Stdio::from(out.try_clone()?))
+        .stderr(Stdio::from(out))
+        .spawn()
+        .with_context(|| format!("cannot start {}", bin.display()))?;
+    let mut server = Server { child, port, start_s: 0.0 };
+    loop {
+        if let Some(status) = server.child.try_wait()? {
+            bail!("s3s-fs exited at start ({status}); see {}", log.display());
+        }
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            break;
+        }
+        if t.elapsed() > Duration::from_secs(30) {
+            bail!("s3s-fs did not listen on port {port} within 30 s; see {}", log.display());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    server.start_s = t.elapsed().as_secs_f64();
+    Ok(server)
+}
+
+fn endpoint(port: u16) -> String {
+    format!("http://127.0.0.1:{port}")
+}
+
+/// An object_store client of the bench bucket at `port`.
+fn store(port: u16) -> Result<Arc<dyn ObjectStore>> {
+    Ok(Arc::new(
+        AmazonS3Builder::new()
+            .with_bucket_name(BUCKET)
+            .with_endpoint(endpoint(port))
+            .with_allow_http(true)
+            .with_region(REGION)
+            .with_access_key_id(ACCESS_KEY)
+            .with_secret_access_key(SECRET_KEY)
+            .build()?,
+    ))
+}
+
+/// Uploads `local` as `key` through the server unless an object of its size is there already;
+/// returns whether it uploaded.
+async fn upload(store: &Arc<dyn ObjectStore>, local: &Path, key: &Key) -> Result<bool> {
+    use std::io::Read;
+    let len = std::fs::metadata(local)?.len();
+    if store.head(key).await.is_ok_and(|m| m.size == len) {
+        return Ok(false);
+    }
+    if len <= UPLOAD_PART as u64 {
+        store.put(key, PutPayload::from(std::fs::read(local)?)).await?;
+        return Ok(true);
+    }
+    let mut up = store.put_multipart(key).await?;
+    let mut file = std::fs::File::open(local)?;
+    let mut inflight = std::collections::VecDeque::new();
+    let result: Result<()> = async {
+        loop {
+            let mut buf = Vec::with_capacity(UPLOAD_PART);
+            (&mut file).take(UPLOAD_PART as u64).read_to_end(&mut buf)?;
+            if buf.is_empty() {
+                break;
+            }
+            inflight.push_back(tokio::spawn(up.put_part(PutPayload::from(buf))));
+            while inflight.len() >= 4 {
+                if let Some(h) = inflight.pop_front() {
+                    h.await??;
+                }
+            }
+        }
+        for h in inflight.drain(..) {
+            h.await??;
+        }
+        Ok(())
+    }
+    .await;
+    match result {
+        Ok(()) => {
+            up.complete().await?;
+            Ok(true)
+        }
+        Err(e) => {
+            let _ = up.abort().await;
+            Err(e)
+        }
+    }
+}
+
+/// Reads `objects` (key, size) with 8 MiB ranged GETs, `inflight` at a time, counting the bytes
+/// and dropping them; returns the bytes read.
+async fn ceiling(store: Arc<dyn ObjectStore>, objects: &[(Key, u64)], inflight: usize) -> Result<u64> {
+    let parts: Vec<(Key, u64, u64)> = objects
+        .iter()
+        .flat_map(|(k, len)| (0..*len).step_by(PART as usize).map(move |a| (k.clone(), a, (a + PART).min(*len))))
+        .collect();
+    futures_util::stream::iter(parts)
+        .map(|(key, a, b)| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let opts = GetOptions { range: Some(GetRange::Bounded(a..b)), ..Default::default() };
+                let mut body = store.get_opts(&key, opts).await?.into_stream();
+                let mut n = 0u64;
+                while let Some(chunk) = body.next().await {
+                    n += chunk?.len() as u64;
+                }
+                anyhow::ensure!(n == b - a, "{key} bytes {a}..{b}: {n} bytes came");
+                Ok(n)
+            })
+        })
+        .buffer_unordered(inflight)
+        .map(|joined| joined.map_err(anyhow::Error::from).and_then(|r| r))
+        .try_fold(0u64, |sum, n| async move { Ok(sum + n) })
+        .await
+}
+
+/// The latency proxy: accepts on 127.0.0.1, relays to the server, and holds every read from
+/// the client `delay` before passing it on (the answers flow back untouched). Its listener stops
+/// when dropped; relayed connections end with their clients.
+struct Proxy {
+    port: u16,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn start_proxy(rt: &tokio::runtime::Runtime, upstream: u16, delay: Duration) -> Result<Proxy> {
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let port = listener.local_addr()?.port();
+    let task = rt.spawn(async move {
+        loop {
+            match listener.accept().await {
+                Ok((client, _)) => {
+                    tokio::spawn(relay(client, upstream, delay));
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        }
+    });
+    Ok(Proxy { port, task })
+}
+
+async fn relay(client: tokio::net::TcpStream, upstream: u16, delay: Duration) {
+    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
+        return;
+    };
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (mut from_client, mut to_client) = client.into_split();
+    let (from_server, mut to_server) = server.into_split();
+    let up = async move {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let n = match from_client.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            tokio::time::sleep(delay).await;
+            if to_server.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+        let _ = to_server.shutdown().await;
+    };
+    let down = async move {
+        let mut from_server = tokio::io::BufReader::with_capacity(1 << 20, from_server);
+        let _ = tokio::io::copy_buf(&mut from_server, &mut to_client).await;
+        let _ = to_client.shutdown().await;
+    };
+    futures_util::future::join(up, down).await;
+}
+
+/// The 9-shard model directory, generated once by `turboio gen --shards`.
+fn model_dir(dir: &Path, size: u64) -> Result<PathBuf> {
+    let out = dir.join(format!("model{MODEL_SHARDS}-{}", size >> 20));
+    if out.join("model.safetensors.index.json").exists() {
+        return Ok(out);
+    }
+    eprintln!("generating {} ({MODEL_SHARDS} shards) ...", out.display());
+    let status = Command::new(crate::bench::cli()?)
+        .args(["gen", "--shards", &MODEL_SHARDS.to_string(), "--size", &size.to_string()])
+        .arg(&out)
+        .status()?;
+    if !status.success() {
+        bail!("turboio gen --shards {MODEL_SHARDS} failed");
+    }
+    Ok(out)
+}
+
+/// The shard file names of a model directory, in the index's order.
+fn shard_names(dir: &Path) -> Result<Vec<String>> {
+    let index = dir.join("model.safetensors.index.json");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&index)?)?;
+    let mut names: Vec<String> = Vec::new();
+    for s in v["weight_map"].as_object().with_context(|| format!("{}: no weight_map", index.display()))?.values() {
+        let s = s.as_str().unwrap_or_default().to_owned();
+        if !names.contains(&s) {
+            names.push(s);
+        }
+    }
+    Ok(names)
+}
+
+/// One child run's result.
+struct Sample {
+    secs: f64,
+    peak_rss: u64,
+}
+
+/// How a Python run is started: the interpreter, the environment, the scratch directory.
+struct Py<'a> {
+    python: &'a Path,
+    tmp: PathBuf,
+    timeout: Duration,
+}
+
+impl Py<'_> {
+    /// Runs the child script for `loader` on `target`; Err is the reason it failed.
+    fn run(
+        &self,
+        loader: &str,
+        target: &str,
+        args: &[String],
+        env: &[(String, String)],
+    ) -> std::result::Result<Sample, String> {
+        let out = self.tmp.join("child.out");
+        let err = self.tmp.join("child.err");
+        let file = |p: &Path| std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()));
+        let mut cmd = Command::new(self.python);
+        cmd.arg(root().join("crates/py/bench/py_object.py"))
+            .args(["--loader", loader, "--target", target, "--tmp"])
+            .arg(&self.tmp)
+            .args(args)
+            .stdout(Stdio::from(file(&out)?))
+            .stderr(Stdio::from(file(&err)?));
+        for var in [
+            "AWS_PROFILE",
+            "AWS_SESSION_TOKEN",
+            "AWS_ENDPOINT_URL_S3",
+            "AWS_CONFIG_FILE",
+            "AWS_SHARED_CREDENTIALS_FILE",
+            "RUNAI_STREAMER_CONCURRENCY",
+            "RUNAI_STREAMER_OBJ_CONCURRENCY",
+            "TURBOIO_OBJECT_CONCURRENCY",
+            "TURBOIO_OBJECT_PART_SIZE",
+            "TURBOIO_OBJECT_MAX_BANDWIDTH",
+        ] {
+            cmd.env_remove(var);
+        }
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
+        let mut child = cmd.spawn().map_err(|e| format!("cannot start {}: {e}", self.python.display()))?;
+        let t = Instant::now();
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(s)) => break s,
+                Ok(None) if t.elapsed() > self.timeout => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(format!("no result after {:.0} s (killed)", self.timeout.as_secs_f64()));
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+                Err(e) => return Err(e.to_string()),
+            }
+        };
+        let stdout = std::fs::read_to_string(&out).unwrap_or_default();
+        if !status.success() {
+            let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+            let last: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+            let tail = last[last.len().saturating_sub(3)..].join(" / ");
+            return Err(format!("{status}: {tail}"));
+        }
+        let line = stdout.lines().rev().find(|l| l.starts_with('{')).unwrap_or("");
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|_| format!("unexpected output: {}", stdout.trim()))?;
+        let secs = v["load_s"].as_f64().unwrap_or(f64::NAN) + v["touch_s"].as_f64().unwrap_or(f64::NAN);
+        Ok(Sample { secs, peak_rss: v["peak_rss_bytes"].as_u64().unwrap_or(0) })
+    }
+}
+
+/// Checks that a Python snippet runs (the reason when it does not).
+fn python_ok(python: &Path, code: &str) -> std::result::Result<(), String> {
+    let out = Command::new(python).args(["-c", code]).output().map_err(|e| e.to_string())?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let e = String::from_utf8_lossy(&out.stderr);
+    Err(e.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("failed").to_owned())
+}
+
+/// Why Run:ai cannot run here, if it cannot (installing it at the pinned versions first).
+fn runai_ready(python: &Path) -> Option<String> {
+    let check = "import runai_model_streamer, runai_model_streamer_s3";
+    if python_ok(python, check).is_ok() {
+        return None;
+    }
+    eprintln!("installing runai-model-streamer 0.17.0 with its S3 plugin ...");
+    let _ = Command::new(python)
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+        .args(["runai-model-streamer==0.17.0", "runai-model-streamer-s3==0.17.0"])
+        .status();
+    python_ok(python, check).err().map(|e| format!("Run:ai Model Streamer cannot be imported: {e}"))
+}
+
+fn date() -> String {
+    Command::new("date")
+        .args(["-u", "+%Y-%m-%d %H:%M UTC"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default()
+}
+
+fn machine() -> String {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map_or_else(String::new, |kb| format!(", {} GiB RAM", kb >> 20));
+    format!("{cpus} vCPU{mem}")
+}
+
+/// What one latency setting measured.
+struct Table {
+    title: String,
+    rows: Vec<Row>,
+}
+
+/// Everything the runs share.
+struct Setup<'a> {
+    rt: &'a tokio::runtime::Runtime,
+    py: Option<Py<'a>>,
+    skip_turbo: Option<String>,
+    skip_runai: Option<String>,
+    skip_boto3: Option<String>,
+    file_url: String,
+    model_url: String,
+    shard_urls: String,
+    /// (key, size) of the file, and of the model's objects.
+    objects: [Vec<(Key, u64)>; 2],
+    /// The server's copies, warmed before every run.
+    stored: [Vec<PathBuf>; 2],
+    runs: usize,
+    trials: &'static [usize],
+}
+
+impl Setup<'_> {
+    fn env(&self, port: u16) -> Vec<(String, String)> {
+        [
+            ("AWS_ENDPOINT_URL", endpoint(port)),
+            ("AWS_ACCESS_KEY_ID", ACCESS_KEY.into()),
+            ("AWS_SECRET_ACCESS_KEY", SECRET_KEY.into()),
+            ("AWS_REGION", REGION.into()),
+            ("AWS_DEFAULT_REGION", REGION.into()),
+            ("AWS_EC2_METADATA_DISABLED", "true".into()),
+            ("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "0".into()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
+    }
+
+    fn warm(&self, target: usize) -> Result<()> {
+        self.stored[target].iter().try_for_each(|p| warm(p))
+    }
+
+    /// One run of `loader` on `target` (0 file, 1 model) against the server or proxy at `port`.
+    fn run_once(
+        &self,
+        loader: Loader,
+        target: usize,
+        port: u16,
+        runai_concurrency: Option<usize>,
+    ) -> std::result::Result<Sample, String> {
+        self.warm(target).map_err(|e| e.to_string())?;
+        if let Loader::Ceiling(n) = loader {
+            let s = store(port).map_err(|e| e.to_string())?;
+            let t = Instant::now();
+            self.rt.block_on(ceiling(s, &self.objects[target], n)).map_err(|e| format!("{e:#}"))?;
+            return Ok(Sample { secs: t.elapsed().as_secs_f64(), peak_rss: 0 });
+        }
+        let py = self.py.as_ref().ok_or("no Python")?;
+        let mut env = self.env(port);
+        if let Some(c) = runai_concurrency {
+            env.push(("RUNAI_STREAMER_CONCURRENCY".into(), c.to_string()));
+            env.push(("RUNAI_STREAMER_OBJ_CONCURRENCY".into(), c.to_string()));
+        }
+        let args = if target == 0 {
+            vec!["--url".to_owned(), self.file_url.clone()]
+        } else {
+            vec!["--url".to_owned(), self.model_url.clone(), "--shards".to_owned(), self.shard_urls.clone()]
+        };
+        py.run(loader.script_name().unwrap_or_default(), TARGETS[target], &args, &env)
+    }
+
+    /// All the rows at one latency: Run:ai's trials, then `runs` rounds in shuffled orders.
+    fn measure(&self, port: u16, title: String) -> Table {
+        let mut rows: Vec<Row> = LOADERS
+            .iter()
+            .map(|&loader| Row {
+                loader,
+                note: String::new(),
+                cells: [Cell::default(), Cell::default()],
+                skipped: match loader {
+                    Loader::Turbo => self.skip_turbo.clone(),
+                    Loader::RunaiDefault | Loader::RunaiTuned => self.skip_runai.clone(),
+                    Loader::Boto3 => self.skip_boto3.clone(),
+                    Loader::Ceiling(_) => None,
+                },
+            })
+            .collect();
+        let tuned_at = LOADERS.iter().position(|&l| l == Loader::RunaiTuned).unwrap_or(0);
+        let mut tuned = [None, None];
+        if rows[tuned_at].skipped.is_none() {
+            let mut notes = Vec::new();
+            for (target, best) in tuned.iter_mut().enumerate() {
+                let mut tried = Vec::new();
+                for &c in self.trials {
+                    eprintln!("  Run:ai trial, {}, concurrency {c} ...", TARGETS[target]);
+                    match self.run_once(Loader::RunaiTuned, target, port, Some(c)) {
+                        Ok(s) => {
+                            tried.push(format!("{c}: {:.2} s", s.secs));
+                            if best.is_none_or(|(_, t)| s.secs < t) {
+                                *best = Some((c, s.secs));
+                            }
+                        }
+                        Err(e) => tried.push(format!("{c}: failed ({e})")),
+                    }
+                }
+                match best {
+                    Some((c, _)) => {
+                        notes.push(format!("{}: {c} (one trial each, {})", TARGETS[target], tried.join(", ")))
+                    }
+                    None => {
+                        rows[tuned_at].cells[target].failed = Some(format!("every trial failed: {}", tried.join("; ")))
+                    }
+                }
+            }
+            rows[tuned_at].note = format!("concurrency chosen: {}", notes.join("; "));
+        }
+        let items: Vec<(usize, usize)> = (0..LOADERS.len()).flat_map(|i| [(i, 0), (i, 1)]).collect();
+        for r in 0..self.runs {
+            eprintln!("  run {} of {} ...", r + 1, self.runs);
+            for k in run_order(items.len(), r) {
+                let (i, target) = items[k];
+                let row = &rows[i];
+                if row.skipped.is_some() || row.cells[target].failed.is_some() {
+                    continue;
+                }
+                let concurrency = match row.loader {
+                    Loader::RunaiTuned => tuned[target].map(|(c, _)| c),
+                    _ => None,
+                };
+                let result = self.run_once(row.loader, target, port, concurrency);
+                let cell = &mut rows[i].cells[target];
+                match result {
+                    Ok(s) => {
+                        cell.times.push(s.secs);
+                        cell.peak_rss = cell.peak_rss.max(s.peak_rss);
+                    }
+                    Err(e) => {
+                        eprintln!("  {} ({}) failed: {e}", LOADERS[i].name(), TARGETS[target]);
+                        cell.failed = Some(e);
+                    }
+                }
+            }
+        }
+        Table { title, rows }
+    }
+}
+
+/// Runs the object-storage rows for a sample of `size` bytes (and a model of as many); returns
+/// the Markdown section (tables and checks). Python rows are skipped without `python`; the whole
+/// section is a skip message when the server cannot be installed or started.
+pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick: bool) -> Result<String> {
+    let command = format!("cargo xtask {}", std::env::args().skip(1).collect::<Vec<_>>().join(" "));
+    let mut s = format!("## Object storage: S3 (s3s-fs {S3S_FS_VERSION}) on 127.0.0.1\n\n");
+    let bin = match s3s_fs() {
+        Ok(b) => b,
+        Err(why) => {
+            eprintln!("object rows skipped: {why}");
+            let _ = writeln!(s, "Skipped: {why}.");
+            return Ok(s);
+        }
+    };
+    let file = crate::bench::sample(data_dir, size)?;
+    let model = model_dir(data_dir, size)?;
+    let shards = shard_names(&model)?;
+    let s3_root = data_dir.join("s3");
+    let server = match start_server(&bin, &s3_root) {
+        Ok(server) => server,
+        Err(why) => {
+            eprintln!("object rows skipped: {why:#}");
+            let _ = writeln!(s, "Skipped: {why:#}.");
+            return Ok(s);
+        }
+    };
+    eprintln!("s3s-fs listening on 127.0.0.1:{} after {:.3} s", server.port, server.start_s);
+    // turboio's backend installs the TLS provider object_store's HTTP client needs (even for
+    // plain HTTP) when it builds its first store: list the bucket through it once.
+    let opts = turboio::object::ObjectOptions::from_pairs([
+        ("endpoint", endpoint(server.port).as_str()),
+        ("region", REGION),
+        ("access_key_id", ACCESS_KEY),
+        ("secret_access_key", SECRET_KEY),
+    ])
+    .map_err(anyhow::Error::msg)?;
+    turboio::object::ObjectStorage::new(opts)
+        .list(Path::new(&format!("s3://{BUCKET}/")))
+        .context("listing the bench bucket through turboio")?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let direct = store(server.port)?;
+
+    // Uploads, through the server, of what is not there yet.
+    let file_key = Key::from(FILE_KEY);
+    let mut model_files = vec!["model.safetensors.index.json".to_owned()];
+    model_files.extend(shards.iter().cloned());
+    let t = Instant::now();
+    let mut uploaded = 0u64;
+    let mut todo: Vec<(PathBuf, Key)> = vec![(file.clone(), file_key.clone())];
+    todo.extend(model_files.iter().map(|n| (model.join(n), Key::from(format!("{MODEL_PREFIX}/{n}")))));
+    for (local, key) in &todo {
+        if rt
+            .block_on(upload(&direct, local, key))
+            .with_context(|| format!("uploading {} as {key}", local.display()))?
+        {
+            eprintln!("uploaded {} as s3://{BUCKET}/{key}", local.display());
+            uploaded += std::fs::metadata(local)?.len();
+        }
+    }
+    // Objects of an earlier model (another size) under the prefix go.
+    let listed: Vec<Key> = rt.block_on(async {
+        direct.list(Some(&Key::from(MODEL_PREFIX))).map_ok(|m| m.location).try_collect::<Vec<_>>().await
+    })?;
+    for k in listed {
+        if !model_files.iter().any(|n| k.as_ref() == format!("{MODEL_PREFIX}/{n}")) {
+            rt.block_on(direct.delete(&k))?;
+        }
+    }
+    let upload_note = if uploaded > 0 {
+        format!("{:.2} GB uploaded through the server in {:.1} s", uploaded as f64 / 1e9, t.elapsed().as_secs_f64())
+    } else {
+        "objects already on the server (same sizes), not uploaded again".to_owned()
+    };
+
+    let file_len = std::fs::metadata(&file)?.len();
+    let model_objects: Vec<(Key, u64)> = shards
+        .iter()
+        .map(|n| Ok((Key::from(format!("{MODEL_PREFIX}/{n}")), std::fs::metadata(model.join(n))?.len())))
+        .collect::<Result<_>>()?;
+    let model_len: u64 = model_objects.iter().map(|(_, l)| l).sum();
+    let bucket_dir = s3_root.join(BUCKET);
+    let tmp = data_dir.join("object-tmp");
+    std::fs::create_dir_all(&tmp)?;
+    let (py, skip_turbo, skip_runai, skip_boto3) = match python {
+        None => {
+            let why = Some("no Python (--no-python)".to_owned());
+            (None, why.clone(), why.clone(), why)
+        }
+        Some(p) => (
+            Some(Py {
+                python: p,
+                tmp: tmp.clone(),
+                // A load at 5 MB/s would be broken, not slow.
+                timeout: Duration::from_secs_f64((file_len.max(model_len) as f64 / 5e6).max(300.0)),
+            }),
+            python_ok(p, "import turboio._turboio as t; t.ObjectStorage")
+                .err()
+                .map(|e| format!("the installed turboio wheel has no object-storage support ({e})")),
+            runai_ready(p),
+            python_ok(p, "import boto3, safetensors.torch").err(),
+        ),
+    };
+    let setup = Setup {
+        rt: &rt,
+        py,
+        skip_turbo,
+        skip_runai,
+        skip_boto3,
+        file_url: format!("s3://{BUCKET}/{FILE_KEY}"),
+        model_url: format!("s3://{BUCKET}/{MODEL_PREFIX}"),
+        shard_urls: shards.iter().map(|n| format!("s3://{BUCKET}/{MODEL_PREFIX}/{n}")).collect::<Vec<_>>().join(","),
+        objects: [vec![(file_key, file_len)], model_objects],
+        stored: [
+            vec![bucket_dir.join(FILE_KEY)],
+            shards.iter().map(|n| bucket_dir.join(MODEL_PREFIX).join(n)).collect(),
+        ],
+        runs,
+        trials: if quick { &RUNAI_TRIALS[1..2] } else { &RUNAI_TRIALS },
+    };
+
+    eprintln!("object rows, no added latency, {runs} runs ...");
+    let plain = setup.measure(server.port, "No added latency (loopback)".into());
+    let proxy = start_proxy(&rt, server.port, LATENCY)?;
+    eprintln!("object rows, {} ms added to every request, {runs} runs ...", LATENCY.as_millis());
+    let slow = setup.measure(
+        proxy.port,
+        format!("{} ms added to every request (a TCP proxy holds each read from the client)", LATENCY.as_millis()),
+    );
+    drop(proxy);
+    let server_start = server.start_s;
+    drop(server);
+    let _ = std::fs::remove_dir_all(&tmp);
+
+    let _ = writeln!(
+        s,
+        "`{command}`, {} ({}). Server: s3s-fs {S3S_FS_VERSION}, signed requests, path style; started \
+         (listening) in {:.3} s; {upload_note}. File: s3://{BUCKET}/{FILE_KEY}, {:.2} GB ({}); model: \
+         s3://{BUCKET}/{MODEL_PREFIX}/, {} shards + index, {:.2} GB. Median of {runs} runs; each Python \
+         load in a process of its own, all loaders (and the ceilings) in a shuffled order each run, the \
+         server's files in the page cache before each. s = from the call to a dict of CPU tensors holding \
+         everything, plus a first read of one byte of every 4 KiB page. Peak RSS: the process's \
+         ru_maxrss (file / model; importing torch alone is about 0.3 GiB). \"vs ceiling\": the faster \
+         ceiling's time / this time (1.00x = the server's own speed); \"vs Run:ai\": the faster Run:ai \
+         row's time / this time.\n",
+        date(),
+        machine(),
+        server_start,
+        file_len as f64 / 1e9,
+        size_name(size),
+        shards.len(),
+        model_len as f64 / 1e9,
+    );
+    let lens = [file_len, model_len];
+    for t in [&plain, &slow] {
+        render(&mut s, t, lens);
+    }
+    let mut checks: Vec<(String, Option<f64>, f64)> = Vec::new();
+    for t in [&plain, &slow] {
+        let lat = if std::ptr::eq(t, &plain) { "0 ms" } else { "20 ms" };
+        let turbo = find(t, Loader::Turbo);
+        for (target, what) in TARGETS.iter().enumerate() {
+            let me = turbo.and_then(|r| r.time(target));
+            let ratio = |other: Option<f64>| Some(other? / me?);
+            checks.push((format!("{lat}, {what}: turboio vs the ceiling"), ratio(best_ceiling(t, target)), 0.85));
+            checks.push((format!("{lat}, {what}: turboio vs Run:ai (faster row)"), ratio(best_runai(t, target)), 1.0));
+            checks.push((
+                format!("{lat}, {what}: turboio vs boto3 download + load_file"),
+                ratio(find(t, Loader::Boto3).and_then(|r| r.time(target))),
+                1.5,
+            ));
+        }
+    }
+    if quick {
+        let _ = writeln!(s, "Smoke run (--quick): timings only, no checks (their thresholds are for 1-4 GiB).");
+    } else {
+        let _ = writeln!(s, "| check | ratio | needed | |\n|---|---:|---:|---|");
+        for (what, ratio, need) in checks {
+            match ratio {
+                Some(r) => {
+                    let verdict = if r >= need { "ok" } else { "BELOW" };
+                    let _ = writeln!(s, "| {what} | {r:.2}x | {need:.2}x | {verdict} |");
+                }
+                None => {
+                    let _ = writeln!(s, "| {what} | | {need:.2}x | not measured |");
+                }
+            }
+        }
+    }
+    Ok(s)
+}
+
+fn find(t: &Table, loader: Loader) -> Option<&Row> {
+    t.rows.iter().find(|r| r.loader == loader)
+}
+
+fn best_ceiling(t: &Table, target: usize) -> Option<f64> {
+    t.rows.iter().filter(|r| matches!(r.loader, Loader::Ceiling(_))).filter_map(|r| r.time(target)).reduce(f64::min)
+}
+
+fn best_runai(t: &Table, target: usize) -> Option<f64> {
+    t.rows
+        .iter()
+        .filter(|r| matches!(r.loader, Loader::RunaiDefault | Loader::RunaiTuned))
+        .filter_map(|r| r.time(target))
+        .reduce(f64::min)
+}
+
+fn render(s: &mut String, t: &Table, lens: [u64; 2]) {
+    let _ = writeln!(s, "### {}\n", t.title);
+    let _ = writeln!(
+        s,
+        "| loader | file s | file GB/s | model s | model GB/s | peak RSS GiB | vs ceiling | vs Run:ai | notes |"
+    );
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---|");
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    for r in &t.rows {
+        if let Some(why) = &r.skipped {
+            let _ = writeln!(s, "| {} | skipped | | | | | | | {why} |", r.loader.name());
+            continue;
+        }
+        let mut cols = Vec::new();
+        let mut notes = Vec::new();
+        if !r.note.is_empty() {
+            notes.push(r.note.clone());
+        }
+        let mut vs_ceiling = Vec::new();
+        let mut vs_runai = Vec::new();
+        for target in 0..2 {
+            match r.time(target) {
+                Some(m) => {
+                    cols.push(format!("{m:.3}"));
+                    cols.push(format!("{:.2}", lens[target] as f64 / m / 1e9));
+                    vs_ceiling.push(best_ceiling(t, target).map_or("-".into(), |c| format!("{:.2}x", c / m)));
+                    vs_runai.push(best_runai(t, target).map_or("-".into(), |c| format!("{:.2}x", c / m)));
+                }
+                None => {
+                    cols.push("failed".into());
+                    cols.push(String::new());
+                    vs_ceiling.push("-".into());
+                    vs_runai.push("-".into());
+                    if let Some(e) = &r.cells[target].failed {
+                        notes.push(format!("{} failed: {}", TARGETS[target], e.replace('|', "/")));
+                    }
+                }
+            }
+        }
+        let rss = if matches!(r.loader, Loader::Ceiling(_)) {
+            "n/a".to_owned()
+        } else {
+            format!("{:.2} / {:.2}", gib(r.cells[0].peak_rss), gib(r.cells[1].peak_rss))
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {} | {rss} | {} | {} | {} |",
+            r.loader.name(),
+            cols.join(" | "),
+            vs_ceiling.join(" / "),
+            vs_runai.join(" / "),
+            notes.join("; ")
+        );
+    }
+    let _ = writeln!(s);
+}
