@@ -151,6 +151,34 @@ fn remove_stale_temps(dir: &Path, name: &OsStr) {
     }
 }
 
+/// The refusal to save over something that is not a regular file (a FIFO, a character or
+/// block device, a socket): renaming a new file over it would replace the node itself (`turboio
+/// gen /dev/null` as root would leave /dev/null a regular file), and writing into it is not a
+/// save that can be atomic.
+fn not_a_regular_file(path: &Path, meta: &fs::Metadata) -> StorageError {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    let what = if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    };
+    io_err(
+        path,
+        "write",
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("is {what}; saves write regular files atomically and never replace {what}"),
+        ),
+    )
+}
+
 /// Writes `source` to `path` atomically (see the crate docs for the protocol).
 pub(crate) fn write_file(
     cfg: &PosixConfig,
@@ -168,6 +196,7 @@ pub(crate) fn write_file(
     };
     let existing = match fs::metadata(&target) {
         Ok(m) if m.is_dir() => return Err(io_err(path, "write", io::Error::from_raw_os_error(libc::EISDIR))),
+        Ok(m) if !m.is_file() => return Err(not_a_regular_file(path, &m)),
         Ok(m) => Some(m),
         Err(e) if e.kind() == io::ErrorKind::NotFound => None,
         Err(e) => return Err(io_err(path, "stat", e)),
@@ -468,5 +497,18 @@ impl Faults {
             Some((at, errno)) if offset <= at && at < offset + len as u64 => Err(io::Error::from_raw_os_error(errno)),
             _ => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_are_refused_by_kind() {
+        // Only looked at: nothing is written to /dev/null.
+        let meta = fs::metadata("/dev/null").unwrap();
+        let e = not_a_regular_file(Path::new("/dev/null"), &meta).to_string();
+        assert!(e.contains("/dev/null") && e.contains("a character device"), "{e}");
     }
 }

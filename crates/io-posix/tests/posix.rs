@@ -740,3 +740,23 @@ fn cached_fraction_bounds() {
         assert!((0.0..=1.0).contains(&frac), "{frac}");
     }
 }
+
+#[test]
+fn saves_never_replace_a_fifo_or_a_device() {
+    use std::os::unix::fs::FileTypeExt;
+    let dir = scratch_in(&local_dir());
+    let fifo = dir.path().join("pipe");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().expect("run mkfifo");
+    assert!(made.success());
+    let st = PosixStorage::new();
+    for target in [fifo.clone(), dir.path().join("link-to-pipe")] {
+        if target != fifo {
+            std::os::unix::fs::symlink(&fifo, &target).unwrap();
+        }
+        let e = st.write_file(&target, &BytesSource(b"abc"), &IoOptions::default()).unwrap_err().to_string();
+        assert!(e.contains("a FIFO") && e.contains(target.file_name().unwrap().to_str().unwrap()), "{e}");
+        assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo(), "the FIFO is still a FIFO");
+    }
+    let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names.len(), 2, "no temporary left: {names:?}");
+}
