@@ -47,6 +47,10 @@ pub struct KmsConfig {
     /// veTurboIO does not have). Its host (and port, if not the scheme's default) is what gets
     /// signed.
     pub endpoint: Option<String>,
+    /// Allow a plain `http://` endpoint on a host other than the loopback (`127.0.0.0/8`,
+    /// `::1`, `localhost`): the signed requests and the data keys in the answers would cross the
+    /// network unencrypted (`VETURBOIO_KMS_ALLOW_HTTP=1`, a turboio extension; default false).
+    pub allow_http: bool,
     /// Access key id (`VETURBOIO_KMS_ACCESS_KEY`).
     pub access_key: Option<String>,
     /// Secret access key (`VETURBOIO_KMS_SECRET_KEY`).
@@ -72,6 +76,7 @@ impl Default for KmsConfig {
             host: DEFAULT_HOST.to_string(),
             region: DEFAULT_REGION.to_string(),
             endpoint: None,
+            allow_http: false,
             access_key: None,
             secret_key: None,
             session_token: None,
@@ -90,6 +95,7 @@ impl fmt::Debug for KmsConfig {
             .field("host", &self.host)
             .field("region", &self.region)
             .field("endpoint", &self.endpoint)
+            .field("allow_http", &self.allow_http)
             .field("access_key", &self.access_key)
             .field("secret_key", &self.secret_key)
             .field("session_token", &self.session_token)
@@ -116,6 +122,8 @@ impl KmsConfig {
             host: var(&get, "VETURBOIO_KMS_HOST").unwrap_or(d.host),
             region: var(&get, "VETURBOIO_KMS_REGION").unwrap_or(d.region),
             endpoint: var(&get, "VETURBOIO_KMS_ENDPOINT"),
+            allow_http: var(&get, "VETURBOIO_KMS_ALLOW_HTTP")
+                .is_some_and(|v| matches!(v.as_str(), "1" | "true" | "yes")),
             access_key: var(&get, "VETURBOIO_KMS_ACCESS_KEY"),
             secret_key: var(&get, "VETURBOIO_KMS_SECRET_KEY").map(Secret::new),
             session_token: var(&get, "VETURBOIO_KMS_SESSION_TOKEN").map(Secret::new),
@@ -196,6 +204,15 @@ impl KmsClient {
             return Err(bad("only scheme://host[:port] is allowed (no path or query)"));
         }
         let host = url.host_str().ok_or_else(|| bad("no host"))?;
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        let loopback =
+            bare.eq_ignore_ascii_case("localhost") || bare.parse::<std::net::IpAddr>().is_ok_and(|a| a.is_loopback());
+        if url.scheme() == "http" && !loopback && !config.allow_http {
+            return Err(bad(
+                "plain http:// is refused for a host other than the loopback (the signed requests and the data \
+                 keys would cross the network unencrypted): use https://, or set VETURBOIO_KMS_ALLOW_HTTP=1",
+            ));
+        }
         let sign_host = match url.port() {
             Some(p) => format!("{host}:{p}"),
             None => host.to_string(),
@@ -650,10 +667,20 @@ mod tests {
             let k = KmsClient::new(KmsConfig { endpoint: Some(ep.into()), ..cfg() }).unwrap();
             assert_eq!((k.base_url.as_str(), k.sign_host.as_str()), (base, host), "{ep}");
         }
-        for ep in ["ftp://x", "http://x/path", "http://x/?a=b", "http://u:p@x", "not a url"] {
+        for ep in ["ftp://x", "http://x/path", "http://x/?a=b", "http://u:p@x", "not a url", "http://kms.internal:8080"]
+        {
             let e = KmsClient::new(KmsConfig { endpoint: Some(ep.into()), ..cfg() }).unwrap_err();
             assert!(e.to_string().contains("VETURBOIO_KMS_ENDPOINT"), "{e}");
         }
+        let e = KmsClient::new(KmsConfig { endpoint: Some("http://10.0.0.7".into()), ..cfg() }).unwrap_err();
+        assert!(e.to_string().contains("VETURBOIO_KMS_ALLOW_HTTP"), "{e}");
+        let opted = KmsConfig { endpoint: Some("http://10.0.0.7".into()), allow_http: true, ..cfg() };
+        assert_eq!(KmsClient::new(opted).unwrap().base_url, "http://10.0.0.7");
+        for ep in ["http://localhost:8080", "http://127.0.0.2:1", "http://[::1]:9"] {
+            KmsClient::new(KmsConfig { endpoint: Some(ep.into()), ..cfg() }).unwrap();
+        }
+        let from_vars = KmsConfig::from_vars(|k| (k == "VETURBOIO_KMS_ALLOW_HTTP").then(|| "1".to_owned()));
+        assert!(from_vars.allow_http && !KmsConfig::from_vars(|_| None).allow_http);
         let e = KmsClient::new(KmsConfig { host: "bad host/x".into(), ..cfg() }).unwrap_err();
         assert!(e.to_string().contains("VETURBOIO_KMS_HOST"), "{e}");
     }

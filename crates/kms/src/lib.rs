@@ -53,6 +53,7 @@
 //! | `VETURBOIO_KMS_SESSION_TOKEN` | — | STS token, sent as `X-Security-Token` |
 //! | `VETURBOIO_KMS_KEYRING_NAME`, `VETURBOIO_KMS_KEY_NAME` | — | the KMS key (required for KMS) |
 //! | `VETURBOIO_KMS_ENDPOINT` | — | **turboio extension**: a full `http(s)://host[:port]` replacing `https://{host}/` (local gateways, tests) |
+//! | `VETURBOIO_KMS_ALLOW_HTTP` | `0` | **turboio extension**: `1` allows a plain `http://` endpoint on a host other than the loopback (refused otherwise: signed requests and data keys would travel unencrypted) |
 //! | `DATAPIPE_SOCKET_PATH` | `/finetuned-model/datapipe.sock` | the datapipe socket |
 //! | `POD_NAME` | empty | sent as `X-Encrypt-Caller-Pod` |
 //! | `VETURBOIO_KEY`, `VETURBOIO_IV` | — | the environment source |
