@@ -87,7 +87,25 @@ impl SaveHandle {
     }
 }
 
-/// Saves pending or running, by target path (made absolute).
+/// The file a save of `path` writes, as the key that orders saves of one file: symbolic links
+/// and `..` resolved (the file itself when it exists, else its directory, plus the name), so
+/// `a.safetensors`, `sub/../a.safetensors` and a link to it are one file. Paths with a scheme
+/// (`s3://...`) and paths that cannot be resolved are keyed as given (made absolute).
+fn ordering_key(path: &Path) -> PathBuf {
+    if path.to_str().is_some_and(|p| p.contains("://")) {
+        return path.to_owned();
+    }
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_owned());
+    if let Ok(real) = std::fs::canonicalize(&absolute) {
+        return real;
+    }
+    match (absolute.parent(), absolute.file_name()) {
+        (Some(dir), Some(name)) => std::fs::canonicalize(dir).map(|d| d.join(name)).unwrap_or(absolute),
+        _ => absolute,
+    }
+}
+
+/// Saves pending or running, by the file they write (see [`ordering_key`]).
 fn pending() -> &'static Mutex<HashMap<PathBuf, Arc<Shared>>> {
     static PENDING: OnceLock<Mutex<HashMap<PathBuf, Arc<Shared>>>> = OnceLock::new();
     PENDING.get_or_init(Default::default)
@@ -198,7 +216,7 @@ pub fn save_async(
         result: Mutex::new(None),
         finished: Condvar::new(),
     });
-    let key = std::path::absolute(&path).unwrap_or_else(|_| path.clone());
+    let key = ordering_key(&path);
     let previous = pending().lock().unwrap_or_else(|p| p.into_inner()).insert(key.clone(), shared.clone());
     let opts = SaveOptions { progress: Some(written), ..opts.clone() };
     let me = shared.clone();
@@ -226,4 +244,25 @@ pub fn save_async(
         return Err(Error::Unsupported { path, message });
     }
     Ok(SaveHandle { shared })
+}
+
+#[cfg(test)]
+mod ordering_tests {
+    use super::ordering_key;
+
+    #[test]
+    fn spellings_of_one_file_are_one_key() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir(d.path().join("sub")).unwrap();
+        let a = d.path().join("a.safetensors");
+        // Before the file exists (its directory resolved), and after.
+        assert_eq!(ordering_key(&a), ordering_key(&d.path().join("sub/../a.safetensors")));
+        std::fs::write(&a, b"x").unwrap();
+        std::os::unix::fs::symlink(&a, d.path().join("link")).unwrap();
+        assert_eq!(ordering_key(&a), ordering_key(&d.path().join("sub/../a.safetensors")));
+        assert_eq!(ordering_key(&a), ordering_key(&d.path().join("link")));
+        assert_ne!(ordering_key(&a), ordering_key(&d.path().join("b.safetensors")));
+        let url = std::path::Path::new("s3://b/k.safetensors");
+        assert_eq!(ordering_key(url), url);
+    }
 }
