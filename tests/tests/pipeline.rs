@@ -403,3 +403,35 @@ fn converting_loads_refuse_non_floating_targets_and_skip_needless_copies() {
     assert_eq!(w.bytes().unwrap(), &want[..]);
     assert_eq!(m.tensor("i").unwrap().bytes().unwrap(), &ints[..]);
 }
+
+#[test]
+fn conversions_honour_cache_bypass_for_their_input() {
+    let Some(py) = turboio_tests::python() else { return };
+    let dir = disk_dir();
+    let pt = dir.path().join("in.pt");
+    let code = "import sys, torch\ng = torch.Generator().manual_seed(2)\n\
+                torch.save({'w': torch.randn(2048, 1024, generator=g), 'b': torch.randn(77, generator=g)}, sys.argv[1])";
+    turboio_tests::run_python(&py, code, &[pt.to_str().unwrap()]);
+    // Written back, so that its pages can be dropped from the cache.
+    std::fs::File::open(&pt).unwrap().sync_all().unwrap();
+    for (cache, want_cached) in [(CachePolicy::Bypass, false), (CachePolicy::Keep, true)] {
+        if !evict(&pt) {
+            return;
+        }
+        let out = dir.path().join(format!("out-{cache:?}.safetensors"));
+        let opts = turboio::convert::ConvertOptions {
+            load: LoadOptions { cache, ..Default::default() },
+            overwrite: true,
+            ..Default::default()
+        };
+        turboio::convert::convert(&pt, &out, &opts).unwrap();
+        let after = cached(&pt);
+        if want_cached {
+            assert!(after > 0.5, "{cache:?}: the input read through the page cache stays there ({after:.2})");
+        } else {
+            assert!(after < 0.2, "{cache:?}: the input was read around the page cache ({after:.2} cached)");
+        }
+        let a = turboio::load(&out, &LoadOptions::default()).unwrap();
+        assert_eq!(a.tensor("w").unwrap().bytes().unwrap().len(), 2048 * 1024 * 4);
+    }
+}

@@ -191,6 +191,8 @@ struct Source<'a> {
     gathered: Gathered,
     /// Bytes of tensor data read from the input.
     read: AtomicU64,
+    /// Read the input with `O_DIRECT` (the load options ask to bypass the page cache).
+    direct: bool,
 }
 
 impl Source<'_> {
@@ -201,6 +203,16 @@ impl Source<'_> {
 
     fn read_at(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), String> {
         self.read.fetch_add(dst.len() as u64, Ordering::Relaxed);
+        if self.direct {
+            // The backend's bulk read, which bypasses the page cache where it can (aligned
+            // bounce buffers for unaligned heads and tails) and decrypts as usual.
+            let io = turboio_storage::IoOptions { threads: 1, direct: crate::DirectIo::On, ..Default::default() };
+            return self
+                .opened
+                .read(vec![turboio_storage::ReadRequest { offset, dst }], &io)
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+        }
         self.opened.read_exact_at(offset, dst).map_err(|e| e.to_string())
     }
 
@@ -304,6 +316,7 @@ fn write_one(
         plan: &plan.stored,
         gathered: Mutex::new(HashMap::new()),
         read: AtomicU64::new(0),
+        direct: opts.load.cache == crate::CachePolicy::Bypass,
     };
     crate::save_with(output, &specs, metadata, &source, &opts.save)?;
     if opts.validate {
