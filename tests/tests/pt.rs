@@ -120,3 +120,29 @@ fn hostile_and_foreign_files_are_clear_errors() {
     let e = turboio::load(&junk, &LoadOptions::default()).unwrap_err().to_string();
     assert!(e.contains("PyTorch checkpoint"), "{e}");
 }
+
+#[test]
+fn expanded_views_convert_within_a_bound_and_leave_nothing_when_refused() {
+    let Some(py) = python() else { return };
+    let d = disk_dir();
+    let bomb = d.path().join("bomb.pt");
+    let small = d.path().join("small.pt");
+    let code = "import sys, torch\n\
+                torch.save({'x': torch.ones(1).expand(2 ** 29)}, sys.argv[1])\n\
+                torch.save({'r': torch.arange(1000.).expand(1000, 1000)}, sys.argv[2])";
+    run_python(&py, code, &[bomb.to_str().unwrap(), small.to_str().unwrap()]);
+    assert!(std::fs::metadata(&bomb).unwrap().len() < 4096, "a tiny file describing 2 GiB");
+    let out = d.path().join("bomb.safetensors");
+    let e = turboio::convert::convert(&bomb, &out, &Default::default()).unwrap_err().to_string();
+    assert!(e.contains("bomb.pt") && e.contains("expanded view") && e.contains("`x`"), "{e}");
+    let left: Vec<_> = std::fs::read_dir(d.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left.len(), 2, "no output and no temporary left: {left:?}");
+    // A modest expansion (4 MB from 4 KB) is written out in full.
+    let out = d.path().join("small.safetensors");
+    turboio::convert::convert(&small, &out, &Default::default()).unwrap();
+    let f = turboio::load(&out, &LoadOptions::default()).unwrap();
+    let r = f.tensor("r").unwrap();
+    assert_eq!(r.shape(), &[1000, 1000]);
+    let row: Vec<u8> = (0..1000).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    assert!(r.bytes().unwrap().chunks(4000).all(|c| c == row.as_slice()));
+}

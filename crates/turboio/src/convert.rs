@@ -150,6 +150,20 @@ type ViewKey<'a> = (usize, u64, &'a [usize], &'a [usize], Dtype);
 /// Strided views gathered whole, by stored-tensor index: (bytes, bytes served so far).
 type Gathered = Mutex<HashMap<usize, (Arc<Vec<u8>>, u64)>>;
 
+/// How many times the bytes it stores a view may expand to when written out (stride-0 views:
+/// `x.expand(...)`), beyond [`EXPANSION_FREE`].
+const MAX_EXPANSION: u64 = 16;
+/// Views whose written size is at most this are converted whatever their expansion.
+const EXPANSION_FREE: u64 = 64 << 20;
+
+/// A zeroed buffer of `len` bytes, or an error (never an abort) when it cannot be had.
+fn buffer(len: usize, what: &str) -> std::result::Result<Vec<u8>, String> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| format!("{what}: cannot allocate {len} bytes"))?;
+    v.resize(len, 0);
+    Ok(v)
+}
+
 fn plan_file(path: &Path, index: &PtIndex, opts: &ConvertOptions) -> Result<Plan> {
     let mut stored = Vec::new();
     let mut aliases = BTreeMap::new();
@@ -170,6 +184,22 @@ fn plan_file(path: &Path, index: &PtIndex, opts: &ConvertOptions) -> Result<Plan
         }
         let nbytes = usize::try_from(t.nbytes())
             .map_err(|_| convert_error(path, format!("tensor `{}` is too large for this address space", t.name)))?;
+        // An expanded view (stride 0) describes far more bytes than the file stores: a few
+        // hundred bytes of `.pt` could ask for gigabytes of output. Bounded before anything is
+        // written or allocated.
+        let stored_bytes = index.file_span(t).end - index.file_span(t).start;
+        if t.nbytes() > MAX_EXPANSION.saturating_mul(stored_bytes.max(1)) && t.nbytes() > EXPANSION_FREE {
+            return Err(convert_error(
+                path,
+                format!(
+                    "tensor `{}` is an expanded view: {} bytes from {stored_bytes} stored bytes; turboio refuses to \
+                     write out more than {MAX_EXPANSION}x the stored bytes of a view above {} MiB",
+                    t.name,
+                    t.nbytes(),
+                    EXPANSION_FREE >> 20
+                ),
+            ));
+        }
         let (dtype, len) = match opts.dtype {
             Some(d) if d != t.dtype && castable(t.dtype) => {
                 converted += 1;
@@ -220,15 +250,16 @@ impl Source<'_> {
     fn whole(&self, i: usize) -> std::result::Result<Vec<u8>, String> {
         let (t, p) = self.tensor(i);
         let span = self.index.file_span(t);
-        let mut src = vec![0u8; (span.end - span.start) as usize];
+        let what = format!("tensor `{}`", t.name);
+        let mut src = buffer((span.end - span.start) as usize, &what)?;
         self.read_at(span.start, &mut src)?;
-        let mut out = vec![0u8; t.nbytes() as usize];
+        let mut out = buffer(t.nbytes() as usize, &what)?;
         t.gather(&src, &mut out).map_err(|e| e.to_string())?;
         drop(src);
         if p.dtype == t.dtype {
             return Ok(out);
         }
-        let mut converted = vec![0u8; p.len];
+        let mut converted = buffer(p.len, &what)?;
         turboio_format::cast(&out, t.dtype, p.dtype, &mut converted)
             .map_err(|e| format!("tensor `{}`: {e}", t.name))?;
         Ok(converted)
