@@ -73,6 +73,103 @@ fn is_legacy(head: &[u8]) -> bool {
     pickled || tar
 }
 
+fn le16(b: &[u8], at: usize) -> u64 {
+    u64::from(u16::from_le_bytes([b[at], b[at + 1]]))
+}
+
+fn le32(b: &[u8], at: usize) -> u64 {
+    u64::from(u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]))
+}
+
+fn le64(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+/// What torch's writer guarantees about the central directory, checked from the file's own
+/// bytes before the `zip` crate sees it (hand-written because the crate cannot say either):
+///
+/// - the end-of-central-directory record is the file's last 22 bytes (torch writes no
+///   comment). The crate would otherwise search backwards for one and, when a directory does
+///   not parse, retry from every earlier candidate: quadratic in the file's size.
+/// - no two entries have the same name. The crate keeps entries by name, so a later entry
+///   would silently replace an earlier one (torch and zip scanners use the first): a file could
+///   look harmless to them and load other weights here.
+///
+/// The work is linear in the directory's size, which is bounded by the file's.
+fn check_directory<R: ReadAt + ?Sized>(src: &R, file_len: u64) -> Result<(), PtError> {
+    let bad = |why: String| PtError::Archive(why);
+    if file_len < 22 {
+        return Err(PtError::NotZip(format!("only {file_len} bytes: no end-of-central-directory record")));
+    }
+    let mut eocd = [0u8; 22];
+    src.read_exact_at(file_len - 22, &mut eocd)?;
+    if eocd[..4] != *b"PK\x05\x06" || le16(&eocd, 20) != 0 {
+        return Err(bad(
+            "the end-of-central-directory record is not the last 22 bytes of the file (torch writes it last, \
+             without a comment): bytes were added after it, or it is not torch's zip"
+                .into(),
+        ));
+    }
+    let (mut entries, mut cd_size, mut cd_offset) = (le16(&eocd, 10), le32(&eocd, 12), le32(&eocd, 16));
+    if entries == 0xFFFF || cd_size == 0xFFFF_FFFF || cd_offset == 0xFFFF_FFFF {
+        // Zip64: the locator right before the record points at the zip64 record.
+        let mut loc = [0u8; 20];
+        if file_len < 42 {
+            return Err(bad("a zip64 directory without its locator".into()));
+        }
+        src.read_exact_at(file_len - 42, &mut loc)?;
+        if loc[..4] != *b"PK\x06\x07" {
+            return Err(bad("a zip64 directory without its locator".into()));
+        }
+        let at = le64(&loc, 8);
+        let mut z = [0u8; 56];
+        if at.checked_add(56).is_none_or(|end| end > file_len - 42) {
+            return Err(bad(format!("the zip64 end-of-central-directory record (offset {at}) is outside the file")));
+        }
+        src.read_exact_at(at, &mut z)?;
+        if z[..4] != *b"PK\x06\x06" {
+            return Err(bad(format!("no zip64 end-of-central-directory record at offset {at}")));
+        }
+        (entries, cd_size, cd_offset) = (le64(&z, 32), le64(&z, 40), le64(&z, 48));
+    }
+    let end = cd_offset.checked_add(cd_size).filter(|&e| e <= file_len - 22);
+    let (Some(_), Ok(size)) = (end, usize::try_from(cd_size)) else {
+        return Err(bad(format!(
+            "the central directory ({cd_size} bytes at offset {cd_offset}) is outside the {file_len}-byte file"
+        )));
+    };
+    let mut cd = Vec::new();
+    cd.try_reserve_exact(size).map_err(|_| bad(format!("cannot allocate a {size}-byte central directory")))?;
+    cd.resize(size, 0);
+    src.read_exact_at(cd_offset, &mut cd)?;
+    let mut names: std::collections::HashSet<&[u8]> = std::collections::HashSet::new();
+    let mut at = 0usize;
+    for i in 0..entries {
+        if cd.len().saturating_sub(at) < 46 || cd[at..at + 4] != *b"PK\x01\x02" {
+            return Err(bad(format!("central directory entry {i} of {entries} is missing or malformed")));
+        }
+        let (name_len, extra, comment) =
+            (le16(&cd, at + 28) as usize, le16(&cd, at + 30) as usize, le16(&cd, at + 32) as usize);
+        let name_end = at + 46 + name_len;
+        let next = name_end + extra + comment;
+        if next > cd.len() {
+            return Err(bad(format!("central directory entry {i} runs past the directory")));
+        }
+        let name = &cd[at + 46..name_end];
+        if !names.insert(name) {
+            return Err(bad(format!(
+                "two entries are named `{}`: torch and zip tools read the first, a map of names the last, so the \
+                 file is refused",
+                String::from_utf8_lossy(name)
+            )));
+        }
+        at = next;
+    }
+    Ok(())
+}
+
 pub(crate) fn open<R: ReadAt + ?Sized>(src: &R) -> Result<Archive, PtError> {
     let file_len = src.len();
     let mut head = vec![0u8; usize::try_from(file_len.min(512)).unwrap_or(512)];
@@ -90,6 +187,7 @@ pub(crate) fn open<R: ReadAt + ?Sized>(src: &R) -> Result<Archive, PtError> {
         };
         return Err(PtError::NotZip(what));
     }
+    check_directory(src, file_len)?;
     let mut zip = zip::ZipArchive::new(Cursor { src, pos: 0 }).map_err(|e| PtError::NotZip(e.to_string()))?;
 
     struct Entry {

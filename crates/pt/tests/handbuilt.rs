@@ -368,3 +368,52 @@ fn bombs_hit_limits_or_fail_fast() {
         assert!(e.contains(words), "{e}");
     }
 }
+
+#[test]
+fn duplicate_names_and_moved_directories_are_refused() {
+    let (pkl, data) = small_state_dict();
+    let other: Vec<u8> = data.iter().map(|b| b ^ 0xff).collect();
+    let good = with_pickle(&pkl, &[("0", &data), ("1", &other)]);
+    assert_eq!(parse(&good).unwrap().tensors().len(), 2);
+    // `data/1` renamed to `data/0` in its local header and its directory entry: the zip crate
+    // would keep the last `data/0` (other bytes than torch reads).
+    let mut dup = good.clone();
+    let from = b"archive/data/1";
+    let spots: Vec<usize> = dup.windows(from.len()).enumerate().filter(|(_, w)| *w == from).map(|(i, _)| i).collect();
+    assert_eq!(spots.len(), 2, "a local header and a directory entry");
+    for at in spots {
+        dup[at..at + from.len()].copy_from_slice(b"archive/data/0");
+    }
+    let e = err(&dup);
+    assert!(e.contains("two entries are named `archive/data/0`"), "{e}");
+    // Bytes after the end-of-central-directory record (a comment, or stacked records).
+    let mut trailing = good.clone();
+    trailing.extend_from_slice(b"trailing bytes");
+    assert!(err(&trailing).contains("not the last 22 bytes"));
+    let eocd = good[good.len() - 22..].to_vec();
+    let mut stacked = good.clone();
+    for _ in 0..5 {
+        stacked.extend_from_slice(&eocd);
+    }
+    stacked.extend_from_slice(b"x");
+    assert!(err(&stacked).contains("not the last 22 bytes"));
+}
+
+#[test]
+fn stacked_directory_records_take_linear_time() {
+    // Thousands of end-of-central-directory records, each pointing at a directory that does
+    // not parse: the zip crate's backward search used to retry from each (minutes for 1.4 MB).
+    let (pkl, data) = small_state_dict();
+    let good = with_pickle(&pkl, &[("0", &data)]);
+    let mut eocd = good[good.len() - 22..].to_vec();
+    eocd[16..20].copy_from_slice(&0u32.to_le_bytes()); // directory at offset 0: not a directory
+    let mut bomb = good[..good.len() - 22].to_vec();
+    for _ in 0..60_000 {
+        bomb.extend_from_slice(&eocd);
+    }
+    let start = std::time::Instant::now();
+    let e = err(&bomb);
+    // Generous for a debug build on a busy CI machine; the quadratic search took minutes.
+    assert!(start.elapsed() < std::time::Duration::from_secs(10), "{:?}", start.elapsed());
+    assert!(e.contains("central directory"), "{e}");
+}
