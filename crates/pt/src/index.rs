@@ -28,6 +28,11 @@ pub struct Limits {
     /// make that exponential; naming stops after this many times the objects and items the
     /// pickle made (plus 4096) (default 8).
     pub max_name_fanout: u64,
+    /// Most bytes of tensor and entry names built while naming (default 64 MiB; a state dict of
+    /// 100k tensors with 100-byte names builds 10 MB). Each child's name repeats its parent's,
+    /// so a long key over many children (`{'A' * 10**6: [None] * 10**6}`, 105 KB pickled) would
+    /// otherwise build terabytes.
+    pub max_name_bytes: u64,
 }
 
 impl Default for Limits {
@@ -39,6 +44,7 @@ impl Default for Limits {
             max_stack: 1 << 20,
             max_items: 16 << 20,
             max_name_fanout: 8,
+            max_name_bytes: 64 << 20,
         }
     }
 }
@@ -292,6 +298,7 @@ impl PtIndex {
             names: HashSet::new(),
             on_path: Vec::new(),
             visited: 0,
+            name_bytes: 0,
             budget: graph.items.saturating_mul(opts.limits.max_name_fanout).saturating_add(4096),
         };
         let root = match &opts.top_level_key {
@@ -364,6 +371,8 @@ struct Builder<'a> {
     visited: u64,
     /// Visits allowed by `max_name_fanout`.
     budget: u64,
+    /// Bytes of names built so far (bounded by `max_name_bytes`).
+    name_bytes: u64,
 }
 
 fn join(prefix: &str, part: &str) -> String {
@@ -375,6 +384,21 @@ fn join(prefix: &str, part: &str) -> String {
 }
 
 impl Builder<'_> {
+    /// `prefix.part`, counted against `max_name_bytes`.
+    fn join(&mut self, prefix: &str, part: &str) -> Result<String, PtError> {
+        let len = (prefix.len() + 1 + part.len()) as u64;
+        self.name_bytes = self.name_bytes.saturating_add(len);
+        if self.name_bytes > self.limits.max_name_bytes {
+            let shown: String = prefix.chars().take(40).collect();
+            return Err(PtError::Limit {
+                what: format!("bytes of names built while naming tensors (under `{shown}...`)"),
+                limit: self.limits.max_name_bytes,
+                field: "max_name_bytes",
+            });
+        }
+        Ok(join(prefix, part))
+    }
+
     fn key_name(&self, k: Val) -> Option<String> {
         match k {
             Val::Int(i) => Some(i.to_string()),
@@ -457,14 +481,21 @@ impl Builder<'_> {
                     Obj::Dict(pairs) => {
                         for &(k, v) in pairs {
                             match self.key_name(k) {
-                                Some(k) => self.walk(v, join(&name, &k), depth + 1)?,
-                                None => self.skip(join(&name, "?"), "entry with a non-string key"),
+                                Some(k) => {
+                                    let child = self.join(&name, &k)?;
+                                    self.walk(v, child, depth + 1)?
+                                }
+                                None => {
+                                    let child = self.join(&name, "?")?;
+                                    self.skip(child, "entry with a non-string key")
+                                }
                             }
                         }
                     }
                     Obj::List(items) | Obj::Tuple(items) => {
                         for (i, &v) in items.iter().enumerate() {
-                            self.walk(v, join(&name, &i.to_string()), depth + 1)?;
+                            let child = self.join(&name, &i.to_string())?;
+                            self.walk(v, child, depth + 1)?;
                         }
                     }
                     _ => {}

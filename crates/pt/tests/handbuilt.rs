@@ -417,3 +417,21 @@ fn stacked_directory_records_take_linear_time() {
     assert!(start.elapsed() < std::time::Duration::from_secs(10), "{:?}", start.elapsed());
     assert!(e.contains("central directory"), "{e}");
 }
+
+#[test]
+fn long_names_over_many_leaves_hit_a_byte_bound() {
+    // {'A' * 200_000: [None] * 200_000}: 400 KB pickled; naming every None would build 40 GB of
+    // names ("AAAA....0", "AAAA....1", ...).
+    let mut p = Pickle::new();
+    p.op(b"}(").str(&"A".repeat(200_000)).op(b"](").op(&[b'N'; 200_000]).op(b"eu");
+    let file = with_pickle(&p.stop(), &[]);
+    assert!(file.len() < 500_000);
+    let start = std::time::Instant::now();
+    let e = err(&file);
+    assert!(e.contains("max_name_bytes"), "{e}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(10), "{:?}", start.elapsed());
+    // Ordinary names stay far below the bound.
+    let mut p = Pickle::new();
+    p.op(b"}(").str("model").op(b"](").op(&[b'N'; 1000]).op(b"eu");
+    parse(&with_pickle(&p.stop(), &[])).unwrap();
+}
