@@ -60,6 +60,7 @@ fn resolve_target(path: &Path) -> Result<PathBuf, StorageError> {
     for _ in 0..MAX_LINKS {
         match fs::symlink_metadata(&p) {
             Ok(m) if m.file_type().is_symlink() => {
+                check_protected_symlink(path, &p, &m)?;
                 let link = fs::read_link(&p).map_err(|e| io_err(path, "read link", e))?;
                 p = match p.parent() {
                     Some(dir) if link.is_relative() => dir.join(link),
@@ -72,6 +73,49 @@ fn resolve_target(path: &Path) -> Result<PathBuf, StorageError> {
         }
     }
     Err(io_err(path, "resolve", io::Error::from_raw_os_error(libc::ELOOP)))
+}
+
+/// The kernel's `fs.protected_symlinks` rule, applied to the links this writer follows itself
+/// (the kernel cannot, since the file is opened under a temporary name): in a sticky
+/// world-writable directory (`/tmp`), a link is followed only if its owner is the process's
+/// effective user or the directory's owner. Otherwise another user's link in `/tmp` would
+/// redirect a save where `open` refuses to go. Applied when the sysctl is on (or unreadable).
+fn check_protected_symlink(path: &Path, link: &Path, meta: &Metadata) -> Result<(), StorageError> {
+    use std::os::unix::fs::MetadataExt;
+    if fs::read_to_string("/proc/sys/fs/protected_symlinks").is_ok_and(|v| v.trim() == "0") {
+        return Ok(());
+    }
+    let dir = match link.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Ok(dir_meta) = fs::metadata(dir) else { return Ok(()) };
+    // /proc/self belongs to the process's effective user.
+    let euid = fs::metadata("/proc/self").map(|m| m.uid()).ok();
+    if !protected_symlink_followed(dir_meta.mode(), dir_meta.uid(), meta.uid(), euid) {
+        return Err(io_err(
+            path,
+            "follow link",
+            io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "refusing to follow the symbolic link {} (owned by uid {}) in the sticky world-writable \
+                     directory {}: the kernel's fs.protected_symlinks rule",
+                    link.display(),
+                    meta.uid(),
+                    dir.display()
+                ),
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The rule itself: a link in a directory whose mode has the sticky and the world-write bits
+/// is followed only by its owner, or when the directory's owner owns it.
+fn protected_symlink_followed(dir_mode: u32, dir_uid: u32, link_uid: u32, euid: Option<u32>) -> bool {
+    let sticky_world_writable = dir_mode & 0o1002 == 0o1002;
+    !sticky_world_writable || Some(link_uid) == euid || link_uid == dir_uid
 }
 
 /// A fresh name `.{file_name}.turboio-tmp.{pid}.{random}` in `dir`.
@@ -503,6 +547,19 @@ impl Faults {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_protected_symlinks_rule() {
+        // /tmp-like (root's, 1777): another user's link is not followed; the follower's own,
+        // or the directory owner's, is.
+        assert!(!protected_symlink_followed(0o41777, 0, 1000, Some(0)));
+        assert!(!protected_symlink_followed(0o41777, 0, 1000, Some(1001)));
+        assert!(protected_symlink_followed(0o41777, 0, 1000, Some(1000)));
+        assert!(protected_symlink_followed(0o41777, 0, 0, Some(1000)));
+        // Not sticky, or not world-writable: links are followed.
+        assert!(protected_symlink_followed(0o40777, 0, 1000, Some(0)));
+        assert!(protected_symlink_followed(0o41755, 0, 1000, Some(0)));
+    }
 
     #[test]
     fn devices_are_refused_by_kind() {

@@ -760,3 +760,36 @@ fn saves_never_replace_a_fifo_or_a_device() {
     let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(names.len(), 2, "no temporary left: {names:?}");
 }
+
+#[test]
+fn links_in_sticky_directories_follow_the_kernels_protected_symlinks_rule() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let root = std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(1) == 0;
+    let protected = std::fs::read_to_string("/proc/sys/fs/protected_symlinks").map(|v| v.trim() != "0").unwrap_or(true);
+    if !root || !protected {
+        eprintln!("skipped: needs root (to give a link to another user) and fs.protected_symlinks=1");
+        return;
+    }
+    let dir = scratch_in(&local_dir());
+    let sticky = dir.path().join("tmp");
+    std::fs::create_dir(&sticky).unwrap();
+    std::fs::set_permissions(&sticky, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let victim = dir.path().join("victim.bin");
+    std::fs::write(&victim, b"precious").unwrap();
+    let link = sticky.join("model.safetensors");
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    // Another user's link: the kernel would refuse `open(link, "w")`, and so does the writer.
+    std::os::unix::fs::lchown(&link, Some(65534), Some(65534)).unwrap();
+    assert_eq!(std::fs::symlink_metadata(&link).unwrap().uid(), 65534);
+    let st = PosixStorage::new();
+    let e = st.write_file(&link, &BytesSource(b"new"), &IoOptions::default()).unwrap_err().to_string();
+    assert!(e.contains("protected_symlinks") && e.contains("model.safetensors"), "{e}");
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    // The kernel agrees (root is not exempt).
+    assert!(std::fs::OpenOptions::new().write(true).open(&link).is_err());
+    // Our own link is followed, as open would.
+    std::os::unix::fs::lchown(&link, Some(0), Some(0)).unwrap();
+    st.write_file(&link, &BytesSource(b"new"), &IoOptions::default()).unwrap();
+    assert_eq!(std::fs::read(&victim).unwrap(), b"new");
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+}
