@@ -92,7 +92,7 @@ impl ModelFiles {
         if text.ends_with(".json") {
             return Self::from_index(path, &place);
         }
-        if [".safetensors", ".pt", ".pth", ".bin"].iter().any(|x| text.ends_with(x)) {
+        if names_a_checkpoint_file(path) {
             return Ok(ModelFiles::single(path));
         }
         let index = path.join(INDEX_NAME);
@@ -254,6 +254,12 @@ impl ModelFiles {
         }
         Ok(owner)
     }
+}
+
+/// True for a path whose extension names one checkpoint file (`.safetensors`, `.pt`, `.pth`,
+/// `.bin`): an object-store URL without one is a model prefix.
+pub fn names_a_checkpoint_file(path: &Path) -> bool {
+    path.extension().is_some_and(|e| ["safetensors", "pt", "pth", "bin"].iter().any(|x| e == *x))
 }
 
 fn file_name(p: &Path) -> String {

@@ -311,8 +311,7 @@ fn parse_count(s: &str) -> Result<usize, String> {
 fn is_model(path: &Path) -> bool {
     path.is_dir()
         || path.extension().is_some_and(|e| e == "json")
-        || (turboio::object::is_object_url(path)
-            && !path.extension().is_some_and(|e| ["safetensors", "pt", "pth", "bin"].iter().any(|x| e == *x)))
+        || (turboio::object::is_object_url(path) && !turboio::model::names_a_checkpoint_file(path))
 }
 
 fn inspect(file: &Path, json: bool, opts: &LoadOptions) -> CliResult {
