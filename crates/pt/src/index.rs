@@ -33,6 +33,11 @@ pub struct Limits {
     /// so a long key over many children (`{'A' * 10**6: [None] * 10**6}`, 105 KB pickled) would
     /// otherwise build terabytes.
     pub max_name_bytes: u64,
+    /// Most bytes of memory the unpickler's objects, container items and memo hold together
+    /// (default 512 MiB; about 1.2 KB per tensor: 120 MB for a state dict of 100k tensors). Objects are kept
+    /// until the end, so a pickle that makes and drops millions of them would otherwise grow
+    /// without bound (a 32 MB pickle of `]0` pairs made 16 Mi empty lists).
+    pub max_unpickled_bytes: u64,
 }
 
 impl Default for Limits {
@@ -45,6 +50,7 @@ impl Default for Limits {
             max_items: 16 << 20,
             max_name_fanout: 8,
             max_name_bytes: 64 << 20,
+            max_unpickled_bytes: 512 << 20,
         }
     }
 }

@@ -20,7 +20,11 @@
 //! The VM is a loop, never recursive. Objects live in one arena addressed by index, so shared and
 //! even cyclic structures cost nothing extra and drop without recursion. Every allocation is
 //! bounded by the input size or a limit: stack, MARK nesting, memo entries and total container
-//! items each have a cap that names itself when hit.
+//! items each have a cap that names itself when hit, and the bytes all of them hold together are
+//! capped by [`Limits::max_unpickled_bytes`]: objects are never freed (a popped object may still
+//! be referenced from the memo or a container), so a pickle that makes and drops millions of
+//! objects (`]0]0]0...`) is stopped by that byte budget, not by the machine's memory. The empty
+//! tuple is immutable and made once.
 
 use crate::{Limits, PtError};
 use std::collections::HashMap;
@@ -198,8 +202,9 @@ pub(crate) enum Obj {
     List(Vec<Val>),
     Dict(Vec<(Val, Val)>),
     Global(Global),
-    Storage(StorageRef),
-    Tensor(TensorObj),
+    // Boxed so the common objects (strings, tuples, lists, dicts) take 32 bytes each.
+    Storage(Box<StorageRef>),
+    Tensor(Box<TensorObj>),
 }
 
 impl Obj {
@@ -318,6 +323,11 @@ struct Vm<'a> {
     objs: Vec<Obj>,
     /// Objects plus container elements made so far.
     items: u64,
+    /// Bytes held by the arena, its containers and the memo (an estimate from the sizes of what
+    /// was stored, not from the allocator), checked against `max_unpickled_bytes`.
+    bytes: u64,
+    /// The one empty tuple (`EMPTY_TUPLE` is common and tuples are immutable).
+    empty_tuple: Option<Val>,
     limits: &'a Limits,
 }
 
@@ -331,6 +341,8 @@ pub(crate) fn unpickle(data: &[u8], limits: &Limits) -> Result<Unpickled, PtErro
         memo: HashMap::new(),
         objs: Vec::new(),
         items: 0,
+        bytes: 0,
+        empty_tuple: None,
         limits,
     };
     let root = vm.run()?;
@@ -388,8 +400,32 @@ impl<'a> Vm<'a> {
         Ok(())
     }
 
+    /// Charges `n` bytes of memory the VM keeps to [`Limits::max_unpickled_bytes`].
+    fn charge(&mut self, n: usize) -> Result<(), PtError> {
+        self.bytes = self.bytes.saturating_add(n as u64);
+        if self.bytes > self.limits.max_unpickled_bytes {
+            return Err(PtError::Limit {
+                what: format!("memory held by the pickle's objects (at byte {})", self.at),
+                limit: self.limits.max_unpickled_bytes,
+                field: "max_unpickled_bytes",
+            });
+        }
+        Ok(())
+    }
+
     fn alloc(&mut self, o: Obj) -> Result<Val, PtError> {
         self.count(1)?;
+        let heap = match &o {
+            Obj::Str(s) => s.len(),
+            Obj::Bytes | Obj::Global(_) => 0,
+            Obj::Tuple(v) | Obj::List(v) => v.len() * std::mem::size_of::<Val>(),
+            Obj::Dict(v) => v.len() * std::mem::size_of::<(Val, Val)>(),
+            Obj::Storage(s) => std::mem::size_of::<StorageRef>() + s.key.len() + s.location.len(),
+            Obj::Tensor(t) => {
+                std::mem::size_of::<TensorObj>() + (t.shape.len() + t.strides.len()) * std::mem::size_of::<usize>()
+            }
+        };
+        self.charge(std::mem::size_of::<Obj>() + heap)?;
         let id = Id::try_from(self.objs.len()).map_err(|_| self.err("too many objects"))?;
         self.objs.push(o);
         Ok(Val::Obj(id))
@@ -463,12 +499,16 @@ impl<'a> Vm<'a> {
 
     fn memo_put(&mut self, key: u32) -> Result<(), PtError> {
         let v = self.top()?;
-        if self.memo.len() >= self.limits.max_memo && !self.memo.contains_key(&key) {
-            return Err(PtError::Limit {
-                what: format!("the pickle's memo (at byte {})", self.at),
-                limit: self.limits.max_memo as u64,
-                field: "max_memo",
-            });
+        if !self.memo.contains_key(&key) {
+            if self.memo.len() >= self.limits.max_memo {
+                return Err(PtError::Limit {
+                    what: format!("the pickle's memo (at byte {})", self.at),
+                    limit: self.limits.max_memo as u64,
+                    field: "max_memo",
+                });
+            }
+            // A hash table entry: key, value and control bytes, with the table's slack.
+            self.charge(2 * (std::mem::size_of::<(u32, Val)>() + 1))?;
         }
         self.memo.insert(key, v);
         Ok(())
@@ -597,7 +637,14 @@ impl<'a> Vm<'a> {
                     self.push(v)?
                 }
                 b')' => {
-                    let v = self.alloc(Obj::Tuple(Vec::new()))?;
+                    let v = match self.empty_tuple {
+                        Some(v) => v,
+                        None => {
+                            let v = self.alloc(Obj::Tuple(Vec::new()))?;
+                            self.empty_tuple = Some(v);
+                            v
+                        }
+                    };
                     self.push(v)?
                 }
                 0x85..=0x87 => {
@@ -740,6 +787,7 @@ impl<'a> Vm<'a> {
     fn extend_list(&mut self, items: Vec<Val>) -> Result<(), PtError> {
         let target = self.top()?;
         self.count(items.len() as u64)?;
+        self.charge(items.len() * std::mem::size_of::<Val>())?;
         let what = self.describe(target);
         match target {
             Val::Obj(id) => match self.objs.get_mut(id as usize) {
@@ -756,6 +804,7 @@ impl<'a> Vm<'a> {
     fn extend_dict(&mut self, pairs: Vec<(Val, Val)>) -> Result<(), PtError> {
         let target = self.top()?;
         self.count(pairs.len() as u64)?;
+        self.charge(pairs.len() * std::mem::size_of::<(Val, Val)>())?;
         let what = self.describe(target);
         match target {
             Val::Obj(id) => match self.objs.get_mut(id as usize) {
@@ -807,7 +856,7 @@ impl<'a> Vm<'a> {
             other => return Err(self.err(format!("persistent id: numel is a {}", self.describe(other)))),
         };
         let s = StorageRef { ty, key: key.to_owned(), location: location.to_owned(), numel };
-        self.alloc(Obj::Storage(s))
+        self.alloc(Obj::Storage(Box::new(s)))
     }
 
     fn ints(&self, v: Val, what: &str) -> Result<Vec<usize>, PtError> {
@@ -906,8 +955,12 @@ impl<'a> Vm<'a> {
                         _ => return Err(self.err(format!("{}: dtype is a {}", g.name(), self.describe(args[6])))),
                     }
                 } else {
-                    match &self.objs[storage as usize] {
-                        Obj::Storage(StorageRef { ty: StorageType::Typed(e, _), .. }) => *e,
+                    let ty = match &self.objs[storage as usize] {
+                        Obj::Storage(s) => Some(s.ty),
+                        _ => None,
+                    };
+                    match ty {
+                        Some(StorageType::Typed(e, _)) => e,
                         _ => {
                             return Err(
                                 self.err(format!("{}: an untyped storage needs _rebuild_tensor_v3's dtype", g.name()))
@@ -917,7 +970,7 @@ impl<'a> Vm<'a> {
                 };
                 let t = TensorObj { storage, elem, offset, shape, strides, requires_grad, parameter: false };
                 self.count(t.shape.len() as u64 * 2)?;
-                self.alloc(Obj::Tensor(t))
+                self.alloc(Obj::Tensor(Box::new(t)))
             }
             Global::RebuildParameter | Global::RebuildParameterWithState => {
                 let n = if g == Global::RebuildParameter { 3 } else { 4 };
@@ -936,7 +989,7 @@ impl<'a> Vm<'a> {
                 };
                 t.parameter = true;
                 self.count(t.shape.len() as u64 * 2)?;
-                self.alloc(Obj::Tensor(t))
+                self.alloc(Obj::Tensor(Box::new(t)))
             }
             Global::RebuildFromTypeV2 => {
                 // (func, new_type, args, state): a tensor subclass or a tensor with attributes.

@@ -435,3 +435,39 @@ fn long_names_over_many_leaves_hit_a_byte_bound() {
     p.op(b"}(").str("model").op(b"](").op(&[b'N'; 1000]).op(b"eu");
     parse(&with_pickle(&p.stop(), &[])).unwrap();
 }
+
+#[test]
+fn objects_made_and_dropped_hit_a_byte_bound() {
+    // `]0` pairs: each makes an empty list and pops it. Objects are never freed (the memo or a
+    // container may still hold them), so only a byte budget stops this; the count limits alone
+    // let a 32 MB pickle reach 1.4 GB. A small budget shows the bound names itself.
+    let mut p = Pickle::new();
+    p.op(b"N");
+    for _ in 0..100_000 {
+        p.op(b"]0");
+    }
+    let file = with_pickle(&p.stop(), &[]);
+    let mut opts = PtOptions::default();
+    opts.limits.max_unpickled_bytes = 1 << 20;
+    let e = err_with(&file, &opts);
+    assert!(e.contains("max_unpickled_bytes"), "{e}");
+    // Memo entries overwritten over and over, each time with a new dict: the same bound.
+    let mut p = Pickle::new();
+    p.op(b"N");
+    for _ in 0..100_000 {
+        p.op(b"}q\x000");
+    }
+    let e = err_with(&with_pickle(&p.stop(), &[]), &opts);
+    assert!(e.contains("max_unpickled_bytes"), "{e}");
+    // Empty tuples are immutable and made once: a million of them cost nothing.
+    let mut p = Pickle::new();
+    p.op(b"N");
+    for _ in 0..1_000_000 {
+        p.op(b")0");
+    }
+    let idx = PtIndex::parse(&with_pickle(&p.stop(), &[]), &opts).unwrap();
+    assert_eq!(idx.tensors().len(), 0);
+    // An ordinary state dict fits a budget far below the default.
+    let (pkl, data) = small_state_dict();
+    PtIndex::parse(&with_pickle(&pkl, &[("0", &data)]), &opts).unwrap();
+}

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{with_pickle, Pickle};
+use common::{hostile, with_pickle, Pickle};
 use proptest::prelude::*;
 use turboio_pt::{PtIndex, PtOptions};
 
@@ -43,9 +43,21 @@ fn check(file: &[u8]) {
         let st = index.storage_of(t);
         assert!(st.offset + st.len <= file.len() as u64);
         assert!(span.start >= st.offset && span.end <= st.offset + st.len);
-        let mut out = vec![0u8; t.nbytes() as usize];
-        t.gather(&file[span.start as usize..span.end as usize], &mut out).unwrap();
+        // Expanded views may describe far more bytes than are stored (conversions bound that);
+        // gather the ones of a sane size.
+        if t.nbytes() <= 64 << 20 {
+            let mut out = vec![0u8; t.nbytes() as usize];
+            t.gather(&file[span.start as usize..span.end as usize], &mut out).unwrap();
+        }
     }
+}
+
+/// Parses with small limits, as a test can afford to hit them.
+fn small_limits() -> PtOptions {
+    let mut opts = PtOptions::default();
+    opts.limits.max_name_bytes = 1 << 20;
+    opts.limits.max_unpickled_bytes = 4 << 20;
+    opts
 }
 
 #[test]
@@ -100,5 +112,58 @@ proptest! {
     fn random_pickles(pkl in prop::collection::vec(any::<u8>(), 0..256)) {
         let (_, storages) = rich();
         check(&zip_of(&pkl, &storages));
+    }
+}
+
+// The hostile shapes of issue 22, with their parameters varied.
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn duplicate_names_are_always_refused(flip in any::<u8>()) {
+        let e = PtIndex::parse(hostile::duplicate_names(flip).as_slice(), &PtOptions::default()).unwrap_err().to_string();
+        prop_assert!(e.contains("two entries are named"), "{}", e);
+    }
+
+    #[test]
+    fn long_names_stay_within_their_byte_bound(key_len in 1usize..20_000, leaves in 0usize..3_000) {
+        let file = hostile::long_names(key_len, leaves);
+        let opts = small_limits();
+        match PtIndex::parse(file.as_slice(), &opts) {
+            // Every leaf's name is the key plus `.i`: accepted only if that fits the bound.
+            Ok(_) => prop_assert!(((key_len + 6) * leaves) as u64 <= 2 * opts.limits.max_name_bytes),
+            Err(e) => {
+                let e = e.to_string();
+                prop_assert!(e.contains("max_name_bytes"), "{}", e);
+                prop_assert!((key_len * leaves) as u64 > opts.limits.max_name_bytes / 2, "{}", e);
+            }
+        }
+        check(&file);
+    }
+
+    #[test]
+    fn stacked_directory_records_are_refused(records in 1usize..2_000, dir_offset in any::<u32>()) {
+        let file = hostile::stacked_directory_records(records, dir_offset);
+        prop_assert!(PtIndex::parse(file.as_slice(), &PtOptions::default()).is_err());
+    }
+
+    #[test]
+    fn expanded_views_stay_inside_their_storage(shape in prop::collection::vec(0i32..1 << 12, 0..4),
+                                                strides in prop::collection::vec(0i32..2, 0..4)) {
+        let strides: Vec<i32> = strides.into_iter().chain(std::iter::repeat(0)).take(shape.len()).collect();
+        check(&hostile::expanded_view(&shape, &strides));
+    }
+
+    #[test]
+    fn objects_made_and_dropped_stay_within_the_byte_bound(op in prop::sample::select(vec![b']', b'}', b')']),
+                                                           pairs in 0usize..200_000) {
+        let opts = small_limits();
+        match PtIndex::parse(hostile::made_and_dropped(op, pairs).as_slice(), &opts) {
+            Ok(index) => prop_assert!(index.tensors().is_empty()),
+            Err(e) => {
+                let e = e.to_string();
+                prop_assert!(op != b')' && e.contains("max_unpickled_bytes"), "{}", e);
+            }
+        }
     }
 }

@@ -91,3 +91,67 @@ pub fn small_state_dict() -> (Vec<u8>, Vec<u8>) {
     let data: Vec<u8> = (0..6).flat_map(|i| (i as f32).to_le_bytes()).collect();
     (p.stop(), data)
 }
+
+/// The hostile shapes an outside review found (issue 22), built with parameters so that the
+/// property tests and the fuzz target can vary them.
+pub mod hostile {
+    use super::{small_state_dict, with_pickle, Pickle};
+
+    /// A valid two-storage checkpoint whose `data/1` is renamed `data/0` in its local header and
+    /// its directory entry: two entries with one name (the zip crate keeps the last; torch reads
+    /// the first). `flip` changes the second storage's bytes so the two differ.
+    pub fn duplicate_names(flip: u8) -> Vec<u8> {
+        let (pkl, data) = small_state_dict();
+        let other: Vec<u8> = data.iter().map(|b| b ^ flip.max(1)).collect();
+        let mut file = with_pickle(&pkl, &[("0", &data), ("1", &other)]);
+        let from = b"archive/data/1";
+        let spots: Vec<usize> =
+            file.windows(from.len()).enumerate().filter(|(_, w)| *w == from).map(|(i, _)| i).collect();
+        for at in spots {
+            file[at..at + from.len()].copy_from_slice(b"archive/data/0");
+        }
+        file
+    }
+
+    /// `{'A' * key_len: [None] * leaves}`: naming every leaf copies the key `leaves` times.
+    pub fn long_names(key_len: usize, leaves: usize) -> Vec<u8> {
+        let mut p = Pickle::new();
+        p.op(b"}(").str(&"A".repeat(key_len)).op(b"](").op(&vec![b'N'; leaves]).op(b"eu");
+        with_pickle(&p.stop(), &[])
+    }
+
+    /// A checkpoint followed by `records` end-of-central-directory records whose directory
+    /// offset (`dir_offset`) does not point at a directory.
+    pub fn stacked_directory_records(records: usize, dir_offset: u32) -> Vec<u8> {
+        let (pkl, data) = small_state_dict();
+        let good = with_pickle(&pkl, &[("0", &data)]);
+        let mut eocd = good[good.len() - 22..].to_vec();
+        eocd[16..20].copy_from_slice(&dir_offset.to_le_bytes());
+        let mut file = good[..good.len() - 22].to_vec();
+        for _ in 0..records {
+            file.extend_from_slice(&eocd);
+        }
+        file
+    }
+
+    /// `{'x': view}` of a one-element float storage with this shape and these strides (all 0
+    /// for a pure expansion): torch's `ones(1).expand(...)`.
+    pub fn expanded_view(shape: &[i32], strides: &[i32]) -> Vec<u8> {
+        let mut p = Pickle::new();
+        p.op(b"}(").str("x").tensor("FloatStorage", "0", 1, 0, shape, strides).op(b"u");
+        with_pickle(&p.stop(), &[("0", &1f32.to_le_bytes())])
+    }
+
+    /// `pairs` times the opcodes `op` then POP: objects made and dropped at once (`]0` lists,
+    /// `}0` dicts, `)0` empty tuples).
+    pub fn made_and_dropped(op: u8, pairs: usize) -> Vec<u8> {
+        let mut p = Pickle::new();
+        p.op(b"N");
+        let mut body = Vec::with_capacity(pairs * 2);
+        for _ in 0..pairs {
+            body.extend_from_slice(&[op, b'0']);
+        }
+        p.op(&body);
+        with_pickle(&p.stop(), &[])
+    }
+}
