@@ -48,11 +48,13 @@
 //!
 //! # Saves
 //!
-//! `write_file_from_device` writes a temporary file, renames it over the target and syncs, like
-//! the posix backend. The 4 KiB-aligned middle of each device range goes out through
+//! `write_file_from_device` goes through the posix backend's one atomic writer
+//! ([`PosixStorage::replace_with`]: symbolic links followed, the old file's owner and mode,
+//! space reserved with `fallocate`, sync, rename, abandoned temporaries removed); only the data
+//! transfer is this backend's. The 4 KiB-aligned middle of each device range goes out through
 //! `cuFileWrite` on an `O_DIRECT` descriptor; everything else (the header, partial blocks) is
 //! written from the [`WriteSource`] through an ordinary descriptor, so no file block is written
-//! by both paths.
+//! by both paths. A save whose device ranges hold no whole aligned block needs no driver.
 #![deny(missing_docs)]
 
 pub mod result;
@@ -62,7 +64,7 @@ use result::CuFileError;
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -509,28 +511,6 @@ impl StorageFile for GdsFile {
     }
 }
 
-/// Removes a temporary file unless the save went through.
-struct TempGuard(PathBuf, bool);
-
-impl Drop for TempGuard {
-    fn drop(&mut self) {
-        if self.1 {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-}
-
-fn temp_path(path: &Path) -> Result<PathBuf, StorageError> {
-    let name =
-        path.file_name().ok_or_else(|| StorageError::io(path, "save", std::io::ErrorKind::InvalidInput.into()))?;
-    let nanos =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-    let mut tmp = std::ffi::OsString::from(".");
-    tmp.push(name);
-    tmp.push(format!(".turboio-gds-tmp.{}.{nanos:08x}", std::process::id()));
-    Ok(path.with_file_name(tmp))
-}
-
 /// Splits the file into the ranges cuFile writes (4 KiB-aligned middles of device ranges) and
 /// the rest, written from the source.
 fn split_write(len: u64, device: &[DeviceWriteRequest]) -> (Vec<Piece>, Vec<(u64, u64)>) {
@@ -602,38 +582,33 @@ impl Storage for GdsStorage {
                 message: "a device range lies past the end of the file".into(),
             });
         }
-        let driver = self.driver_for(ordinal)?;
-        opts.check_cancel()?;
-        let tmp = temp_path(path)?;
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&tmp)
-            .map_err(|e| StorageError::io(path, "create", e))?;
-        let mut guard = TempGuard(tmp.clone(), true);
-        file.set_len(len).map_err(|e| StorageError::io(path, "set_len", e))?;
         let (direct, host) = split_write(len, device);
-
-        // The source's ranges through the ordinary descriptor.
-        let mut buf = vec![0u8; (8 << 20).min(len as usize).max(1)];
-        for (start, end) in host {
-            let mut at = start;
-            while at < end {
-                opts.check_cancel()?;
-                let n = ((end - at) as usize).min(buf.len());
-                source
-                    .fill(at, &mut buf[..n])
-                    .map_err(|message| StorageError::Source { path: path.to_owned(), message })?;
-                file.write_all_at(&buf[..n], at).map_err(|e| StorageError::io(path, "write", e))?;
-                opts.add_progress(n as u64);
-                at += n as u64;
+        // The driver only when cuFile has something to write: ranges too small for a whole
+        // aligned block go from the source like the header.
+        let driver = if direct.is_empty() { None } else { Some(self.driver_for(ordinal)?) };
+        // The one atomic writer's protocol (links followed, the old file's owner and mode,
+        // space reserved, sync, rename, abandoned temporaries removed); only the data transfer
+        // is this backend's.
+        self.posix.replace_with(path, len, opts, &mut |tmp| {
+            // The source's ranges through the ordinary descriptor.
+            let mut buf = vec![0u8; (8 << 20).min(len as usize).max(1)];
+            for &(start, end) in &host {
+                let mut at = start;
+                while at < end {
+                    opts.check_cancel()?;
+                    let n = ((end - at) as usize).min(buf.len());
+                    source
+                        .fill(at, &mut buf[..n])
+                        .map_err(|message| StorageError::Source { path: path.to_owned(), message })?;
+                    tmp.file().write_all_at(&buf[..n], at).map_err(|e| StorageError::io(path, "write", e))?;
+                    opts.add_progress(n as u64);
+                    at += n as u64;
+                }
             }
-        }
-        // The aligned device ranges through cuFile.
-        if !direct.is_empty() {
-            let handle = register(&driver, &tmp, true)
-                .map_err(|e| unsupported(format!("cuFile refused {}: {e}", tmp.display())))?;
+            // The aligned device ranges through cuFile, on its own O_DIRECT descriptor.
+            let Some(driver) = &driver else { return Ok(()) };
+            let handle = register(driver, tmp.path(), true)
+                .map_err(|e| unsupported(format!("cuFile refused {}: {e}", tmp.path().display())))?;
             let chunk = (self.cfg.chunk.max(1) as u64).next_multiple_of(ALIGN);
             let mut list = Vec::new();
             for d in &direct {
@@ -664,18 +639,8 @@ impl Storage for GdsStorage {
                     done += n;
                 }
                 Ok(())
-            })?;
-        }
-        file.sync_all().map_err(|e| StorageError::io(path, "fsync", e))?;
-        drop(file);
-        opts.check_cancel()?;
-        std::fs::rename(&tmp, path).map_err(|e| StorageError::io(path, "rename", e))?;
-        guard.1 = false;
-        if let Some(dir) = path.parent() {
-            let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
-            File::open(dir).and_then(|d| d.sync_all()).map_err(|e| StorageError::io(path, "fsync directory", e))?;
-        }
-        Ok(())
+            })
+        })
     }
 }
 

@@ -91,6 +91,42 @@ fn without_a_gpu_device_io_refuses_cleanly_and_never_opens_the_driver() {
     assert!(probe.contains("cuda:0"), "{probe}");
 }
 
+/// Saves from device memory go through the one atomic writer's protocol: a symbolic link at
+/// the target is followed (not replaced), the replaced file's mode is kept, and temporaries of
+/// dead writers are cleaned by the same rule. Device ranges holding no whole aligned block need
+/// no driver, so this runs without a GPU (it failed before: the GDS path had a writer of its
+/// own, asked for the driver first, and replaced links).
+#[test]
+fn device_saves_use_the_one_atomic_writer() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = scratch();
+    let blob = dir.path().join("blob.bin");
+    std::fs::write(&blob, b"old").unwrap();
+    std::fs::set_permissions(&blob, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let link = dir.path().join("model.bin");
+    std::os::unix::fs::symlink("blob.bin", &link).unwrap();
+    // A killed writer's temporary of this host (a pid that is gone).
+    let mut child = Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let stale = dir.path().join(format!(".blob.bin.turboio-tmp.{dead}.{}.{:016x}", turboio_io_posix::owner_tag(), 1));
+    std::fs::write(&stale, b"partial").unwrap();
+    let data = conformance::pattern(10_000, 3);
+    // Two device ranges, neither with a whole 4 KiB block inside: written from the source.
+    let dev = [
+        DeviceWriteRequest { offset: 100, len: 3000, src: cuda(0) },
+        DeviceWriteRequest { offset: 5000, len: 4000, src: cuda(100) },
+    ];
+    GdsStorage::new().write_file_from_device(&link, &BytesSource(&data), &dev, &IoOptions::default()).unwrap();
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link stays a link");
+    assert_eq!(std::fs::read(&blob).unwrap(), data, "the file it points to is replaced");
+    assert_eq!(std::fs::metadata(&blob).unwrap().permissions().mode() & 0o7777, 0o640);
+    assert!(!stale.exists(), "abandoned temporaries are removed by the same rule");
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left.len(), 2, "{left:?}");
+    assert_eq!(turboio_io_gds::driver_open_calls(), 0);
+}
+
 /// The library named by `TURBOIO_CUFILE_LIB`, or `None` (skipped).
 fn cufile_lib() -> Option<PathBuf> {
     match std::env::var_os("TURBOIO_CUFILE_LIB") {

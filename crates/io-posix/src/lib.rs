@@ -78,9 +78,10 @@
 //! 1. A symbolic link at the target is followed (the Hugging Face cache links
 //!    `model.safetensors` to a blob): the file it points to is replaced, in its own directory,
 //!    and the link stays.
-//! 2. `.{name}.turboio-tmp.{pid}.{random}` is created next to the target with `O_EXCL`: mode
-//!    0600 when a file is being replaced (never more open than the final file), 0666 less the
-//!    umask for a new file (what `open` gives).
+//! 2. `.{name}.turboio-tmp.{pid}.{owner}.{random}` is created next to the target with `O_EXCL`
+//!    and locked (`flock`, held until the rename: the mark of a live writer): mode 0600 when a
+//!    file is being replaced (never more open than the final file), 0666 less the umask for a
+//!    new file (what `open` gives).
 //! 3. The final size is reserved with `fallocate` (a full disk fails before any byte is
 //!    written).
 //! 4. Chunks are filled from the source into reusable aligned buffers by one worker per core
@@ -89,10 +90,16 @@
 //!    with `pwrite` where io_uring is unavailable, and through the page cache where the file
 //!    system refuses `O_DIRECT` or the caller asks ([`DirectIo::Off`](turboio_storage::DirectIo::Off):
 //!    the file then stays in the page cache, for a load right after).
-//! 5. The file is `fsync`ed, given the replaced file's owner (where permitted) and mode, and
-//!    renamed over the target; the directory is `fsync`ed.
-//! 6. Temporary files of earlier saves of the same name whose process is gone (a writer killed
-//!    mid-save) are removed.
+//! 5. The file is given the replaced file's owner (where permitted) and mode, `fsync`ed (so a
+//!    crash after the sync never leaves a 0600 file in place), and renamed over the target; the
+//!    directory is `fsync`ed.
+//! 6. Temporary files of earlier saves of the same name whose writer is gone (killed mid-save)
+//!    are removed: unlocked, and either written on this boot and PID namespace by a process
+//!    that no longer exists, or untouched for an hour (see [`abandoned_temp`]; a PID alone is
+//!    wrong across hosts sharing a file system and across containers).
+//!
+//! Other data paths (GPUDirect Storage writes from device memory) use the same protocol through
+//! [`PosixStorage::replace_with`], which hands the temporary file to the caller's transfer.
 //!
 //! On any error before the rename (the source fails, the disk is full, the caller cancels) the
 //! temporary file is removed and the old target is untouched; readers see the old file or the
@@ -114,11 +121,13 @@
 mod plan;
 mod read;
 mod sys;
+mod temp;
 mod uring;
 mod write;
 
 pub use read::PosixFile;
-pub use write::Faults;
+pub use temp::{abandoned_temp, owner_tag, temp_target, STALE_AFTER, STALE_AFTER_WITHOUT_LOCKS};
+pub use write::{Faults, Step, TempFile};
 
 use std::path::Path;
 use turboio_storage::{IoOptions, Storage, StorageError, StorageFile, WriteSource};
@@ -214,6 +223,21 @@ impl PosixStorage {
     /// Opens a file, with the local-only extras of [`PosixFile`].
     pub fn open_posix(&self, path: &Path) -> Result<PosixFile, StorageError> {
         PosixFile::open(path, self.cfg.clone())
+    }
+
+    /// Replaces `path` atomically with a file of `len` bytes that `transfer` writes into the
+    /// temporary file it is given (already created, locked and sized): the protocol of
+    /// [`Storage::write_file`] (links followed, the old file's owner and mode, sync, rename,
+    /// directory sync, abandoned temporaries removed), with another data path. On any error
+    /// of `transfer` or of the protocol, the temporary file is removed and the old file stays.
+    pub fn replace_with(
+        &self,
+        path: &Path,
+        len: u64,
+        opts: &IoOptions<'_>,
+        transfer: &mut dyn FnMut(&TempFile<'_>) -> Result<(), StorageError>,
+    ) -> Result<(), StorageError> {
+        write::replace_with(&self.cfg, path, len, opts, transfer)
     }
 }
 

@@ -141,6 +141,25 @@ pub(crate) fn process_exists(pid: u32) -> bool {
     ret == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
+/// An exclusive `flock` on `file`: waiting for it when `wait`, else `EWOULDBLOCK` if another
+/// open file description holds it. Held until every descriptor of this description closes
+/// (or the process dies: the kernel drops it). Works across processes and PID namespaces on
+/// one kernel, and across hosts on NFS (Linux emulates it with POSIX locks there); file
+/// systems without locks say `ENOLCK`, `EOPNOTSUPP` or `ENOSYS`.
+pub(crate) fn lock_exclusive(file: &File, wait: bool) -> io::Result<()> {
+    let op = if wait { libc::LOCK_EX } else { libc::LOCK_EX | libc::LOCK_NB };
+    loop {
+        // SAFETY: plain syscall on a descriptor we own; no memory is passed.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// Tells the kernel to drop the clean cached pages of `file` (`POSIX_FADV_DONTNEED`).
 pub(crate) fn drop_cache(file: &File) -> io::Result<()> {
     // SAFETY: plain syscall on a descriptor we own; no memory is passed.

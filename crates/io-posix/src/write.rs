@@ -6,15 +6,13 @@
 
 use crate::plan::{aligned_size, ALIGN};
 use crate::sys::{self, AlignedBuf};
+use crate::temp::{remove_abandoned, temp_name};
 use crate::uring::Ring;
 use crate::PosixConfig;
-use std::collections::hash_map::RandomState;
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsStr;
 use std::fs::{self, File, Metadata, OpenOptions};
-use std::hash::{BuildHasher, Hasher};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -26,12 +24,8 @@ const DEFAULT_CHUNK: usize = 8 << 20;
 const MAX_CHUNK: usize = 256 << 20;
 /// Chunks each io_uring writer keeps in flight (one reusable buffer each).
 const URING_DEPTH: usize = 4;
-/// Longest file-name prefix kept in temporary names (names are limited to 255 bytes).
-const MAX_NAME_PREFIX: usize = 200;
 /// Symbolic links followed at the target before giving up (as the kernel's `ELOOP` limit).
 const MAX_LINKS: usize = 40;
-/// What temporary names contain after the target's name.
-const TEMP_MARK: &str = ".turboio-tmp.";
 
 /// Removes the temporary file unless the save went through.
 struct TempGuard {
@@ -118,25 +112,9 @@ fn protected_symlink_followed(dir_mode: u32, dir_uid: u32, link_uid: u32, euid: 
     !sticky_world_writable || Some(link_uid) == euid || link_uid == dir_uid
 }
 
-/// A fresh name `.{file_name}.turboio-tmp.{pid}.{random}` in `dir`.
-fn temp_name(dir: &Path, name: &OsStr, attempt: u32) -> PathBuf {
-    let mut h = RandomState::new().build_hasher();
-    h.write_u32(attempt);
-    if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
-        h.write_u128(t.as_nanos());
-    }
-    let bytes = name.as_bytes();
-    let prefix = &bytes[..bytes.len().min(MAX_NAME_PREFIX)];
-    let mut tmp = Vec::with_capacity(prefix.len() + 48);
-    tmp.push(b'.');
-    tmp.extend_from_slice(prefix);
-    tmp.extend_from_slice(format!("{TEMP_MARK}{}.{:016x}", std::process::id(), h.finish()).as_bytes());
-    dir.join(OsString::from_vec(tmp))
-}
-
-/// Creates the temporary file with `O_EXCL`. Replacing a file: mode 0600 (less the umask), so
-/// the temporary file is never more open than the final one, whose mode is set just before the
-/// rename. A new file: 0666 less the umask, what `open(path, O_CREAT)` gives.
+/// Creates the temporary file with `O_EXCL` and locks it. Replacing a file: mode 0600 (less the
+/// umask), so the temporary file is never more open than the final one, whose mode is set
+/// before the file is synced. A new file: 0666 less the umask, what `open(path, O_CREAT)` gives.
 fn create_temp(
     target: &Path,
     dir: &Path,
@@ -148,7 +126,13 @@ fn create_temp(
     loop {
         let tmp = temp_name(dir, name, attempt);
         match OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp) {
-            Ok(f) => return Ok((tmp, f)),
+            Ok(f) => {
+                // The mark of a live writer for other processes' cleanup (see `temp`). A file
+                // system without locks has only the other rules; a cleanup holds the lock for
+                // microseconds, so waiting for it is brief.
+                let _ = sys::lock_exclusive(&f, true);
+                return Ok((tmp, f));
+            }
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt < 16 => attempt += 1,
             // ENOENT here means the directory is missing: reported for the target path.
             Err(e) => return Err(io_err(target, "create", e)),
@@ -170,29 +154,6 @@ fn match_old_file(file: &File, old: &Metadata, path: &Path) -> Result<(), Storag
         }
     }
     file.set_permissions(fs::Permissions::from_mode(old.mode() & 0o7777)).map_err(|e| io_err(path, "chmod", e))
-}
-
-/// Removes temporary files of earlier saves of `name` in `dir` whose writer is gone (killed
-/// before it could clean up): names with another process's id, when that process no longer
-/// exists. Best effort: a save never fails because of it.
-fn remove_stale_temps(dir: &Path, name: &OsStr) {
-    let bytes = name.as_bytes();
-    let mut prefix = Vec::with_capacity(bytes.len() + TEMP_MARK.len() + 1);
-    prefix.push(b'.');
-    prefix.extend_from_slice(&bytes[..bytes.len().min(MAX_NAME_PREFIX)]);
-    prefix.extend_from_slice(TEMP_MARK.as_bytes());
-    let Ok(entries) = fs::read_dir(dir) else { return };
-    let me = std::process::id();
-    for entry in entries.flatten() {
-        let file_name = entry.file_name();
-        let Some(rest) = file_name.as_bytes().strip_prefix(prefix.as_slice()) else { continue };
-        let Some(pid) = std::str::from_utf8(rest).ok().and_then(|r| r.split('.').next()?.parse::<u32>().ok()) else {
-            continue;
-        };
-        if pid != me && !sys::process_exists(pid) {
-            let _ = fs::remove_file(entry.path());
-        }
-    }
 }
 
 /// The refusal to save over something that is not a regular file (a FIFO, a character or
@@ -223,12 +184,45 @@ fn not_a_regular_file(path: &Path, meta: &fs::Metadata) -> StorageError {
     )
 }
 
-/// Writes `source` to `path` atomically (see the crate docs for the protocol).
-pub(crate) fn write_file(
+/// The temporary file of an atomic save, handed to the code that fills it
+/// ([`PosixStorage::replace_with`](crate::PosixStorage::replace_with)).
+#[derive(Debug)]
+pub struct TempFile<'a> {
+    file: &'a File,
+    path: &'a Path,
+}
+
+impl TempFile<'_> {
+    /// The temporary file, open for writing, its final size already reserved.
+    pub fn file(&self) -> &File {
+        self.file
+    }
+
+    /// Its path (for libraries that open it themselves, such as cuFile).
+    pub fn path(&self) -> &Path {
+        self.path
+    }
+}
+
+/// The save stops here as if the process had been killed, when a test asks for it.
+fn crash_point(cfg: &PosixConfig, path: &Path, step: Step, guard: &mut TempGuard) -> Result<(), StorageError> {
+    if cfg.faults.crash == Some(step) {
+        guard.armed = false;
+        let e = io::Error::other(format!("simulated crash after {step:?} (PosixConfig::faults)"));
+        return Err(io_err(path, "save", e));
+    }
+    Ok(())
+}
+
+/// The atomic-replace protocol (see the crate docs), with `transfer` writing the `len` bytes of
+/// the new file into the temporary file. Every save of local files goes through here; only the
+/// data transfer differs between callers.
+pub(crate) fn replace_with(
     cfg: &PosixConfig,
     path: &Path,
-    source: &dyn WriteSource,
+    len: u64,
     opts: &IoOptions<'_>,
+    transfer: &mut dyn FnMut(&TempFile<'_>) -> Result<(), StorageError>,
 ) -> Result<(), StorageError> {
     let target = resolve_target(path)?;
     let Some(name) = target.file_name() else {
@@ -248,41 +242,66 @@ pub(crate) fn write_file(
     opts.check_cancel()?;
     let (tmp, file) = create_temp(path, dir, name, existing.as_ref())?;
     let mut guard = TempGuard { path: tmp, armed: true };
-    let len = source.len();
     cfg.faults.check(Step::Allocate).map_err(|e| io_err(path, "allocate", e))?;
     sys::allocate(&file, len).map_err(|e| io_err(path, "allocate", e))?;
-    let want_direct = match opts.direct {
-        DirectIo::On => true,
-        DirectIo::Off => false,
-        DirectIo::Auto => cfg.direct_writes,
-    };
-    let direct = if want_direct && len >= ALIGN {
-        sys::reopen_direct(&file, &guard.path, true).map_err(|e| io_err(path, "open (O_DIRECT)", e))?
-    } else {
-        None
-    };
-    let w =
-        Writer { cfg, path, file: &file, direct: direct.as_ref(), source, opts, direct_failed: AtomicBool::new(false) };
-    w.write_all()?;
-    drop(direct);
+    crash_point(cfg, path, Step::Allocate, &mut guard)?;
+    transfer(&TempFile { file: &file, path: &guard.path })?;
+    // Owner and mode before the sync, so that what the sync makes durable is the final file
+    // (a crash after it must not leave a 0600 file in place).
+    if let Some(old) = &existing {
+        match_old_file(&file, old, path)?;
+    }
     if cfg.fsync {
         cfg.faults.check(Step::Fsync).map_err(|e| io_err(path, "fsync", e))?;
         file.sync_all().map_err(|e| io_err(path, "fsync", e))?;
     }
-    if let Some(old) = &existing {
-        match_old_file(&file, old, path)?;
-    }
-    drop(file);
+    crash_point(cfg, path, Step::Fsync, &mut guard)?;
     opts.check_cancel()?;
     cfg.faults.check(Step::Rename).map_err(|e| io_err(path, "rename", e))?;
     fs::rename(&guard.path, &target).map_err(|e| io_err(path, "rename", e))?;
     guard.armed = false;
+    crash_point(cfg, path, Step::Rename, &mut guard)?;
+    // The lock goes with the descriptor, after the rename: until then the temporary file is
+    // marked as a live writer's.
+    drop(file);
     if cfg.fsync {
         // The new name must be durable too. (If this fails the new file is already in place.)
         File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io_err(path, "fsync directory", e))?;
     }
-    remove_stale_temps(dir, name);
+    remove_abandoned(dir, name);
     Ok(())
+}
+
+/// Writes `source` to `path` atomically (see the crate docs for the protocol).
+pub(crate) fn write_file(
+    cfg: &PosixConfig,
+    path: &Path,
+    source: &dyn WriteSource,
+    opts: &IoOptions<'_>,
+) -> Result<(), StorageError> {
+    let len = source.len();
+    replace_with(cfg, path, len, opts, &mut |tmp| {
+        let want_direct = match opts.direct {
+            DirectIo::On => true,
+            DirectIo::Off => false,
+            DirectIo::Auto => cfg.direct_writes,
+        };
+        let direct = if want_direct && len >= ALIGN {
+            sys::reopen_direct(tmp.file, tmp.path, true).map_err(|e| io_err(path, "open (O_DIRECT)", e))?
+        } else {
+            None
+        };
+        let w = Writer {
+            cfg,
+            path,
+            file: tmp.file,
+            direct: direct.as_ref(),
+            source,
+            opts,
+            direct_failed: AtomicBool::new(false),
+        };
+        w.write_all()
+    })
 }
 
 /// One save's chunks being filled and written.
@@ -503,11 +522,15 @@ impl<'w, 'a, 'o> UringWriter<'w, 'a, 'o> {
     }
 }
 
-/// A step of a save where a test can make the OS fail ([`Faults`]).
+/// A step of a save where a test can make the OS fail, or the save stop as if killed
+/// ([`Faults`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Step {
+pub enum Step {
+    /// Reserving the file's space (`fallocate`).
     Allocate,
+    /// Syncing the temporary file (after its data, owner and mode are written).
     Fsync,
+    /// Renaming it over the target.
     Rename,
 }
 
@@ -524,6 +547,10 @@ pub struct Faults {
     pub rename: Option<i32>,
     /// Reserving the space fails with this errno.
     pub allocate: Option<i32>,
+    /// The save stops right after this step as if the process had been killed there: it
+    /// returns an error and leaves every file as the kill would (the temporary file, still
+    /// named as such, before the rename; the new file in place after it).
+    pub crash: Option<Step>,
 }
 
 impl Faults {

@@ -5,7 +5,7 @@
 use std::ffi::CString;
 use std::fs::OpenOptions;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use turboio_io_posix::{io_uring_available, PosixConfig, PosixStorage, ReadMethod, ReadReport};
@@ -680,26 +680,89 @@ fn injected_os_errors_leave_the_old_file_intact() {
     }
 }
 
-/// Temporary files of writers that were killed are removed by the next save of that name;
-/// those of live processes and of other names are left alone.
+/// Temporary files of writers that are gone are removed by the next save of that name; those
+/// of live writers (locked, here or on another host), of other hosts or containers that may
+/// still be writing (modified within the hour), and of other names are left alone.
 #[test]
-fn stale_temporaries_are_removed_by_the_next_save() {
+fn abandoned_temporaries_are_removed_by_the_next_save() {
     let dir = scratch_in(&local_dir());
     let path = dir.path().join("m.safetensors");
-    // A pid that is certainly gone: a child that has exited and been reaped.
+    // A pid that is certainly gone here: a child that has exited and been reaped.
     let mut child = std::process::Command::new("true").spawn().unwrap();
     let dead = child.id();
     child.wait().unwrap();
-    let stale = dir.path().join(format!(".m.safetensors.turboio-tmp.{dead}.00000000deadbeef"));
-    let live = dir.path().join(format!(".m.safetensors.turboio-tmp.{}.0000000000000001", std::process::id()));
-    let other = dir.path().join(format!(".n.safetensors.turboio-tmp.{dead}.00000000deadbeef"));
-    for p in [&stale, &live, &other] {
+    let me = std::process::id();
+    let tag = turboio_io_posix::owner_tag();
+    let other = if tag == "0badc0de" { "0defaced" } else { "0badc0de" };
+    let name =
+        |pid: u32, tag: &str, n: u32| dir.path().join(format!(".m.safetensors.turboio-tmp.{pid}.{tag}.{n:016x}"));
+    let hours_ago = |p: &Path, h: u64| {
+        let f = OpenOptions::new().write(true).open(p).unwrap();
+        f.set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(h * 3600)).unwrap();
+    };
+    let dead_here = name(dead, tag, 1);
+    let live_here = name(me, tag, 2);
+    let foreign_fresh = name(dead, other, 3);
+    let foreign_old = name(dead, other, 4);
+    let foreign_locked = name(dead, other, 5);
+    let untagged_old = dir.path().join(format!(".m.safetensors.turboio-tmp.{dead}.{:016x}", 6));
+    let other_name = dir.path().join(format!(".n.safetensors.turboio-tmp.{dead}.{tag}.{:016x}", 7));
+    for p in [&dead_here, &live_here, &foreign_fresh, &foreign_old, &foreign_locked, &untagged_old, &other_name] {
         std::fs::write(p, b"partial").unwrap();
     }
+    for p in [&foreign_old, &foreign_locked, &untagged_old] {
+        hours_ago(p, 2);
+    }
+    // A writer on another host holds its lock (NFS shares it); its pid means nothing here.
+    let held = std::fs::File::open(&foreign_locked).unwrap();
+    // SAFETY: flock on a descriptor we own; no memory is passed.
+    assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX) }, 0);
     PosixStorage::new().write_file(&path, &BytesSource(b"complete"), &IoOptions::default()).unwrap();
-    assert!(!stale.exists(), "a dead writer's temporary file is removed");
-    assert!(live.exists(), "a live process's temporary file is left");
-    assert!(other.exists(), "another name's temporary file is left");
+    assert!(!dead_here.exists(), "a dead writer of this host's temporary file is removed at once");
+    assert!(live_here.exists(), "a live process's temporary file is left");
+    assert!(foreign_fresh.exists(), "another host's recent temporary file is left (its pid means nothing here)");
+    assert!(!foreign_old.exists(), "another host's unlocked temporary file untouched for hours is removed");
+    assert!(foreign_locked.exists(), "a locked temporary file is a live writer's, however old");
+    assert!(!untagged_old.exists(), "names without an owner follow the age rule");
+    assert!(other_name.exists(), "another name's temporary file is left");
+    drop(held);
+    // The saver's own temporary is locked while it writes: another process's cleanup (here,
+    // the check itself, from this thread) sees a live writer.
+    let seen = std::sync::Mutex::new(Vec::new());
+    PosixStorage::new()
+        .replace_with(&path, 4, &IoOptions::default(), &mut |tmp| {
+            seen.lock().unwrap().push(turboio_io_posix::abandoned_temp(tmp.path()));
+            hours_ago(tmp.path(), 2);
+            seen.lock().unwrap().push(turboio_io_posix::abandoned_temp(tmp.path()));
+            tmp.file().write_all_at(b"abcd", 0).map_err(|e| StorageError::io(tmp.path(), "write", e))
+        })
+        .unwrap();
+    assert_eq!(*seen.lock().unwrap(), [false, false]);
+    assert_eq!(std::fs::read(&path).unwrap(), b"abcd");
+}
+
+/// What a crash right after the sync leaves is the final file: the replaced file's mode is
+/// given before the sync (a crash after it used to leave a 0600 file).
+#[test]
+fn the_old_mode_is_durable_with_the_data() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = scratch_in(&local_dir());
+    let path = dir.path().join("m.bin");
+    std::fs::write(&path, b"old").unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let cfg = PosixConfig {
+        faults: turboio_io_posix::Faults { crash: Some(turboio_io_posix::Step::Fsync), ..Default::default() },
+        ..PosixConfig::default()
+    };
+    let e = PosixStorage::with_config(cfg).write_file(&path, &BytesSource(b"new data"), &IoOptions::default());
+    assert!(e.unwrap_err().to_string().contains("simulated crash"));
+    assert_eq!(std::fs::read(&path).unwrap(), b"old", "the crash came before the rename");
+    let left: Vec<PathBuf> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().path()).filter(|p| p != &path).collect();
+    assert_eq!(left.len(), 1, "the killed save's temporary file: {left:?}");
+    assert_eq!(std::fs::read(&left[0]).unwrap(), b"new data");
+    let mode = std::fs::metadata(&left[0]).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode, 0o644, "what the sync made durable has the final mode");
 }
 
 /// io_uring writes, pwrite and buffered writes produce the same file, for lengths around the

@@ -548,16 +548,22 @@ fn is_shard_name(name: &str) -> bool {
     (parts.len() == 3 || parts.len() == 4) && digits(parts[0]) && parts[1] == "of" && digits(parts[2]) && tag_ok
 }
 
-/// Whether a file is the temporary file of a shard whose writer was killed: the writer's
-/// `.NAME.turboio-tmp.PID.RANDOM` for a shard name, with a process id that no longer exists.
-/// (The writer removes such files when the same name is saved again; shard names of killed
-/// saves may never be saved again, so the model save removes them.)
-fn is_dead_writers_temp(name: &str) -> bool {
-    let Some((shard, rest)) = name.strip_prefix('.').and_then(|n| n.split_once(".turboio-tmp.")) else {
-        return false;
-    };
-    let Some(pid) = rest.split('.').next().and_then(|p| p.parse::<u32>().ok()) else { return false };
-    is_shard_name(shard) && pid != std::process::id() && !Path::new("/proc").join(pid.to_string()).exists()
+/// Whether a file is the temporary file of a shard whose writer is gone: a temporary name of
+/// the atomic writer for a shard name, abandoned by the writer's own rule
+/// (`turboio_io_posix::abandoned_temp`: unlocked, and a dead process of this host or untouched
+/// for an hour). (The writer removes such files when the same name is saved again; shard names
+/// of killed saves may never be saved again, so the model save removes them.)
+fn is_dead_writers_temp(path: &Path) -> bool {
+    #[cfg(feature = "posix")]
+    {
+        let shard = path.file_name().and_then(turboio_io_posix::temp_target).and_then(|t| t.to_str());
+        shard.is_some_and(is_shard_name) && turboio_io_posix::abandoned_temp(path)
+    }
+    #[cfg(not(feature = "posix"))]
+    {
+        let _ = path;
+        false
+    }
 }
 
 /// A random hex tag for shard names that must not collide with the current set.
@@ -684,9 +690,8 @@ pub(crate) fn save_shard_set(
     let mut removed = Vec::new();
     let keep: std::collections::HashSet<&str> = names.iter().map(String::as_str).collect();
     let stale = place.list(dir)?.into_iter().filter(|p| {
-        p.file_name()
-            .and_then(|n| n.to_str())
-            .is_some_and(|n| (!keep.contains(n) && is_shard_name(n)) || is_dead_writers_temp(n))
+        p.file_name().and_then(|n| n.to_str()).is_some_and(|n| !keep.contains(n) && is_shard_name(n))
+            || is_dead_writers_temp(p)
     });
     // Only files this protocol writes: an old index that names `config.json` or a file of
     // another writer never gets it deleted.

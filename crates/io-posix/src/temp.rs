@@ -1,0 +1,189 @@
+//! The temporary files a save writes next to its target, who owns them, and when someone else
+//! may remove them.
+//!
+//! A save writes `.{name}.turboio-tmp.{pid}.{owner}.{random}` and holds an exclusive `flock` on
+//! it until the rename. `{owner}` is 8 hex digits naming the machine's boot and the PID
+//! namespace the writer runs in ([`owner_tag`]), so the PID means something only to a process
+//! that shares both. A temporary left by a killed writer is removed by a later save of the same
+//! name (and by model saves, for shard names that are never saved again) when
+//! [`abandoned_temp`] says so:
+//!
+//! - its lock is held: a writer is alive (on this kernel, or on another host where the file
+//!   system shares locks, as NFS does): kept;
+//! - else, written by this boot and PID namespace: removed when that PID no longer exists;
+//! - else (another host, another container, or a name without an owner): removed once it has
+//!   not been modified for [`STALE_AFTER`] (a writer writes it continuously), or for
+//!   [`STALE_AFTER_WITHOUT_LOCKS`] on a file system that has no locks to ask.
+//!
+//! A PID alone (what this module replaced) is wrong across hosts sharing a file system and
+//! across PID namespaces: another host's live writer has a PID that is free here, and its
+//! temporary file would be deleted under it.
+
+use crate::sys;
+use std::collections::hash_map::RandomState;
+use std::ffi::{OsStr, OsString};
+use std::fs::{self, OpenOptions};
+use std::hash::{BuildHasher, Hasher};
+use std::io;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, SystemTime};
+
+/// What temporary names contain after the target's name.
+pub(crate) const TEMP_MARK: &str = ".turboio-tmp.";
+/// Longest file-name prefix kept in temporary names (names are limited to 255 bytes).
+pub(crate) const MAX_NAME_PREFIX: usize = 200;
+
+/// How long an unlocked temporary file of another host or PID namespace must have gone
+/// unmodified before it is taken for abandoned.
+pub const STALE_AFTER: Duration = Duration::from_secs(3600);
+/// The same, on a file system that has no locks (nothing says whether a writer is alive).
+pub const STALE_AFTER_WITHOUT_LOCKS: Duration = Duration::from_secs(24 * 3600);
+
+/// FNV-1a: a hash that every build and version computes alike (std's may change).
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for &b in *part {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        h = (h ^ 0xff).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// This process's owner tag: 8 hex digits from the kernel's boot id and the inode of its PID
+/// namespace. Processes that share both see each other's PIDs; any other writer has another
+/// tag. Where neither can be read, a random tag (every other writer then counts as foreign).
+pub fn owner_tag() -> &'static str {
+    static TAG: OnceLock<String> = OnceLock::new();
+    TAG.get_or_init(|| {
+        let boot = fs::read("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+        let ns = fs::metadata("/proc/self/ns/pid").map(|m| m.ino()).ok();
+        let h = match (boot.is_empty(), ns) {
+            (true, None) => RandomState::new().build_hasher().finish(),
+            _ => fnv1a(&[&boot, &ns.unwrap_or(0).to_le_bytes()]),
+        };
+        format!("{:08x}", h as u32)
+    })
+}
+
+/// The prefix of every temporary name of `name`: `.{name}.turboio-tmp.` (the name cut to
+/// [`MAX_NAME_PREFIX`] bytes).
+fn prefix_of(name: &OsStr) -> Vec<u8> {
+    let bytes = name.as_bytes();
+    let mut prefix = Vec::with_capacity(bytes.len().min(MAX_NAME_PREFIX) + TEMP_MARK.len() + 1);
+    prefix.push(b'.');
+    prefix.extend_from_slice(&bytes[..bytes.len().min(MAX_NAME_PREFIX)]);
+    prefix.extend_from_slice(TEMP_MARK.as_bytes());
+    prefix
+}
+
+/// A fresh temporary name for `name` in `dir`.
+pub(crate) fn temp_name(dir: &Path, name: &OsStr, attempt: u32) -> PathBuf {
+    let mut h = RandomState::new().build_hasher();
+    h.write_u32(attempt);
+    if let Ok(t) = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH) {
+        h.write_u128(t.as_nanos());
+    }
+    let mut tmp = prefix_of(name);
+    tmp.extend_from_slice(format!("{}.{}.{:016x}", std::process::id(), owner_tag(), h.finish()).as_bytes());
+    dir.join(OsString::from_vec(tmp))
+}
+
+/// The target name (possibly cut to [`MAX_NAME_PREFIX`] bytes) a temporary file name belongs
+/// to, or `None` if it is not a temporary name of turboio's.
+pub fn temp_target(file_name: &OsStr) -> Option<&OsStr> {
+    let (target, _, _) = parse(file_name)?;
+    Some(target)
+}
+
+/// `(target, pid, owner tag)` of a temporary name; the tag is `None` in names written before
+/// tags existed (`{pid}.{random}`).
+fn parse(file_name: &OsStr) -> Option<(&OsStr, u32, Option<&str>)> {
+    let bytes = file_name.as_bytes().strip_prefix(b".")?;
+    let mark = TEMP_MARK.as_bytes();
+    let at = bytes.windows(mark.len()).rposition(|w| w == mark)?;
+    let rest = std::str::from_utf8(&bytes[at + mark.len()..]).ok()?;
+    let parts: Vec<&str> = rest.split('.').collect();
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    let pid = parts.first()?.parse::<u32>().ok()?;
+    let tag = match parts.as_slice() {
+        [_, random] if hex(random, 16) => None,
+        [_, tag, random] if hex(tag, 8) && hex(random, 16) => Some(*tag),
+        _ => return None,
+    };
+    Some((OsStr::from_bytes(&bytes[..at]), pid, tag))
+}
+
+/// Whether the temporary file at `path` was left by a writer that is gone (see the module
+/// docs). `false` for anything that is not a regular file with a temporary name, and whenever
+/// in doubt.
+pub fn abandoned_temp(path: &Path) -> bool {
+    let Some((_, pid, tag)) = path.file_name().and_then(parse) else { return false };
+    // O_NONBLOCK: a FIFO given a temporary name must not block the open.
+    let Ok(file) = OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path) else {
+        return false;
+    };
+    let Ok(meta) = file.metadata() else { return false };
+    if !meta.is_file() {
+        return false;
+    }
+    let ours = tag == Some(owner_tag());
+    let age = meta.modified().ok().and_then(|m| SystemTime::now().duration_since(m).ok()).unwrap_or_default();
+    match sys::lock_exclusive(&file, false) {
+        // A writer holds it.
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => false,
+        // Nobody holds it (the lock goes when `file` closes, right after the caller decides).
+        Ok(()) => {
+            if ours {
+                pid != std::process::id() && !sys::process_exists(pid)
+            } else {
+                age >= STALE_AFTER
+            }
+        }
+        // No locks here: what this host knows, else a long age.
+        Err(_) => (ours && pid != std::process::id() && !sys::process_exists(pid)) || age >= STALE_AFTER_WITHOUT_LOCKS,
+    }
+}
+
+/// Removes the abandoned temporary files of `name` in `dir`. Best effort: a save never fails
+/// because of it.
+pub(crate) fn remove_abandoned(dir: &Path, name: &OsStr) {
+    let prefix = prefix_of(name);
+    let Ok(entries) = fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        if entry.file_name().as_bytes().starts_with(&prefix) && abandoned_temp(&entry.path()) {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_back() {
+        let dir = Path::new("/d");
+        let p = temp_name(dir, OsStr::new("model.safetensors"), 0);
+        let (target, pid, tag) = parse(p.file_name().unwrap()).unwrap();
+        assert_eq!((target, pid, tag), (OsStr::new("model.safetensors"), std::process::id(), Some(owner_tag())));
+        // Names written before owner tags, and a target that contains the mark itself.
+        let old = OsStr::new(".m.bin.turboio-tmp.123.00000000deadbeef");
+        assert_eq!(parse(old), Some((OsStr::new("m.bin"), 123, None)));
+        let nested = OsStr::new(".a.turboio-tmp.b.turboio-tmp.7.0badc0de.00000000deadbeef");
+        assert_eq!(temp_target(nested), Some(OsStr::new("a.turboio-tmp.b")));
+        for not in [
+            ".m.bin",
+            "m.bin.turboio-tmp.1.00000000deadbeef",
+            ".m.turboio-tmp.x.00000000deadbeef",
+            ".m.turboio-tmp.1.2",
+        ] {
+            assert_eq!(parse(OsStr::new(not)), None, "{not}");
+        }
+        assert_eq!(owner_tag().len(), 8);
+    }
+}
