@@ -60,7 +60,10 @@
 //! does; unlike veTurboIO's daemon thread it stops (and the file goes) with the last user.
 //! Connections made before a rewrite are replaced by new ones for later operations.
 //!
-//! `LIBCLOUDFS_CONF` is one process-wide variable: it is set, under a lock, right before each
+//! `LIBCLOUDFS_CONF` is one process-wide variable, and changing the environment while other
+//! threads may read it is undefined behaviour: it is set once per process (at the first
+//! connection, or never if it already holds [`conf_path`]) to a symbolic link in the private
+//! directory, which is pointed at the connecting group's XML under a lock held for each
 //! `cfsBuilderConnect`. Secrets (secret keys, STS tokens) are zeroized and never appear in
 //! errors or `Debug` output.
 #![deny(missing_docs)]
@@ -72,7 +75,7 @@ mod write;
 
 pub use config::{CachePolicy, ConfigError, Properties, SfcsConfiguration, Sources, Vars};
 pub use ffi::sys::SYMBOLS;
-pub use session::{refresh_at, CONF_ENV};
+pub use session::{conf_path, refresh_at, CONF_ENV};
 
 use ffi::{CfsError, Fs, Library};
 use session::{Session, SessionError};

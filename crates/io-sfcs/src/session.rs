@@ -6,6 +6,15 @@
 //! credentials) is deleted. The directory holding the XML files is created on first use with
 //! mode 0700 under `$XDG_RUNTIME_DIR` or the temporary directory (never the working
 //! directory), and removed when no session is left.
+//!
+//! libcloudfs reads its configuration from the file named by `LIBCLOUDFS_CONF`, one variable
+//! for the whole process, while it connects. Changing the environment while other threads may
+//! read it (`setenv` against a C library's `getenv`) is undefined behaviour, so the variable
+//! is set at most once per process, to a path that never changes ([`conf_path`]): a symbolic
+//! link in the private directory that is pointed at the connecting group's XML (an atomic
+//! rename) under a lock held for the connect. The one `setenv` happens at the process's first
+//! SFCS connection, and not at all if `LIBCLOUDFS_CONF` already holds [`conf_path`] (a
+//! program can set it so before it starts threads).
 
 use crate::config::{conf_file_name, ConfigError, Properties, Sources};
 use crate::ffi::{CfsError, Fs, Library};
@@ -23,8 +32,8 @@ use turboio_kms::{DatapipeClient, KeyError, SfcsSts};
 /// The variable libcloudfs reads its configuration file's path from.
 pub const CONF_ENV: &str = "LIBCLOUDFS_CONF";
 
-/// Serialises `setenv(LIBCLOUDFS_CONF)` + `cfsBuilderConnect`: the variable is process-wide and
-/// libcloudfs reads it while connecting.
+/// Serialises pointing [`conf_path`] at a group's XML + `cfsBuilderConnect`: libcloudfs reads
+/// the file while connecting.
 static CONNECT_LOCK: Mutex<()> = Mutex::new(());
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -48,28 +57,55 @@ pub struct ConfDir {
 
 static CONF_DIR: Mutex<Weak<ConfDir>> = Mutex::new(Weak::new());
 
+/// The name of the link libcloudfs is pointed at, in the private directory.
+const CONF_LINK: &str = "libcloudfs.xml";
+
+/// This process's private directory path: chosen once per process (a forked child chooses its
+/// own), so that [`conf_path`] never changes.
+fn conf_dir_path() -> PathBuf {
+    static CHOSEN: Mutex<Option<(u32, PathBuf)>> = Mutex::new(None);
+    let mut chosen = lock(&CHOSEN);
+    let pid = std::process::id();
+    match chosen.as_ref() {
+        Some((p, path)) if *p == pid => path.clone(),
+        _ => {
+            let base = std::env::var_os("XDG_RUNTIME_DIR")
+                .map(PathBuf::from)
+                .filter(|p| p.is_absolute() && private_dir(p).is_ok())
+                .unwrap_or_else(std::env::temp_dir);
+            let path = base.join(format!("turboio-sfcs-{pid}-{:016x}", random_u64()));
+            *chosen = Some((pid, path.clone()));
+            path
+        }
+    }
+}
+
+/// The path `LIBCLOUDFS_CONF` holds once this process has connected to SFCS: a symbolic link
+/// in the process's private directory, pointed at each connecting group's XML. The same for
+/// the whole life of the process, so the variable is set once (or never, if a program sets it
+/// to this path before it starts threads).
+pub fn conf_path() -> PathBuf {
+    conf_dir_path().join(CONF_LINK)
+}
+
 impl ConfDir {
-    /// The live directory, or a new one.
+    /// The live directory, or a new one (at the same path as any earlier one).
     pub fn get() -> std::io::Result<Arc<ConfDir>> {
         let mut slot = lock(&CONF_DIR);
         if let Some(d) = slot.upgrade() {
             return Ok(d);
         }
-        let base = std::env::var_os("XDG_RUNTIME_DIR")
-            .map(PathBuf::from)
-            .filter(|p| p.is_absolute() && private_dir(p).is_ok())
-            .unwrap_or_else(std::env::temp_dir);
-        let mut attempt = 0;
-        let path = loop {
-            let p = base.join(format!("turboio-sfcs-{}-{:016x}", std::process::id(), random_u64()));
-            match std::fs::DirBuilder::new().mode(0o700).create(&p) {
-                Ok(()) => break p,
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 16 => attempt += 1,
-                Err(e) => return Err(std::io::Error::new(e.kind(), format!("{}: {e}", p.display()))),
+        let path = conf_dir_path();
+        match std::fs::DirBuilder::new().mode(0o700).create(&path) {
+            Ok(()) => {
+                // The umask can only remove bits; make sure nobody else can read it whatever it is.
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700))?;
             }
-        };
-        // The umask can only remove bits; make sure nobody else can read it whatever it is.
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700))?;
+            // Left by an earlier ConfDir of this process: used only if it is still private
+            // (ours, a real directory, 0700), never changed to be.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))),
+        }
         private_dir(&path)?;
         let d = Arc::new(ConfDir { path });
         *slot = Arc::downgrade(&d);
@@ -80,10 +116,29 @@ impl ConfDir {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// Points [`conf_path`] at `xml` (a symbolic link renamed into place) and makes sure
+    /// `LIBCLOUDFS_CONF` names it. Call with `CONNECT_LOCK` held, right before connecting.
+    fn point_libcloudfs_at(&self, xml: &Path) -> std::io::Result<()> {
+        let link = self.path.join(CONF_LINK);
+        let tmp = self.path.join(format!(".link-{:016x}", random_u64()));
+        std::os::unix::fs::symlink(xml, &tmp)?;
+        if let Err(e) = std::fs::rename(&tmp, &link) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        if std::env::var_os(CONF_ENV).as_deref() != Some(link.as_os_str()) {
+            // The process's one change of the environment (see the module docs): the path is
+            // the same for the life of the process, so this runs at its first connection only.
+            std::env::set_var(CONF_ENV, &link);
+        }
+        Ok(())
+    }
 }
 
 impl Drop for ConfDir {
     fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.path.join(CONF_LINK));
         let _ = std::fs::remove_dir(&self.path);
     }
 }
@@ -169,7 +224,7 @@ pub struct Session {
     lib: Library,
     conn: Mutex<Option<(u64, Arc<Fs>)>>,
     refresher: Mutex<Option<JoinHandle<()>>>,
-    _dir: Arc<ConfDir>,
+    dir: Arc<ConfDir>,
 }
 
 impl Session {
@@ -202,7 +257,7 @@ impl Session {
             lib,
             conn: Mutex::new(None),
             refresher: Mutex::new(None),
-            _dir: dir,
+            dir,
         });
         if !use_datapipe {
             write_private(&shared.xml_path, base.to_xml().as_bytes()).map_err(SessionError::Io)?;
@@ -251,7 +306,7 @@ impl Session {
         }
         let fs = {
             let _env = lock(&CONNECT_LOCK);
-            std::env::set_var(CONF_ENV, &self.shared.xml_path);
+            self.dir.point_libcloudfs_at(&self.shared.xml_path).map_err(SessionError::Io)?;
             Arc::new(self.lib.connect().map_err(SessionError::Connect)?)
         };
         *slot = Some((generation, fs.clone()));

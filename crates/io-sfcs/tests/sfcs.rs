@@ -253,6 +253,50 @@ fn one_connection_and_one_cfs_file_per_reader_thread() {
     assert_eq!(lines("cfsDisconnect").len(), 1, "{text}");
 }
 
+/// `LIBCLOUDFS_CONF` is set once per process, to one path that never changes (a link pointed
+/// at each connecting group's XML): changing the environment while other threads may read it
+/// is undefined behaviour. Before, it was set to each group's XML at every connect.
+#[test]
+fn the_environment_is_set_once_and_each_connect_reads_its_groups_xml() {
+    let log = log_path("env");
+    let name = "the_environment_is_set_once_and_each_connect_reads_its_groups_xml";
+    if !in_child(name, "", &[("FAKE_CFS_LOG", log.to_str().unwrap())]) {
+        let _ = std::fs::remove_file(&log);
+        return;
+    }
+    let c = Cluster::new();
+    let s = c.storage();
+    // Two groups (the first path component): the cluster's directory, and one in the project.
+    let a = c.scratch("env");
+    let b_root = tempfile::tempdir_in(Path::new(env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let groups = [(a.join("m.bin"), pattern(5000, 1)), (b_root.path().join("m.bin"), pattern(7000, 2))];
+    let _ = std::fs::remove_file(&log);
+    let mut seen = Vec::new();
+    let mut files = Vec::new();
+    for (path, data) in &groups {
+        std::fs::write(path, data).unwrap();
+        let f = s.open_sfcs(&sfcs(path), None).unwrap();
+        seen.push((std::env::var_os("LIBCLOUDFS_CONF").unwrap(), f.config_file().to_path_buf()));
+        assert_eq!(read_whole(&s, path, &IoOptions::default()).unwrap(), *data);
+        files.push(f);
+    }
+    let stable = turboio_io_sfcs::conf_path();
+    assert_ne!(seen[0].1, seen[1].1, "two groups, two XML files");
+    for (env, _) in &seen {
+        assert_eq!(Path::new(env), stable, "the variable names the one stable path");
+    }
+    // What libcloudfs opened at each connect: the stable path, pointing at that group's XML.
+    let text = std::fs::read_to_string(&log).unwrap();
+    let confs: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("cfsBuilderConnect "))
+        .map(|l| l.split(" conf=").nth(1).unwrap().split(' ').next().unwrap())
+        .collect();
+    assert!(confs.len() >= 2 && confs.iter().all(|c| Path::new(c) == stable), "{text}");
+    assert_eq!(std::fs::read_link(&stable).unwrap(), seen[1].1, "the link points at the last connecting group's XML");
+    drop(files);
+}
+
 #[test]
 fn short_reads_and_eintr_are_retried() {
     if !in_child("short_reads_and_eintr_are_retried", "short_reads,eintr_reads", &[]) {
