@@ -6,12 +6,16 @@
 //! The snapshot is one memory copy, spread over the cores, into an arena from a pool: after
 //! the first checkpoint the arena is already faulted in, so the caller is blocked for about
 //! the time of a `memcpy` of the checkpoint (tens of GB/s), while the write runs at the disk's
-//! speed behind it. Two arenas are kept by default, so that a snapshot can be taken while the
-//! previous checkpoint is still being written.
+//! speed behind it. The default pool holds at most two snapshots (a
+//! [bounded](turboio_device::ArenaPool::bounded) pool): one can be taken while the previous
+//! checkpoint is still being written, and a third background save blocks its caller until the
+//! oldest pending save finishes. Saves queued faster than the disk writes them therefore hold
+//! at most two checkpoints' worth of host memory, not one per save.
 //!
-//! At most one save per target path is pending at a time: a later save of the same path waits
-//! (in its own background thread, not in the caller) for the earlier one to finish, so the
-//! file on disk always ends up as the last save asked for.
+//! Saves of one target file land in the order they were asked for: a later save of the same
+//! file (however it is spelled: symbolic links and `..` resolved) waits, in its own background
+//! thread, for the earlier one to finish, so the file on disk always ends up as the last save
+//! asked for.
 
 use crate::save::{save_with, SaveTensor, TensorData};
 use crate::{Error, Result, SaveOptions};
@@ -25,10 +29,14 @@ use turboio_format::{plan, TensorSpec};
 /// Bytes per piece of the snapshot copy handed to a thread.
 const COPY_PIECE: usize = 16 << 20;
 
-/// The pool snapshots come from when [`SaveOptions::snapshots`] is `None`.
+/// Snapshots held at once by the default pool (in use by pending saves, or kept for reuse).
+pub const DEFAULT_SNAPSHOTS: usize = 2;
+
+/// The pool snapshots come from when [`SaveOptions::snapshots`] is `None`: bounded to
+/// [`DEFAULT_SNAPSHOTS`] (a save that finds them all in use waits for one to come back).
 pub fn default_snapshot_pool() -> &'static ArenaPool {
     static POOL: OnceLock<ArenaPool> = OnceLock::new();
-    POOL.get_or_init(|| ArenaPool::new(2))
+    POOL.get_or_init(|| ArenaPool::bounded(DEFAULT_SNAPSHOTS))
 }
 
 #[derive(Debug)]
@@ -187,7 +195,12 @@ fn snapshot(path: &Path, tensors: &[SaveTensor<'_>], pool: &ArenaPool, threads: 
 /// written by a thread of its own. Errors in the tensors or metadata are returned right away;
 /// errors of the write come from [`SaveHandle::wait`], and leave the previous file intact.
 ///
-/// A save of a path that has a save pending waits for it before writing, so saves of one path
+/// The copy goes into an arena of [`SaveOptions::snapshots`] (the default pool holds at most
+/// [`DEFAULT_SNAPSHOTS`]): when a bounded pool has all its arenas in pending saves, this call
+/// waits for the oldest to finish before copying, so memory stays bounded however fast saves
+/// are asked for.
+///
+/// A save of a file that has a save pending waits for it before writing, so saves of one file
 /// land in the order they were asked for.
 pub fn save_async(
     path: impl AsRef<Path>,
@@ -244,6 +257,93 @@ pub fn save_async(
         return Err(Error::Unsupported { path, message });
     }
     Ok(SaveHandle { shared })
+}
+
+#[cfg(all(test, feature = "posix"))]
+mod bound_tests {
+    use super::*;
+    use crate::Dtype;
+    use std::sync::Arc;
+    use turboio_storage::{IoOptions, Storage, StorageError, StorageFile, WriteSource};
+
+    /// Local files whose writes wait until the gate opens, noting the snapshots in use then.
+    #[derive(Debug)]
+    struct Gated {
+        open: Mutex<bool>,
+        opened: Condvar,
+        pool: ArenaPool,
+        in_use_seen: Mutex<Vec<usize>>,
+    }
+
+    impl Storage for Gated {
+        fn name(&self) -> &'static str {
+            "gated"
+        }
+        fn open(&self, path: &Path) -> std::result::Result<Box<dyn StorageFile>, StorageError> {
+            turboio_io_posix::PosixStorage::new().open(path)
+        }
+        fn write_file(
+            &self,
+            path: &Path,
+            source: &dyn WriteSource,
+            opts: &IoOptions<'_>,
+        ) -> std::result::Result<(), StorageError> {
+            self.in_use_seen.lock().unwrap().push(self.pool.in_use());
+            let mut open = self.open.lock().unwrap();
+            while !*open {
+                open = self.opened.wait(open).unwrap();
+            }
+            drop(open);
+            turboio_io_posix::PosixStorage::new().write_file(path, source, opts)
+        }
+    }
+
+    #[test]
+    fn saves_queued_faster_than_written_hold_at_most_the_pools_snapshots() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("a.safetensors");
+        let pool = ArenaPool::bounded(2);
+        let gate = Arc::new(Gated {
+            open: Mutex::new(false),
+            opened: Condvar::new(),
+            pool: pool.clone(),
+            in_use_seen: Mutex::new(Vec::new()),
+        });
+        let opts = SaveOptions { snapshots: Some(pool.clone()), storage: Some(gate.clone()), ..Default::default() };
+        let save = |path: &Path, fill: u8, opts: &SaveOptions| {
+            let data = vec![fill; 1 << 20];
+            let t = [SaveTensor { name: "w", dtype: Dtype::U8, shape: &[1 << 20], data: &data }];
+            save_async(path, &t, None, opts).unwrap()
+        };
+        // Two saves hold the two snapshots while their writes wait at the gate.
+        let first = save(&path, 1, &opts);
+        let second = save(&path, 2, &opts);
+        assert_eq!(pool.in_use(), 2);
+        // A third waits in the caller for one of them to come back.
+        let third = {
+            let (path, opts) = (path.clone(), opts.clone());
+            std::thread::spawn(move || save(&path, 3, &opts))
+        };
+        while pool.waiting() == 0 && !third.is_finished() {
+            std::thread::yield_now();
+        }
+        assert_eq!(pool.waiting(), 1, "the third save waits for a snapshot instead of taking a third");
+        *gate.open.lock().unwrap() = true;
+        gate.opened.notify_all();
+        let third = third.join().unwrap();
+        for h in [first, second, third] {
+            h.wait().unwrap();
+        }
+        assert!(gate.in_use_seen.lock().unwrap().iter().all(|&n| n <= 2), "{:?}", gate.in_use_seen);
+        let back = crate::load(&path, &crate::LoadOptions::default()).unwrap();
+        assert!(back.tensor("w").unwrap().bytes().unwrap().iter().all(|&b| b == 3), "the last save lands");
+        assert_eq!(pool.in_use(), 0);
+    }
+
+    #[test]
+    fn the_default_pool_is_bounded() {
+        assert_eq!(default_snapshot_pool().limit(), Some(DEFAULT_SNAPSHOTS));
+    }
 }
 
 #[cfg(test)]

@@ -99,7 +99,7 @@ mod save;
 mod to_device;
 
 pub use backend::{storage_for, ReadInfo};
-pub use background::{default_snapshot_pool, save_async, wait_for_saves, SaveHandle};
+pub use background::{default_snapshot_pool, save_async, wait_for_saves, SaveHandle, DEFAULT_SNAPSHOTS};
 pub use error::{Error, Result};
 pub use load::{load, read_all, read_header_of, read_into, read_prefix};
 pub use loaded::{CacheUse, Held, LoadReport, LoadedFile, TensorView};

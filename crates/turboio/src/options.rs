@@ -188,8 +188,10 @@ pub struct SaveOptions {
     pub cache: CachePolicy,
     /// Bytes per chunk handed to a writer thread; 0 means the backend's default (8 MiB).
     pub chunk_size: usize,
-    /// Where [`save_async`](crate::save_async) keeps its snapshots; a process-wide pool of two
-    /// arenas when `None`.
+    /// Where [`save_async`](crate::save_async) keeps its snapshots; when `None`, a process-wide
+    /// pool of at most two ([`default_snapshot_pool`](crate::default_snapshot_pool)): a third
+    /// background save waits for one of them to come back. A pool made with
+    /// [`ArenaPool::bounded`] bounds the memory of queued saves; an unbounded one does not.
     pub snapshots: Option<ArenaPool>,
     /// Encrypt the file (veTurboIO's AES-CTR formats).
     #[cfg(feature = "cipher")]

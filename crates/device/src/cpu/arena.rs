@@ -4,7 +4,7 @@ use super::advise_parallel;
 use crate::sys::{RawMap, HUGE_PAGE};
 use crate::{Allocation, DeviceError, DeviceId, HostBuffer, Result};
 use std::any::Any;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 /// Anonymous memory for one load: 2 MiB aligned with transparent huge pages requested, or
 /// page aligned with ordinary pages (see [`default_huge_pages`](super::default_huge_pages)).
@@ -91,10 +91,24 @@ impl HostBuffer for Arena {
     }
 }
 
+#[derive(Debug, Default)]
+struct Slots {
+    /// Arenas kept for reuse.
+    free: Vec<Arena>,
+    /// Arenas taken and not yet given back.
+    in_use: usize,
+    /// Threads waiting in [`ArenaPool::take`] for one to come back (bounded pools).
+    waiting: usize,
+}
+
 #[derive(Debug)]
 struct PoolInner {
-    free: Mutex<Vec<Arena>>,
+    slots: Mutex<Slots>,
+    /// Signalled when an arena comes back.
+    returned: Condvar,
     max_arenas: usize,
+    /// For bounded pools: at most this many arenas in use at once.
+    max_in_use: Option<usize>,
     huge_pages: bool,
 }
 
@@ -103,6 +117,10 @@ struct PoolInner {
 /// A load takes the smallest free arena that is big enough (or maps a new one); when the
 /// load's result is dropped the arena comes back. Reused arenas are already faulted in, so a
 /// load into one costs only the copy. Cloning shares the pool.
+///
+/// A [bounded](ArenaPool::bounded) pool also caps the arenas in use: [`take`](ArenaPool::take)
+/// waits for one to come back, which bounds the memory of work queued behind it (background
+/// saves' snapshots).
 #[derive(Debug, Clone)]
 pub struct ArenaPool {
     inner: Arc<PoolInner>,
@@ -123,57 +141,126 @@ impl ArenaPool {
 
     /// A pool whose new arenas use huge pages or not.
     pub fn with_huge_pages(max_arenas: usize, huge_pages: bool) -> Self {
-        ArenaPool { inner: Arc::new(PoolInner { free: Mutex::new(Vec::new()), max_arenas, huge_pages }) }
+        Self::make(max_arenas, None, huge_pages)
     }
 
-    /// Takes an arena of at least `len` bytes, set to length `len`.
+    /// A pool of at most `max_arenas` arenas in all, in use or kept: [`take`](Self::take)
+    /// waits while that many are in use, until one comes back. Whoever takes must not hold an
+    /// arena of the pool while waiting for another (that could wait forever).
+    pub fn bounded(max_arenas: usize) -> Self {
+        Self::make(max_arenas, Some(max_arenas.max(1)), super::default_huge_pages())
+    }
+
+    fn make(max_arenas: usize, max_in_use: Option<usize>, huge_pages: bool) -> Self {
+        ArenaPool {
+            inner: Arc::new(PoolInner {
+                slots: Mutex::new(Slots::default()),
+                returned: Condvar::new(),
+                max_arenas,
+                max_in_use,
+                huge_pages,
+            }),
+        }
+    }
+
+    fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
+        self.inner.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes an arena of at least `len` bytes, set to length `len`; in a bounded pool, waits
+    /// first while the most arenas are in use.
     pub fn take(&self, len: usize) -> Result<PooledArena> {
-        let found = {
-            let mut free = self.inner.free.lock().unwrap_or_else(|p| p.into_inner());
-            let best = free
-                .iter()
-                .enumerate()
-                .filter(|(_, a)| a.capacity() >= len)
-                .min_by_key(|(_, a)| a.capacity())
-                .map(|(i, _)| i);
-            best.map(|i| free.swap_remove(i))
-        };
+        let mut slots = self.slots();
+        if let Some(max) = self.inner.max_in_use {
+            while slots.in_use >= max {
+                slots.waiting += 1;
+                slots = self.inner.returned.wait(slots).unwrap_or_else(|p| p.into_inner());
+                slots.waiting -= 1;
+            }
+        }
+        self.take_locked(slots, len)
+    }
+
+    /// Like [`take`](Self::take), but `None` instead of waiting when a bounded pool has the
+    /// most arenas in use.
+    pub fn try_take(&self, len: usize) -> Result<Option<PooledArena>> {
+        let slots = self.slots();
+        if self.inner.max_in_use.is_some_and(|max| slots.in_use >= max) {
+            return Ok(None);
+        }
+        self.take_locked(slots, len).map(Some)
+    }
+
+    fn take_locked(&self, mut slots: std::sync::MutexGuard<'_, Slots>, len: usize) -> Result<PooledArena> {
+        slots.in_use += 1;
+        let best = slots
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.capacity() >= len)
+            .min_by_key(|(_, a)| a.capacity())
+            .map(|(i, _)| i);
+        let found = best.map(|i| slots.free.swap_remove(i));
+        if found.is_none() {
+            // Drop the free arenas that are too small before mapping a bigger one, so the pool
+            // does not hold memory that no longer fits.
+            slots.free.clear();
+        }
+        drop(slots);
+        // From here the slot is ours: give it back on any error.
+        let mut taken = PooledArena { arena: None, pool: Some(self.clone()) };
         let mut arena = match found {
             Some(a) => a,
-            None => {
-                // Drop the free arenas that are too small before mapping a bigger one, so the
-                // pool does not hold memory that no longer fits.
-                self.inner.free.lock().unwrap_or_else(|p| p.into_inner()).clear();
-                Arena::new(len, self.inner.huge_pages)?
-            }
+            None => Arena::new(len, self.inner.huge_pages)?,
         };
         arena.set_len(len)?;
-        Ok(PooledArena { arena: Some(arena), pool: Some(self.clone()) })
+        taken.arena = Some(arena);
+        Ok(taken)
     }
 
-    fn give(&self, arena: Arena) {
-        let mut free = self.inner.free.lock().unwrap_or_else(|p| p.into_inner());
-        free.push(arena);
-        if free.len() > self.inner.max_arenas {
-            free.sort_by_key(|a| std::cmp::Reverse(a.capacity()));
-            free.truncate(self.inner.max_arenas);
+    /// A slot comes back, with its arena (if it got one).
+    fn give(&self, arena: Option<Arena>) {
+        let mut slots = self.slots();
+        slots.in_use = slots.in_use.saturating_sub(1);
+        if let Some(arena) = arena {
+            slots.free.push(arena);
+            if slots.free.len() > self.inner.max_arenas {
+                slots.free.sort_by_key(|a| std::cmp::Reverse(a.capacity()));
+                slots.free.truncate(self.inner.max_arenas);
+            }
         }
+        drop(slots);
+        self.inner.returned.notify_one();
     }
 
     /// Free arenas held now.
     pub fn free_arenas(&self) -> usize {
-        self.inner.free.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.slots().free.len()
     }
 
     /// Bytes held by free arenas.
     pub fn free_bytes(&self) -> usize {
-        let free = self.inner.free.lock().unwrap_or_else(|p| p.into_inner());
-        free.iter().map(Arena::capacity).sum()
+        self.slots().free.iter().map(Arena::capacity).sum()
+    }
+
+    /// Arenas taken and not yet given back.
+    pub fn in_use(&self) -> usize {
+        self.slots().in_use
+    }
+
+    /// The most arenas in use at once, for a [bounded](Self::bounded) pool.
+    pub fn limit(&self) -> Option<usize> {
+        self.inner.max_in_use
+    }
+
+    /// Threads waiting in [`take`](Self::take) for an arena of a bounded pool to come back.
+    pub fn waiting(&self) -> usize {
+        self.slots().waiting
     }
 
     /// Unmaps every free arena.
     pub fn clear(&self) {
-        self.inner.free.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.slots().free.clear();
     }
 }
 
@@ -204,8 +291,8 @@ impl PooledArena {
 
 impl Drop for PooledArena {
     fn drop(&mut self) {
-        if let (Some(arena), Some(pool)) = (self.arena.take(), self.pool.take()) {
-            pool.give(arena);
+        if let Some(pool) = self.pool.take() {
+            pool.give(self.arena.take());
         }
     }
 }
@@ -279,5 +366,34 @@ mod tests {
         assert_eq!(pool.free_arenas(), 2, "the pool keeps at most max_arenas");
         pool.clear();
         assert_eq!(pool.free_bytes(), 0);
+    }
+
+    #[test]
+    fn a_bounded_pool_caps_the_arenas_in_use() {
+        let pool = ArenaPool::bounded(2);
+        let a = pool.take(1 << 20).unwrap();
+        let b = pool.take(1 << 20).unwrap();
+        assert_eq!(pool.in_use(), 2);
+        assert!(pool.try_take(100).unwrap().is_none(), "the third waits");
+        // A taker blocked in `take` goes on when one comes back.
+        let waiter = {
+            let pool = pool.clone();
+            std::thread::spawn(move || pool.take(3 << 20).map(|c| c.len()))
+        };
+        while pool.waiting() == 0 {
+            std::thread::yield_now();
+        }
+        drop(a);
+        assert_eq!(waiter.join().unwrap().unwrap(), 3 << 20);
+        assert_eq!(pool.in_use(), 1);
+        drop(b);
+        assert_eq!((pool.in_use(), pool.waiting()), (0, 0));
+        assert!(pool.free_arenas() <= 2);
+        // An unbounded pool never waits.
+        let open = ArenaPool::new(1);
+        let held: Vec<_> = (0..4).map(|_| open.take(100).unwrap()).collect();
+        assert!(open.try_take(100).unwrap().is_some());
+        assert_eq!(open.in_use(), 4);
+        drop(held);
     }
 }
