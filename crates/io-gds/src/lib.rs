@@ -172,7 +172,7 @@ fn open_driver(ordinal: u32) -> Result<Arc<Driver>, String> {
         std::thread::Builder::new()
             .name("turboio-cufile-open".into())
             .spawn(move || {
-                let r = turboio_device::cuda::bind_context(ordinal).map_err(|e| e.to_string()).and_then(|()| {
+                let r = turboio_device::cuda::bind_context(ordinal).map_err(|e| e.to_string()).and_then(|_bound| {
                     DRIVER_OPEN_CALLS.fetch_add(1, Ordering::SeqCst);
                     result::driver_open(&api).map_err(|e| e.to_string())
                 });
@@ -380,7 +380,8 @@ fn run_pieces(
     let workers = opts.worker_count(total, largest).min(list.len());
     let queue = Mutex::new(list.into_iter());
     run_workers(vec![(); workers], |(), stop| {
-        turboio_device::cuda::bind_context(ordinal).map_err(|e| unsupported(e.to_string()))?;
+        // Restored when the worker returns (a worker may run on the caller's thread).
+        let _bound = turboio_device::cuda::bind_context(ordinal).map_err(|e| unsupported(e.to_string()))?;
         loop {
             if stop.load(Ordering::Relaxed) {
                 return Ok(());
@@ -449,7 +450,7 @@ impl StorageFile for GdsFile {
         // Register each destination range for the transfer (refusal only costs speed).
         let mut registered = Vec::new();
         if cfg.register_buffers {
-            turboio_device::cuda::bind_context(ordinal).map_err(|e| unsupported(e.to_string()))?;
+            let _bound = turboio_device::cuda::bind_context(ordinal).map_err(|e| unsupported(e.to_string()))?;
             for r in requests.iter().filter(|r| r.len > 0) {
                 let base = r.dst.base + r.dst.offset;
                 // SAFETY: the orchestrator hands us device memory of this device that stays
@@ -493,7 +494,7 @@ impl StorageFile for GdsFile {
             Ok(())
         });
         if !registered.is_empty() {
-            let _ = turboio_device::cuda::bind_context(ordinal);
+            let _bound = turboio_device::cuda::bind_context(ordinal);
             for base in registered {
                 // SAFETY: registered above; every read has returned.
                 unsafe { result::buf_deregister(&driver.api, base) };

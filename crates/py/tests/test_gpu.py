@@ -170,6 +170,39 @@ def test_gpu_dlpack_is_zero_copy_and_freed_with_the_last_view(tmp):
 
 
 @needs_gpu
+def test_freeing_a_load_leaves_the_threads_current_context(tmp):
+    """The DLPack deleter frees device memory on whichever thread drops the last tensor: that
+    thread's current CUDA context must be the same afterwards (torch relies on it; with two
+    GPUs, freeing the last cuda:1 tensor used to leave device 1 current)."""
+    import ctypes
+    import gc
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    current = lambda: (lambda c: (cuda.cuCtxGetCurrent(ctypes.byref(c)), c.value)[1])(ctypes.c_void_p())  # noqa: E731
+    path, tensors = sample(tmp, n=1 << 12)
+    sd = turboio.load(str(path), map_location="cuda:0")
+    torch.cuda.synchronize()
+    assert cuda.cuCtxSetCurrent(None) == 0
+    assert current() is None
+    del sd
+    gc.collect()
+    assert current() is None, "freeing the load made a context current on this thread"
+
+
+@needs_gpu
+def test_pt_loads_to_a_gpu_keep_tied_weights_shared(tmp):
+    w = torch.randn(64, 32)
+    torch.save({"emb": w, "head": w, "wt": w.t()}, tmp / "tied.pt")
+    ref = torch.load(tmp / "tied.pt", map_location="cuda:0", weights_only=True)
+    got = turboio.load(str(tmp / "tied.pt"), map_location="cuda:0")
+    assert got["emb"].device == torch.device("cuda:0")
+    assert got["emb"].data_ptr() == got["head"].data_ptr() == got["wt"].data_ptr()
+    assert ref["emb"].data_ptr() == ref["head"].data_ptr()
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+
+
+@needs_gpu
 def test_cuda_tensors_save_byte_identical(tmp):
     import safetensors.torch
 

@@ -26,6 +26,44 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> T) -> Result<T, String> {
     })
 }
 
+/// The context that was current on the calling thread, made current again when this drops.
+///
+/// Every driver call turboio makes may run on a caller's thread (a load in torch's main thread,
+/// the DLPack deleter on whichever thread drops the last tensor, a reader that runs on the
+/// calling thread). CUDA's current context is per thread, and torch relies on it: freeing the
+/// last `cuda:1` tensor must not leave device 1 current for torch's next call on `cuda:0`. So
+/// each call site saves the current context and restores it after ([`bind`]).
+pub(crate) struct Restore {
+    prev: Option<sys::CUcontext>,
+}
+
+impl Restore {
+    /// Saves the calling thread's current context (none is a valid state, restored as none).
+    pub(crate) fn save() -> Result<Restore, DriverError> {
+        Ok(Restore { prev: result::ctx::get_current()? })
+    }
+}
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        let prev = self.prev.unwrap_or(std::ptr::null_mut());
+        if result::ctx::get_current().ok().flatten().unwrap_or(std::ptr::null_mut()) != prev {
+            // SAFETY: `prev` was current on this thread when saved (or null: no context), and
+            // contexts turboio binds are primary contexts it retains for the process's life; a
+            // caller's context destroyed meanwhile is the caller's to have unbound.
+            let _ = unsafe { result::ctx::set_current(prev) };
+        }
+    }
+}
+
+/// Makes `ctx` current on the calling thread until the returned guard drops, which restores
+/// the context that was current before.
+pub(crate) fn bind(ctx: &CudaContext) -> Result<Restore, DriverError> {
+    let saved = Restore::save()?;
+    ctx.bind_to_thread()?;
+    Ok(saved)
+}
+
 /// The CUDA driver: loaded and initialised once per process. `Err` says why it cannot be used,
 /// in words for the user (which library is missing, or that no device is visible).
 pub(crate) fn driver() -> Result<(), String> {
@@ -72,6 +110,8 @@ pub(crate) fn device_count() -> Result<u32, String> {
 /// The primary context of device `ordinal` (shared with PyTorch and every other user of the
 /// runtime API). Call only after [`driver`] succeeded and with an ordinal below the count.
 pub(crate) fn primary_context(ordinal: u32) -> Result<Arc<CudaContext>, String> {
+    // CudaContext::new makes the context current: the caller's stays current.
+    let _restore = Restore::save().map_err(|e| format!("cuCtxGetCurrent failed: {}", describe(e)))?;
     match guarded("creating the CUDA context", || CudaContext::new(ordinal as usize))? {
         Ok(ctx) => Ok(ctx),
         Err(e) => Err(format!("cannot retain the primary context: {}", describe(e))),
@@ -80,7 +120,7 @@ pub(crate) fn primary_context(ordinal: u32) -> Result<Arc<CudaContext>, String> 
 
 /// `len` bytes of device memory (`cuMemAlloc`), at least 256-byte aligned.
 pub(crate) fn mem_alloc(ctx: &CudaContext, len: usize) -> Result<u64, DriverError> {
-    ctx.bind_to_thread()?;
+    let _bound = bind(ctx)?;
     // SAFETY: a fresh allocation in the context just made current; the memory is owned by the
     // caller's CudaAllocation, which frees it exactly once.
     unsafe { result::malloc_sync(len.max(1)) }
@@ -92,7 +132,7 @@ pub(crate) fn mem_alloc(ctx: &CudaContext, len: usize) -> Result<u64, DriverErro
 /// `ptr` came from `mem_alloc` in `ctx`, is freed once, and nothing uses it afterwards (the
 /// driver waits for work still reading it: cuMemFree synchronises).
 pub(crate) unsafe fn mem_free(ctx: &CudaContext, ptr: u64) {
-    let _ = ctx.bind_to_thread();
+    let _bound = bind(ctx);
     // SAFETY: guaranteed by the caller.
     let _ = unsafe { result::free_sync(ptr) };
 }
@@ -102,7 +142,7 @@ pub(crate) unsafe fn mem_free(ctx: &CudaContext, ptr: u64) {
 /// # Safety
 /// `ptr .. ptr + len` is device memory of `ctx` that nothing else uses meanwhile.
 pub(crate) unsafe fn mem_zero(ctx: &CudaContext, ptr: u64, len: usize) -> Result<(), DriverError> {
-    ctx.bind_to_thread()?;
+    let _bound = bind(ctx)?;
     // SAFETY: guaranteed by the caller.
     unsafe { result::memset_d8_sync(ptr, 0, len) }
 }
@@ -113,7 +153,7 @@ pub(crate) unsafe fn mem_zero(ctx: &CudaContext, ptr: u64, len: usize) -> Result
 /// `dst .. dst + src.len()` is device memory of the stream's context, and `src` stays valid
 /// and unmodified until the copy completes (the caller waits on an event recorded after it).
 pub(crate) unsafe fn htod_async(dst: u64, src: &[u8], stream: &CudaStream) -> Result<(), DriverError> {
-    stream.context().bind_to_thread()?;
+    let _bound = bind(stream.context())?;
     // SAFETY: guaranteed by the caller.
     unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }
 }
@@ -123,7 +163,7 @@ pub(crate) unsafe fn htod_async(dst: u64, src: &[u8], stream: &CudaStream) -> Re
 /// # Safety
 /// The device range is memory of `ctx` that nothing writes meanwhile.
 pub(crate) unsafe fn dtoh(ctx: &CudaContext, dst: &mut [u8], src: u64) -> Result<(), DriverError> {
-    ctx.bind_to_thread()?;
+    let _bound = bind(ctx)?;
     // SAFETY: guaranteed by the caller; dst is a valid exclusive host slice.
     unsafe { result::memcpy_dtoh_sync(dst, src) }
 }
@@ -133,7 +173,7 @@ pub(crate) unsafe fn dtoh(ctx: &CudaContext, dst: &mut [u8], src: u64) -> Result
 /// # Safety
 /// `dst .. dst + src.len()` is device memory of `ctx` that nothing else uses meanwhile.
 pub(crate) unsafe fn htod(ctx: &CudaContext, dst: u64, src: &[u8]) -> Result<(), DriverError> {
-    ctx.bind_to_thread()?;
+    let _bound = bind(ctx)?;
     // SAFETY: guaranteed by the caller.
     unsafe { result::memcpy_htod_sync(dst, src) }
 }
@@ -154,7 +194,7 @@ impl Event {
     /// thread that waits on it, leaving the cores to the readers.
     pub(crate) fn record(stream: &CudaStream) -> Result<Event, DriverError> {
         let ctx = stream.context().clone();
-        ctx.bind_to_thread()?;
+        let _bound = bind(&ctx)?;
         let mut event: sys::CUevent = std::ptr::null_mut();
         let flags =
             sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
@@ -169,7 +209,7 @@ impl Event {
     /// Blocks until the recorded work is done.
     pub(crate) fn wait(mut self) -> Result<(), DriverError> {
         self.waited = true;
-        self.ctx.bind_to_thread()?;
+        let _bound = bind(&self.ctx)?;
         // SAFETY: the event is live (destroyed only in Drop).
         unsafe { sys::cuEventSynchronize(self.event).result() }
     }
@@ -177,7 +217,7 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
+        let _bound = bind(&self.ctx);
         // SAFETY: the handle is live and owned. An event dropped unwaited (an error path) is
         // waited for first: the memory of its transfer may be freed right after.
         unsafe {
@@ -205,7 +245,7 @@ unsafe impl Sync for PinnedMemory {}
 
 impl PinnedMemory {
     pub(crate) fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<PinnedMemory, DriverError> {
-        ctx.bind_to_thread()?;
+        let _bound = bind(ctx)?;
         let len = len.max(1);
         // SAFETY: a fresh allocation owned by the returned value, freed once in Drop.
         let ptr = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) }? as *mut u8;
@@ -228,7 +268,7 @@ impl PinnedMemory {
 
 impl Drop for PinnedMemory {
     fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
+        let _bound = bind(&self.ctx);
         // SAFETY: allocated by cuMemHostAlloc in new and freed only here. No copy still reads
         // it: a staging buffer is only dropped after the transfer that used it was waited for.
         let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
@@ -250,7 +290,7 @@ impl Registered {
     /// The memory must stay mapped, and unchanged, until the value is dropped, which the caller
     /// does only after every copy from it completed.
     pub(crate) unsafe fn new(ctx: &Arc<CudaContext>, bytes: &[u8], read_only: bool) -> Result<Registered, DriverError> {
-        ctx.bind_to_thread()?;
+        let _bound = bind(ctx)?;
         let page = crate::sys::page_size();
         let start = bytes.as_ptr() as usize / page * page;
         let end = (bytes.as_ptr() as usize + bytes.len()).next_multiple_of(page);
@@ -264,7 +304,7 @@ impl Registered {
 
 impl Drop for Registered {
     fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
+        let _bound = bind(&self.ctx);
         // SAFETY: registered in new, unregistered once here, after the copies completed.
         let _ = unsafe { sys::cuMemHostUnregister(self.ptr) };
     }
@@ -364,6 +404,7 @@ pub(crate) unsafe fn launch_cast(
     block: u32,
 ) -> Result<(), DriverError> {
     use cudarc::driver::{LaunchConfig, PushKernelArg};
+    let _bound = bind(stream.context())?;
     let mut b = stream.launch_builder(func);
     b.arg(&args.src).arg(&args.dst).arg(&args.n).arg(&args.from).arg(&args.to);
     let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
@@ -386,6 +427,7 @@ pub(crate) unsafe fn launch_aes(
     block: u32,
 ) -> Result<(), DriverError> {
     use cudarc::driver::{LaunchConfig, PushKernelArg};
+    let _bound = bind(stream.context())?;
     let mut b = stream.launch_builder(func);
     b.arg(&args.data)
         .arg(&args.len)

@@ -37,6 +37,11 @@
 //!
 //! Streams, the context and the compiled kernel are shared by every [`CudaDevice`] of one
 //! ordinal in a process; each `CudaDevice` value has its own staging pool unless given one.
+//!
+//! **The calling thread's current context is left as it was.** Every driver call may run on a
+//! caller's thread (torch's main thread, or whichever thread drops the last tensor of a load and
+//! so frees its memory), and torch relies on the current context: each call site saves it,
+//! binds the device's primary context, and restores the saved one (or none) afterwards.
 
 mod ffi;
 
@@ -74,10 +79,26 @@ pub fn check_device(ordinal: u32) -> Result<()> {
 }
 
 /// Makes the primary context of `cuda:ordinal` current on the calling thread (for libraries
-/// such as cuFile that act on the current context).
-pub fn bind_context(ordinal: u32) -> Result<()> {
+/// such as cuFile that act on the current context) until the returned guard drops, which makes
+/// the thread's previous context (or none) current again.
+pub fn bind_context(ordinal: u32) -> Result<BoundContext> {
     let shared = Shared::get(ordinal)?;
-    shared.ctx.bind_to_thread().map_err(|e| shared.driver_error("binding the context", e))
+    ffi::bind(&shared.ctx)
+        .map(|restore| BoundContext { _restore: restore })
+        .map_err(|e| shared.driver_error("binding the context", e))
+}
+
+/// A device's context made current by [`bind_context`]; dropping it restores the thread's
+/// previous context.
+#[must_use = "the context is current only while the guard lives"]
+pub struct BoundContext {
+    _restore: ffi::Restore,
+}
+
+impl fmt::Debug for BoundContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("BoundContext")
+    }
 }
 
 /// The decryption kernel, compiled to PTX for `arch` (e.g. `compute_90`; `None` for NVRTC's
@@ -130,6 +151,8 @@ impl Shared {
             }));
         }
         let ctx = ffi::primary_context(ordinal).map_err(&unavailable)?;
+        // Streams and attributes bind the context: the caller's current one comes back after.
+        let _bound = ffi::bind(&ctx).map_err(|e| unavailable(format!("binding the context: {}", ffi::describe(e))))?;
         let id = DeviceId { kind: DeviceKind::Cuda, ordinal };
         let err = |what: &str, e| DeviceError::Driver { device: id, message: format!("{what}: {}", ffi::describe(e)) };
         let n = std::env::var("TURBOIO_CUDA_STREAMS").ok().and_then(|v| v.parse().ok()).unwrap_or(4usize).clamp(1, 64);
@@ -167,6 +190,7 @@ impl Shared {
     }
 
     fn synchronize(&self) -> Result<()> {
+        let _bound = ffi::bind(&self.ctx).map_err(|e| self.driver_error("binding the context", e))?;
         for s in &self.streams {
             s.synchronize().map_err(|e| self.driver_error("synchronizing a stream", e))?;
         }
@@ -193,6 +217,7 @@ impl Shared {
             ffi::nvrtc()?;
             let arch = (self.arch.0 > 0).then(|| format!("compute_{}{}", self.arch.0, self.arch.1));
             let ptx = ffi::compile_ptx(source, arch)?;
+            let _bound = ffi::bind(&self.ctx).map_err(ffi::describe)?;
             let module = self.ctx.load_module(ptx).map_err(|e| {
                 format!(
                     "the driver could not load the kernel NVRTC compiled ({}); NVRTC may be newer than the driver",
@@ -741,6 +766,35 @@ mod tests {
         assert!(back == data, "GPU decryption matches the CPU cipher");
         drop(k);
         assert!(dev.pinned_h2d_gbps(64 << 20, 8 << 20, 2).unwrap() > 0.0);
+    }
+
+    /// The calling thread's current context is the same after every call (torch relies on it):
+    /// here none is current, and allocating, uploading, downloading, synchronising, freeing and
+    /// binding for cuFile all leave none current. (Before, the device's context stayed current.)
+    #[test]
+    fn calls_leave_the_threads_current_context_as_it_was() {
+        let Some(dev) = gpu() else { return };
+        use cudarc::driver::result::ctx;
+        // SAFETY: unbinding any context from this test thread; nothing of this thread uses one.
+        unsafe { ctx::set_current(std::ptr::null_mut()) }.unwrap();
+        let a = dev.alloc(1 << 20).unwrap();
+        assert_eq!(ctx::get_current().unwrap(), None, "alloc");
+        let mut s = dev.alloc_staging(4096).unwrap();
+        s.as_mut_slice()[..4].copy_from_slice(b"abcd");
+        dev.upload(s, 4096, a.as_ref(), 0).unwrap().wait().unwrap();
+        assert_eq!(ctx::get_current().unwrap(), None, "upload");
+        let mut back = [0u8; 4];
+        dev.download(a.as_ref(), 0, &mut back).unwrap();
+        assert_eq!(&back, b"abcd");
+        dev.synchronize().unwrap();
+        assert_eq!(ctx::get_current().unwrap(), None, "download and synchronize");
+        drop(a);
+        assert_eq!(ctx::get_current().unwrap(), None, "free (the DLPack deleter's path)");
+        {
+            let _bound = bind_context(0).unwrap();
+            assert!(ctx::get_current().unwrap().is_some());
+        }
+        assert_eq!(ctx::get_current().unwrap(), None, "bind_context's guard");
     }
 
     fn turboio_cipher_ref(key: &[u8], iv: &[u8; 16], pos: u64, buf: &mut [u8]) {
