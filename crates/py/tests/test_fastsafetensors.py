@@ -107,3 +107,57 @@ def test_parallel_and_auto_loaders_in_one_process(files, tmp, monkeypatch):
     monkeypatch.setenv("FASTSAFETENSORS_CONFIG", str(cfg))
     with pytest.raises(NotImplementedError, match="3fs"):
         AutoLoader(SingleGroup(), [pa])
+
+
+def test_collectives_move_tensors_on_the_groups_device(files, monkeypatch):
+    """NCCL refuses CPU tensors in broadcast / scatter / send: with a group whose backend is
+    NCCL, every tensor a collective gets lives on the loader's CUDA device; gloo keeps the CPU.
+    (Checked here without a GPU: the backend is reported by a stand-in, and the device the
+    tensors are moved to is the meta device, which needs no memory.)"""
+    import torch.distributed as dist
+
+    from turboio import fastsafetensors as fst
+
+    backend = {"name": "nccl"}
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend["name"])
+    assert fst._collective_device(FakeGroup(2, 0), torch.device("cuda:1")) == torch.device("cuda:1")
+    with pytest.raises(ValueError, match="NCCL process group moves CUDA tensors only"):
+        fst._collective_device(FakeGroup(2, 0), torch.device("cpu"))
+    backend["name"] = "gloo"
+    assert fst._collective_device(FakeGroup(2, 0), torch.device("cuda:1")) == torch.device("cpu")
+
+    # An NCCL group with a CPU loader is a clear error before anything is loaded.
+    backend["name"] = "nccl"
+    pa, pb, ref = files
+    loader = SafeTensorsFileLoader(FakeGroup(2, 0), device="cpu")
+    loader.add_filenames({0: [pa], 1: [pb]})
+    with pytest.raises(ValueError, match="device='cuda:N'"):
+        loader.copy_files_to_device()
+
+    # The collectives themselves: every tensor handed to them is on the group's device.
+    seen = []
+
+    def record(op):
+        def f(t, *args, **kwargs):
+            seen.append((op, t.device))
+            for x in args[0] if op == "scatter" and args and args[0] else []:
+                seen.append(("scatter piece", x.device))
+
+        return f
+
+    for op in ("broadcast", "scatter", "send", "recv"):
+        monkeypatch.setattr(dist, op, record(op))
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, r: r, raising=False)
+    monkeypatch.setattr(fst, "_collective_device", lambda pg, device: torch.device("meta"))
+    # Meta tensors cannot come back to the CPU: what arrives is returned as it is.
+    monkeypatch.setattr(fst.FilesBufferOnDevice, "_finish", lambda self, t, device, dtype: t)
+    for rank in (0, 1):
+        loader = SafeTensorsFileLoader(FakeGroup(2, rank), device="cpu")
+        loader.add_filenames({0: [pa], 1: [pb]})
+        fb = loader.copy_files_to_device()
+        fb.get_tensor("w1")  # owner 0
+        fb.get_sharded("w1", 0)
+        fb.push_tensor("w2", 0)  # owner 1 sends to 0
+        fb.close()
+    assert {op for op, _ in seen} >= {"broadcast", "scatter", "scatter piece", "send", "recv"}, seen
+    assert all(d == torch.device("meta") for _, d in seen), seen

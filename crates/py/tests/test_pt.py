@@ -92,6 +92,41 @@ def test_module_state_dict_with_tied_weights_and_nested_dicts(tmp):
     same(only, flat(torch.load(p, weights_only=True)["model"]))
 
 
+def test_storages_move_and_convert_once_so_tied_weights_stay_shared(tmp, monkeypatch):
+    """A load to a device moves each storage once (tied weights, views and transposes stay one
+    storage there, as with torch.load(map_location=...)); the loader used to copy each tensor
+    with its own `.to(device)`. Without a GPU the meta device stands in: it keeps the sharing
+    and the count of moves visible."""
+    from turboio import _torch
+
+    w = torch.randn(6, 4)
+    torch.save({"emb": w, "head": w, "wt": w.t(), "other": torch.ones(3)}, tmp / "tied.pt")
+    moved = []
+    real_to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        moved.append(tuple(self.shape))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    sd = _torch.pt_tensors(str(tmp / "tied.pt"), device="meta")
+    assert len(moved) == 2, f"one move per storage, not per tensor: {moved}"
+    assert all(t.device.type == "meta" for t in sd.values())
+    storage = lambda t: t.untyped_storage()._cdata  # noqa: E731
+    assert storage(sd["emb"]) == storage(sd["head"]) == storage(sd["wt"]) != storage(sd["other"])
+    assert sd["wt"].shape == (4, 6) and sd["wt"].stride() == (1, 4)
+    # Converting on load converts each storage once too, and keeps the sharing.
+    moved.clear()
+    sd = _torch.pt_tensors(str(tmp / "tied.pt"), dtype="BF16")
+    assert len(moved) == 2, moved
+    assert storage(sd["emb"]) == storage(sd["head"]) == storage(sd["wt"])
+    assert torch.equal(sd["wt"], w.t().to(torch.bfloat16))
+    monkeypatch.undo()
+    got = turboio.load(str(tmp / "tied.pt"), dtype=torch.bfloat16)
+    assert got["emb"].data_ptr() == got["head"].data_ptr()
+    assert torch.equal(got["head"], w.to(torch.bfloat16))
+
+
 def test_hostile_pickles_execute_nothing(tmp):
     marker = tmp / "pwned"
 

@@ -233,13 +233,22 @@ def load(
         raise FileNotFoundError(f"{path}: no such file or directory")
     if _kind(path, cipher, storage) == "torch":
         try:
-            sd = _pt_tensors(path, cipher=cipher, top_level_key=top_level_key, threads=n, cache=cache, storage=storage)
+            # Each storage moved (and converted) once: tied weights stay shared on the device.
+            sd = _pt_tensors(
+                path,
+                cipher=cipher,
+                top_level_key=top_level_key,
+                threads=n,
+                cache=cache,
+                storage=storage,
+                device=None if device == "cpu" else device,
+                dtype=dtype,
+            )
         except ValueError:
             if not unsafe_pickle_fallback:
                 raise
         else:
-            sd = _convert(sd, dtype)
-            return sd if device == "cpu" else {k: v.to(device) for k, v in sd.items()}
+            return sd
         # Only when asked: torch.load executes the pickle (restricted by weights_only=True).
         if cipher or _is_remote(path):
             data = _turboio.read_all(path, cipher=cipher, threads=n, storage=storage)

@@ -183,27 +183,37 @@ def threads(num_thread):
     return max(1, min(int(num_thread or n), n))
 
 
-def pt_tensors(path, cipher=False, top_level_key=None, threads=0, cache="auto", storage=None):
+def pt_tensors(path, cipher=False, top_level_key=None, threads=0, cache="auto", storage=None, device=None, dtype=None):
     """The tensors of a `torch.save` checkpoint, read without executing its pickle (turboio's
     allow-listed reader): `{dotted name: tensor}`, each a strided view of the load's bytes (the
     file mapped from the page cache, or copied, with O_DIRECT for `cache="bypass"`, or
     decrypted into memory), so tensors that shared a storage when saved (tied weights, views)
-    share memory again."""
+    share memory again.
+
+    `device` (other than the CPU) and `dtype` (a safetensors dtype name: floating storages are
+    converted as `.to()` would) apply to each storage once, before the views are made: tied
+    weights stay one tensor's memory on the device, as after `torch.load(map_location=...)`,
+    and nothing is moved or converted twice."""
     import torch
 
-    from ._dtypes import torch_dtype
+    from ._dtypes import CASTABLE, torch_dtype
 
     data, (storages, tensors, _skipped) = _turboio.load_pt(
         path, top_level_key=top_level_key, cipher=cipher, threads=threads, cache=cache, storage=storage
     )
     views = []
-    for offset, nbytes, dtype in storages:
-        td = torch_dtype(dtype)
+    for offset, nbytes, dtype_name in storages:
+        td = torch_dtype(dtype_name)
         if td is None:
-            raise ValueError(f"{path}: torch dtype {dtype} is not available in this torch")
+            raise ValueError(f"{path}: torch dtype {dtype_name} is not available in this torch")
         # One export per storage: each keeps the load alive, and a tensor's torch storage is
         # its own storage's bytes, not the whole file's.
-        views.append(torch.from_dlpack(data.slice(offset, nbytes)).view(td))
+        v = torch.from_dlpack(data.slice(offset, nbytes)).view(td)
+        if device is not None and torch.device(device) != v.device:
+            v = v.to(device)
+        if dtype is not None and dtype in CASTABLE and dtype != dtype_name:
+            v = v.to(torch_dtype(dtype))
+        views.append(v)
     out = {}
     for name, _dtype, shape, strides, storage, storage_offset in tensors:
         s = views[storage]

@@ -18,6 +18,11 @@ in the same order), two ways to shard, chosen with `shard_mode=` (a turboio exte
   fast storage (a local NVMe, a parallel file system) and the interconnect is the bottleneck.
 
 `FilesBufferOnDevice.bytes_read` says how many bytes this rank read from storage.
+
+Collectives move tensors on the process group's device: with an NCCL group (what GPU users
+run; NCCL refuses CPU tensors) the loader's CUDA device, where each owner loads its files
+straight away; with gloo (and other CPU backends) the CPU, where files are loaded and tensors
+moved to the loader's device after they arrive. An NCCL group with a CPU loader is an error.
 """
 
 import math
@@ -71,6 +76,26 @@ def _distributed(pg):
     return not isinstance(pg, SingleGroup) and pg.size() > 1
 
 
+def _collective_device(pg, device):
+    """The device `pg`'s collectives move tensors on: the loader's `device` for an NCCL group
+    (NCCL moves CUDA tensors only), the CPU for gloo and other backends."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        backend = str(dist.get_backend(pg)).lower()
+    except (AttributeError, ValueError, RuntimeError, TypeError):
+        backend = ""
+    if backend != "nccl":
+        return torch.device("cpu")
+    if device is None or torch.device(device).type != "cuda":
+        raise ValueError(
+            f"an NCCL process group moves CUDA tensors only: give the loader device='cuda:N' (not {device!r}), "
+            "or use a gloo group for CPU loads"
+        )
+    return torch.device(device)
+
+
 def _global_rank(pg, group_rank):
     import torch.distributed as dist
 
@@ -96,6 +121,8 @@ class FilesBufferOnDevice:
         self._threads = threads
         self._where = {}  # name -> (filename, Tensor of a load), this rank's files
         self._info = {}  # name -> (filename, dtype, shape, begin, end, data_start, owner rank)
+        # Where collectives move tensors (NCCL: the CUDA device; gloo: the CPU).
+        self._comm = _collective_device(pg, device) if mode == "collectives" and _distributed(pg) else None
         self._read = 0
         for filename, (data_start, infos) in (headers or {}).items():
             for name, dt, shape, begin, end in infos:
@@ -184,9 +211,9 @@ class FilesBufferOnDevice:
 
         filename, dt, shape, *_rest, owner = self._meta(name)
         if self._pg.rank() == owner:
-            t = tensor_from(self._get(name)).contiguous()
+            t = tensor_from(self._get(name)).to(self._comm).contiguous()
         else:
-            t = torch.empty(shape, dtype=torch_dtype_for(dt, shape) or torch.uint8)
+            t = torch.empty(shape, dtype=torch_dtype_for(dt, shape) or torch.uint8, device=self._comm)
         dist.broadcast(t, src=_global_rank(self._pg, owner), group=self._pg)
         return t
 
@@ -219,14 +246,14 @@ class FilesBufferOnDevice:
         block = math.ceil(shape[dim] / world)
         td = torch_dtype_for(dt, shape) or torch.uint8
         recv_shape = shape[:dim] + [block] + shape[dim + 1 :]
-        recv = torch.empty(recv_shape, dtype=td)
+        recv = torch.empty(recv_shape, dtype=td, device=self._comm)
         scatter = None
         if rank == owner:
-            t = tensor_from(self._get(tensor_name))
+            t = tensor_from(self._get(tensor_name)).to(self._comm)
             scatter = []
             for r in range(world):
                 s, n = _block_range(shape[dim], world, r)
-                piece = torch.zeros(recv_shape, dtype=td)  # equal sizes for scatter; padded
+                piece = torch.zeros(recv_shape, dtype=td, device=self._comm)  # equal sizes for scatter; padded
                 piece.narrow(dim, 0, n).copy_(t.narrow(dim, s, n))
                 scatter.append(piece)
         dist.scatter(recv, scatter, src=_global_rank(self._pg, owner), group=self._pg)
@@ -245,10 +272,11 @@ class FilesBufferOnDevice:
         if owner == dst_rank:
             return self._finish(tensor_from(self._get(tensor_name)), device, dtype) if rank == dst_rank else None
         if rank == owner:
-            dist.send(tensor_from(self._get(tensor_name)).contiguous(), dst=_global_rank(self._pg, dst_rank), group=self._pg)
+            t = tensor_from(self._get(tensor_name)).to(self._comm).contiguous()
+            dist.send(t, dst=_global_rank(self._pg, dst_rank), group=self._pg)
             return None
         if rank == dst_rank:
-            t = torch.empty(shape, dtype=torch_dtype_for(dt, shape) or torch.uint8)
+            t = torch.empty(shape, dtype=torch_dtype_for(dt, shape) or torch.uint8, device=self._comm)
             dist.recv(t, src=_global_rank(self._pg, owner), group=self._pg)
             return self._finish(t, device, dtype)
         return None
@@ -345,7 +373,12 @@ class SafeTensorsFileLoader:
         distributed = _distributed(self.pg)
         # Several ranks: collectives load the files added for this rank (the others receive
         # broadcasts and scatters); direct mode loads nothing whole (each rank reads its bytes).
-        # Tensors then travel on the CPU (gloo) and move to `device` at the end.
+        # Tensors travel on the group's device: an NCCL group's CUDA device, where each owner
+        # loads its files straight away; gloo's CPU, moved to `device` at the end.
+        comm = None
+        if distributed and self.shard_mode == "collectives":
+            comm = _collective_device(self.pg, self.device)
+        load_device = device if not distributed or (comm is not None and comm.type == "cuda") else "cpu"
         for path in sorted(self.meta):
             if distributed and (self.shard_mode == "direct" or self.meta[path][1] != self.pg.rank()):
                 continue
@@ -354,8 +387,8 @@ class SafeTensorsFileLoader:
             loads[path] = _turboio.load(
                 path,
                 threads=_threads(self.max_threads),
-                device="cpu" if distributed else device,
-                gds="off" if distributed else gds,
+                device=load_device,
+                gds=gds if load_device != "cpu" else "off",
                 staging=self._staging,
                 # One process: floating tensors are converted by the reader, in one pass. With
                 # several, every rank converts what it receives (the owners send stored dtypes).
