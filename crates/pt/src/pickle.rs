@@ -427,6 +427,8 @@ impl<'a> Vm<'a> {
         };
         self.charge(std::mem::size_of::<Obj>() + heap)?;
         let id = Id::try_from(self.objs.len()).map_err(|_| self.err("too many objects"))?;
+        // The arena is the VM's one large allocation: growing it fails as an error.
+        self.objs.try_reserve(1).map_err(|_| self.err(format!("out of memory for {} objects", self.objs.len() + 1)))?;
         self.objs.push(o);
         Ok(Val::Obj(id))
     }
@@ -485,9 +487,22 @@ impl<'a> Vm<'a> {
 
     fn string(&mut self, bytes: &[u8]) -> Result<Val, PtError> {
         match std::str::from_utf8(bytes) {
-            Ok(s) => self.alloc(Obj::Str(s.to_owned())),
+            Ok(s) => {
+                let owned = self.owned_str(s)?;
+                self.alloc(Obj::Str(owned))
+            }
             Err(_) => Err(self.err("string is not valid UTF-8")),
         }
+    }
+
+    /// A copy of `s`, its allocation failing as an error rather than aborting the process.
+    fn owned_str(&self, s: &str) -> Result<String, PtError> {
+        let mut owned = String::new();
+        owned
+            .try_reserve_exact(s.len())
+            .map_err(|_| self.err(format!("out of memory for a string of {} bytes", s.len())))?;
+        owned.push_str(s);
+        Ok(owned)
     }
 
     fn str_of(&self, v: Val) -> Option<&str> {
@@ -629,7 +644,10 @@ impl<'a> Vm<'a> {
                         b'B' | b'C' | 0x8e => self.alloc(Obj::Bytes)?,
                         // Python 2 `str` (BINSTRING): text if it decodes, else bytes.
                         b'T' | b'U' => match std::str::from_utf8(b) {
-                            Ok(s) => self.alloc(Obj::Str(s.to_owned()))?,
+                            Ok(s) => {
+                                let owned = self.owned_str(s)?;
+                                self.alloc(Obj::Str(owned))?
+                            }
                             Err(_) => self.alloc(Obj::Bytes)?,
                         },
                         _ => self.string(b)?,
