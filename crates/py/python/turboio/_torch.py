@@ -211,7 +211,7 @@ def pt_tensors(path, cipher=False, top_level_key=None, threads=0, cache="auto", 
         v = torch.from_dlpack(data.slice(offset, nbytes)).view(td)
         if device is not None and torch.device(device) != v.device:
             v = v.to(device)
-        if dtype is not None and dtype in CASTABLE and dtype != dtype_name:
+        if dtype is not None and dtype_name in CASTABLE and dtype_name != dtype:
             v = v.to(torch_dtype(dtype))
         views.append(v)
     out = {}
