@@ -3,7 +3,9 @@
 //! time, while four reader processes (`crash_checker`, two mapped, two copied) keep loading the
 //! target. Every load must be one complete version (the old or the new one: never torn, never
 //! a SIGBUS), and the next successful save must leave nothing but the target behind
-//! (temporary files of killed writers are removed by it).
+//! (temporary files of killed writers, and second names of replaced files whose deletion a
+//! kill prevented, are removed by it). Every tenth saver kills itself right after the old file
+//! got its second name, and every tenth right after the rename, before the old file is deleted.
 //!
 //! `TURBOIO_CRASH_KILLS` sets the number of kills (default 200).
 
@@ -17,9 +19,17 @@ use turboio_tests::crash::{check_model, model_specs, ModelData};
 use turboio_tests::{disk_dir, Rng};
 
 fn saver(path: &Path, version: u64) -> Child {
+    // Every tenth save dies right after the old file got its second name, every tenth right
+    // after the rename (before the old file is deleted).
+    let at = match version % 10 {
+        3 => "link",
+        7 => "rename",
+        _ => "",
+    };
     Command::new(env!("CARGO_BIN_EXE_crash_saver"))
         .arg(path)
         .arg(version.to_string())
+        .env("TURBOIO_CRASH_AT", at)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -54,7 +64,10 @@ fn killed_saves_never_tear_the_file() {
         let mut child = saver(&path, i);
         let stdout = child.stdout.take().unwrap();
         let mut lines = BufReader::new(stdout).lines();
-        if i % 2 == 0 {
+        let self_killed = matches!(i % 10, 3 | 7);
+        if self_killed {
+            // It kills itself at its step; nothing to do but wait.
+        } else if i % 2 == 0 {
             // By progress: after the k-th chunk was produced (a file has about 16).
             let k = 1 + rng.below(18);
             let mut seen = 0;
@@ -73,13 +86,31 @@ fn killed_saves_never_tear_the_file() {
             let _ = lines.next();
             std::thread::sleep(Duration::from_micros(rng.below(20_000)));
         }
-        let _ = child.kill();
+        if !self_killed {
+            let _ = child.kill();
+        }
         let status = child.wait().unwrap();
         let saved = lines.map_while(Result::ok).any(|l| l == format!("saved {i}"));
         if status.signal() == Some(libc::SIGKILL) && !saved {
             killed_mid_save += 1;
         } else {
             complete += 1;
+        }
+        if self_killed {
+            assert_eq!(status.signal(), Some(libc::SIGKILL), "save {i} was to die at its step");
+            let second_names = std::fs::read_dir(dir.path())
+                .unwrap()
+                .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().contains(".turboio-old."))
+                .count();
+            assert!(second_names > 0, "kill {i}: the old file's second name is left for the next save");
+            let loaded = turboio::load(&path, &LoadOptions::default()).unwrap();
+            let want = if i % 10 == 3 { last_saved } else { i };
+            assert_eq!(
+                check_model(&loaded).unwrap(),
+                want,
+                "kill {i} after {}",
+                if i % 10 == 3 { "the link" } else { "the rename" }
+            );
         }
         // Between saves the file is one complete version: the last one saved or this one.
         let loaded = turboio::load(&path, &LoadOptions::default()).unwrap();

@@ -61,6 +61,13 @@ pub struct Args {
     /// written to `object.md` in `--out`. (The full bench runs these rows too.)
     #[arg(long)]
     pub object: bool,
+    /// Only the training-checkpoint rows: one tensor of the first size (default 1GiB) saved to a
+    /// new file and over an existing one, by turboio and by DeepSpeed's DeepNVMe (built on first
+    /// use: Debian's libaio-dev as root, deepspeed into `target/bench-tools`), and read cold into
+    /// reused memory, with the disk's O_DIRECT ceilings; written to `training.md` in `--out`.
+    /// (The full bench runs these rows too, not its --quick smoke run.)
+    #[arg(long)]
+    pub training: bool,
     /// An SFCS directory (`sfcs://...`) for the SFCS rows (a save and copied loads through
     /// libcloudfs); they also need LIBCFS_PATH pointing at the vendor library. Without both,
     /// the rows are skipped with a message.
@@ -569,6 +576,15 @@ pub fn run(args: Args) -> Result<()> {
         println!("{report}\nwrote {}", args.out.join("object.md").display());
         return Ok(());
     }
+    if args.training {
+        let size = if args.sizes.is_empty() && !args.quick { 1 << 30 } else { sizes[0] };
+        let python = if args.no_python { None } else { Some(crate::pybench::setup()?) };
+        let report = crate::trainbench::run(python.as_deref(), &args.dir, size, runs)?;
+        std::fs::create_dir_all(&args.out)?;
+        std::fs::write(args.out.join("training.md"), &report)?;
+        println!("{report}\nwrote {}", args.out.join("training.md").display());
+        return Ok(());
+    }
     // The sections that start many Python processes (each imports torch) run once in a smoke run.
     let process_runs = if args.quick { 1 } else { runs };
     if args.pt {
@@ -690,6 +706,21 @@ pub fn run(args: Args) -> Result<()> {
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(args.out.join("object.md"), &object_section)?;
 
+    // The training-checkpoint rows against DeepNVMe, for the first size. Not in the smoke run:
+    // DeepSpeed's op takes minutes to build on a fresh machine.
+    let training_section = if args.quick {
+        "## Training checkpoints\n\nNot in the --quick smoke run (it builds DeepSpeed's async_io op): \
+         `cargo xtask bench --training --quick`.\n"
+            .to_owned()
+    } else {
+        eprintln!("{}: training checkpoints, {runs} runs ...", size_name(sizes[0]));
+        crate::trainbench::run(python.as_deref(), &args.dir, sizes[0], runs).unwrap_or_else(|e| {
+            eprintln!("training rows skipped: {e:#}");
+            format!("## Training checkpoints\n\nSkipped: {e:#}.\n")
+        })
+    };
+    std::fs::write(args.out.join("training.md"), &training_section)?;
+
     let mut checks = Vec::new();
     for &size in &sizes {
         let Some(len) = all.iter().find(|r| r.size >= size && r.size < size + (64 << 20)).map(|r| r.size) else {
@@ -804,6 +835,8 @@ pub fn run(args: Args) -> Result<()> {
     }
     report.push('\n');
     report.push_str(&object_section);
+    report.push('\n');
+    report.push_str(&training_section);
     println!("{report}");
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(args.out.join("load.md"), &report)?;

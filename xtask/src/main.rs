@@ -18,6 +18,7 @@ mod ptbench;
 mod pybench;
 mod savebench;
 mod test;
+mod trainbench;
 
 use clap::{Parser, Subcommand};
 

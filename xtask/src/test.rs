@@ -173,8 +173,18 @@ fn check_rust_versions() -> Result<()> {
 /// nginx for the `http://` range-read tests (Debian's `nginx-light`, installed here when
 /// missing and this runs as root). Returns whether it is there; the tests then require it.
 fn ensure_nginx() -> bool {
-    let present =
-        || ["/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/bin/nginx"].iter().any(|p| Path::new(p).exists());
+    ensure_debian_package(
+        "nginx-light",
+        "the http:// range-read tests",
+        &["/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/bin/nginx"],
+    )
+}
+
+/// A Debian package for `what`, present when one of `paths` exists: installed with apt-get
+/// (an `apt-get update` first if the install fails) when missing and this runs as root.
+/// Returns whether it is there.
+pub fn ensure_debian_package(package: &str, what: &str, paths: &[&str]) -> bool {
+    let present = || paths.iter().any(|p| Path::new(p).exists());
     if present() {
         return true;
     }
@@ -184,7 +194,7 @@ fn ensure_nginx() -> bool {
         Err(_) => return false,
     }) == 0;
     if !root {
-        eprintln!("note: nginx is not installed and this is not root: the http:// tests will say skipped");
+        eprintln!("note: {package} is not installed and this is not root: {what} will say skipped");
         return false;
     }
     let install = |update: bool| {
@@ -192,10 +202,8 @@ fn ensure_nginx() -> bool {
             let _ = step("apt-get update", Command::new("apt-get").args(["update", "-q"]));
         }
         step(
-            "install nginx-light (http:// range-read tests)",
-            Command::new("apt-get")
-                .args(["install", "-y", "-q", "nginx-light"])
-                .env("DEBIAN_FRONTEND", "noninteractive"),
+            &format!("install {package} ({what})"),
+            Command::new("apt-get").args(["install", "-y", "-q", package]).env("DEBIAN_FRONTEND", "noninteractive"),
         )
     };
     if install(false).is_err() {

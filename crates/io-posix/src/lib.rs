@@ -92,7 +92,11 @@
 //!    the file then stays in the page cache, for a load right after).
 //! 5. The file is given the replaced file's owner (where permitted) and mode, `fsync`ed (so a
 //!    crash after the sync never leaves a 0600 file in place), and renamed over the target; the
-//!    directory is `fsync`ed.
+//!    directory is `fsync`ed. A file being replaced first gets a second name,
+//!    `.{name}.turboio-old.{pid}.{owner}.{random}` (a hard link), so the rename does not free
+//!    its blocks; that name is unlinked after the directory sync by a thread of its own
+//!    ([`PosixConfig::delete_in_background`], [`wait_for_deletions`]). A kill at any point
+//!    leaves the target old or new; a second name left behind is removed by the next save.
 //! 6. Temporary files of earlier saves of the same name whose writer is gone (killed mid-save)
 //!    are removed: unlocked, and either written on this boot and PID namespace by a process
 //!    that no longer exists, or untouched for an hour (see [`abandoned_temp`]; a PID alone is
@@ -120,12 +124,14 @@
 
 mod plan;
 mod read;
+mod retire;
 mod sys;
 mod temp;
 mod uring;
 mod write;
 
 pub use read::PosixFile;
+pub use retire::{deletions_pending, remove_in_background, wait_for_deletions};
 pub use temp::{abandoned_temp, owner_tag, temp_target, STALE_AFTER, STALE_AFTER_WITHOUT_LOCKS};
 pub use write::{Faults, Step, TempFile};
 
@@ -163,6 +169,12 @@ pub struct PosixConfig {
     /// `DirectIo::Auto` bypasses the page cache when less than this fraction of the file is
     /// cached.
     pub cached_threshold: f64,
+    /// A save that replaces a file gives the old file a second name before the rename and
+    /// deletes it after the save returns, on a thread of its own ([`wait_for_deletions`]
+    /// waits for it): on ext4 the rename over a file's last link frees its blocks before it
+    /// returns, 0.6-0.9 s for 1 GiB here, on the caller's time. On by default; off, the rename
+    /// frees the old file itself.
+    pub delete_in_background: bool,
     /// For tests: OS errors a save meets on purpose (none by default).
     pub faults: Faults,
 }
@@ -176,6 +188,7 @@ impl Default for PosixConfig {
             fsync: true,
             direct_writes: true,
             cached_threshold: 0.5,
+            delete_in_background: true,
             faults: Faults::default(),
         }
     }

@@ -18,6 +18,11 @@
 //! A PID alone (what this module replaced) is wrong across hosts sharing a file system and
 //! across PID namespaces: another host's live writer has a PID that is free here, and its
 //! temporary file would be deleted under it.
+//!
+//! A save that replaces a file also gives the old file a second name for a moment,
+//! `.{name}.turboio-old.{pid}.{owner}.{random}` (see the writer): an extra link to data that is
+//! being replaced, never the only copy of anything still needed, so any process may remove it at
+//! any time ([`abandoned_temp`] says yes to it at once).
 
 use crate::sys;
 use std::collections::hash_map::RandomState;
@@ -33,6 +38,8 @@ use std::time::{Duration, SystemTime};
 
 /// What temporary names contain after the target's name.
 pub(crate) const TEMP_MARK: &str = ".turboio-tmp.";
+/// What the names of replaced files kept for their deletion contain after the target's name.
+pub(crate) const RETIRED_MARK: &str = ".turboio-old.";
 /// Longest file-name prefix kept in temporary names (names are limited to 255 bytes).
 pub(crate) const MAX_NAME_PREFIX: usize = 200;
 
@@ -70,41 +77,58 @@ pub fn owner_tag() -> &'static str {
     })
 }
 
-/// The prefix of every temporary name of `name`: `.{name}.turboio-tmp.` (the name cut to
+/// The prefix of every name of `name` with `mark`: `.{name}{mark}` (the name cut to
 /// [`MAX_NAME_PREFIX`] bytes).
-fn prefix_of(name: &OsStr) -> Vec<u8> {
+fn prefix_of(name: &OsStr, mark: &str) -> Vec<u8> {
     let bytes = name.as_bytes();
-    let mut prefix = Vec::with_capacity(bytes.len().min(MAX_NAME_PREFIX) + TEMP_MARK.len() + 1);
+    let mut prefix = Vec::with_capacity(bytes.len().min(MAX_NAME_PREFIX) + mark.len() + 1);
     prefix.push(b'.');
     prefix.extend_from_slice(&bytes[..bytes.len().min(MAX_NAME_PREFIX)]);
-    prefix.extend_from_slice(TEMP_MARK.as_bytes());
+    prefix.extend_from_slice(mark.as_bytes());
     prefix
 }
 
-/// A fresh temporary name for `name` in `dir`.
-pub(crate) fn temp_name(dir: &Path, name: &OsStr, attempt: u32) -> PathBuf {
+fn fresh_name(dir: &Path, name: &OsStr, mark: &str, attempt: u32) -> PathBuf {
     let mut h = RandomState::new().build_hasher();
     h.write_u32(attempt);
     if let Ok(t) = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH) {
         h.write_u128(t.as_nanos());
     }
-    let mut tmp = prefix_of(name);
+    let mut tmp = prefix_of(name, mark);
     tmp.extend_from_slice(format!("{}.{}.{:016x}", std::process::id(), owner_tag(), h.finish()).as_bytes());
     dir.join(OsString::from_vec(tmp))
 }
 
-/// The target name (possibly cut to [`MAX_NAME_PREFIX`] bytes) a temporary file name belongs
-/// to, or `None` if it is not a temporary name of turboio's.
+/// A fresh temporary name for `name` in `dir`.
+pub(crate) fn temp_name(dir: &Path, name: &OsStr, attempt: u32) -> PathBuf {
+    fresh_name(dir, name, TEMP_MARK, attempt)
+}
+
+/// A fresh name for the replaced file of a save of `name` in `dir`, kept until its deletion.
+pub(crate) fn retired_name(dir: &Path, name: &OsStr, attempt: u32) -> PathBuf {
+    fresh_name(dir, name, RETIRED_MARK, attempt)
+}
+
+/// The target name (possibly cut to [`MAX_NAME_PREFIX`] bytes) a temporary file name, or the
+/// name of a replaced file awaiting deletion, belongs to; `None` for other names.
 pub fn temp_target(file_name: &OsStr) -> Option<&OsStr> {
-    let (target, _, _) = parse(file_name)?;
-    Some(target)
+    parse(file_name).or_else(|| parse_with(file_name, RETIRED_MARK)).map(|(target, _, _)| target)
+}
+
+/// Whether `file_name` names a replaced file awaiting deletion.
+fn is_retired(file_name: &OsStr) -> bool {
+    parse_with(file_name, RETIRED_MARK).is_some()
 }
 
 /// `(target, pid, owner tag)` of a temporary name; the tag is `None` in names written before
 /// tags existed (`{pid}.{random}`).
 fn parse(file_name: &OsStr) -> Option<(&OsStr, u32, Option<&str>)> {
+    parse_with(file_name, TEMP_MARK)
+}
+
+fn parse_with<'a>(file_name: &'a OsStr, mark: &str) -> Option<(&'a OsStr, u32, Option<&'a str>)> {
     let bytes = file_name.as_bytes().strip_prefix(b".")?;
-    let mark = TEMP_MARK.as_bytes();
+    let mark = mark.as_bytes();
     let at = bytes.windows(mark.len()).rposition(|w| w == mark)?;
     let rest = std::str::from_utf8(&bytes[at + mark.len()..]).ok()?;
     let parts: Vec<&str> = rest.split('.').collect();
@@ -119,10 +143,14 @@ fn parse(file_name: &OsStr) -> Option<(&OsStr, u32, Option<&str>)> {
 }
 
 /// Whether the temporary file at `path` was left by a writer that is gone (see the module
-/// docs). `false` for anything that is not a regular file with a temporary name, and whenever
-/// in doubt.
+/// docs), or is a replaced file awaiting deletion (always removable). `false` for anything that
+/// is not a regular file with such a name, and whenever in doubt.
 pub fn abandoned_temp(path: &Path) -> bool {
-    let Some((_, pid, tag)) = path.file_name().and_then(parse) else { return false };
+    let Some(file_name) = path.file_name() else { return false };
+    if is_retired(file_name) {
+        return fs::symlink_metadata(path).is_ok_and(|m| m.is_file());
+    }
+    let Some((_, pid, tag)) = parse(file_name) else { return false };
     // O_NONBLOCK: a FIFO given a temporary name must not block the open.
     let Ok(file) = OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path) else {
         return false;
@@ -149,14 +177,21 @@ pub fn abandoned_temp(path: &Path) -> bool {
     }
 }
 
-/// Removes the abandoned temporary files of `name` in `dir`. Best effort: a save never fails
-/// because of it.
+/// Removes the abandoned temporary files of `name` in `dir`, and replaced files of earlier
+/// saves left by writers killed before deleting them (handed to the background deleter: they
+/// may be large). Best effort: a save never fails because of it.
 pub(crate) fn remove_abandoned(dir: &Path, name: &OsStr) {
-    let prefix = prefix_of(name);
+    let (temps, retired) = (prefix_of(name, TEMP_MARK), prefix_of(name, RETIRED_MARK));
     let Ok(entries) = fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
-        if entry.file_name().as_bytes().starts_with(&prefix) && abandoned_temp(&entry.path()) {
-            let _ = fs::remove_file(entry.path());
+        let n = entry.file_name();
+        let ours = n.as_bytes().starts_with(&temps) || n.as_bytes().starts_with(&retired);
+        if ours && abandoned_temp(&entry.path()) {
+            if is_retired(&n) {
+                crate::retire::delete_later(entry.path());
+            } else {
+                let _ = fs::remove_file(entry.path());
+            }
         }
     }
 }
@@ -176,6 +211,9 @@ mod tests {
         assert_eq!(parse(old), Some((OsStr::new("m.bin"), 123, None)));
         let nested = OsStr::new(".a.turboio-tmp.b.turboio-tmp.7.0badc0de.00000000deadbeef");
         assert_eq!(temp_target(nested), Some(OsStr::new("a.turboio-tmp.b")));
+        let retired = retired_name(dir, OsStr::new("m.bin"), 3);
+        assert!(is_retired(retired.file_name().unwrap()) && parse(retired.file_name().unwrap()).is_none());
+        assert_eq!(temp_target(retired.file_name().unwrap()), Some(OsStr::new("m.bin")));
         for not in [
             ".m.bin",
             "m.bin.turboio-tmp.1.00000000deadbeef",

@@ -6,7 +6,7 @@
 
 use crate::plan::{aligned_size, ALIGN};
 use crate::sys::{self, AlignedBuf};
-use crate::temp::{remove_abandoned, temp_name};
+use crate::temp::{remove_abandoned, retired_name, temp_name};
 use crate::uring::Ring;
 use crate::PosixConfig;
 use std::ffi::OsStr;
@@ -27,18 +27,39 @@ const URING_DEPTH: usize = 4;
 /// Symbolic links followed at the target before giving up (as the kernel's `ELOOP` limit).
 const MAX_LINKS: usize = 40;
 
-/// Removes the temporary file unless the save went through.
+/// Removes the temporary file unless the save went through, and the old file's second name
+/// if the save fails before the rename (the target still links the old file, so unlinking that
+/// name frees nothing and is quick).
 struct TempGuard {
     path: PathBuf,
     armed: bool,
+    retired: Option<PathBuf>,
 }
 
 impl Drop for TempGuard {
     fn drop(&mut self) {
         if self.armed {
             let _ = fs::remove_file(&self.path);
+            if let Some(r) = self.retired.take() {
+                let _ = fs::remove_file(r);
+            }
         }
     }
+}
+
+/// Gives the file being replaced a second name next to it (a hard link), so that the rename
+/// over it does not free its blocks; `None` where the file system or its rules refuse (the
+/// rename then frees them, as before).
+fn keep_old(target: &Path, dir: &Path, name: &OsStr) -> Option<PathBuf> {
+    for attempt in 0..4 {
+        let r = retired_name(dir, name, attempt);
+        match fs::hard_link(target, &r) {
+            Ok(()) => return Some(r),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(_) => return None,
+        }
+    }
+    None
 }
 
 fn io_err(path: &Path, op: &'static str, source: io::Error) -> StorageError {
@@ -208,6 +229,7 @@ impl TempFile<'_> {
 fn crash_point(cfg: &PosixConfig, path: &Path, step: Step, guard: &mut TempGuard) -> Result<(), StorageError> {
     if cfg.faults.crash == Some(step) {
         guard.armed = false;
+        guard.retired = None;
         let e = io::Error::other(format!("simulated crash after {step:?} (PosixConfig::faults)"));
         return Err(io_err(path, "save", e));
     }
@@ -241,7 +263,7 @@ pub(crate) fn replace_with(
     };
     opts.check_cancel()?;
     let (tmp, file) = create_temp(path, dir, name, existing.as_ref())?;
-    let mut guard = TempGuard { path: tmp, armed: true };
+    let mut guard = TempGuard { path: tmp, armed: true, retired: None };
     cfg.faults.check(Step::Allocate).map_err(|e| io_err(path, "allocate", e))?;
     sys::allocate(&file, len).map_err(|e| io_err(path, "allocate", e))?;
     crash_point(cfg, path, Step::Allocate, &mut guard)?;
@@ -257,16 +279,29 @@ pub(crate) fn replace_with(
     }
     crash_point(cfg, path, Step::Fsync, &mut guard)?;
     opts.check_cancel()?;
+    // Replacing a file: it gets a second name first, so that the rename does not free its
+    // blocks (on ext4 that is the slow part of replacing a large file); that name is deleted
+    // after the new file is in place and durable, off the caller's path.
+    if existing.is_some() && cfg.delete_in_background {
+        guard.retired = keep_old(&target, dir, name);
+        crash_point(cfg, path, Step::Link, &mut guard)?;
+    }
     cfg.faults.check(Step::Rename).map_err(|e| io_err(path, "rename", e))?;
     fs::rename(&guard.path, &target).map_err(|e| io_err(path, "rename", e))?;
     guard.armed = false;
+    let retired = guard.retired.take();
     crash_point(cfg, path, Step::Rename, &mut guard)?;
     // The lock goes with the descriptor, after the rename: until then the temporary file is
     // marked as a live writer's.
     drop(file);
     if cfg.fsync {
-        // The new name must be durable too. (If this fails the new file is already in place.)
+        // The new name must be durable too, before the old file's data goes. (If this fails
+        // the new file is already in place; the old one's second name is left for the next
+        // save's cleanup.)
         File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io_err(path, "fsync directory", e))?;
+    }
+    if let Some(r) = retired {
+        crate::retire::delete_later(r);
     }
     remove_abandoned(dir, name);
     Ok(())
@@ -530,6 +565,8 @@ pub enum Step {
     Allocate,
     /// Syncing the temporary file (after its data, owner and mode are written).
     Fsync,
+    /// Giving the file being replaced a second name, for its deletion after the save.
+    Link,
     /// Renaming it over the target.
     Rename,
 }
@@ -549,7 +586,8 @@ pub struct Faults {
     pub allocate: Option<i32>,
     /// The save stops right after this step as if the process had been killed there: it
     /// returns an error and leaves every file as the kill would (the temporary file, still
-    /// named as such, before the rename; the new file in place after it).
+    /// named as such, before the rename; the new file in place after it; the old file's second
+    /// name after `Link`).
     pub crash: Option<Step>,
 }
 
@@ -558,6 +596,7 @@ impl Faults {
         let errno = match step {
             Step::Allocate => self.allocate,
             Step::Fsync => self.fsync,
+            Step::Link => None,
             Step::Rename => self.rename,
         };
         errno.map_or(Ok(()), |e| Err(io::Error::from_raw_os_error(e)))

@@ -741,6 +741,80 @@ fn abandoned_temporaries_are_removed_by_the_next_save() {
     assert_eq!(std::fs::read(&path).unwrap(), b"abcd");
 }
 
+/// A replacing save gives the old file a second name before the rename and deletes it after
+/// the save returned (on ext4 the rename over a last link frees the blocks on the caller's
+/// time): what a kill leaves at each step is the old or the new file, plus that second name,
+/// which the next save removes. With the option off, no second name is ever made.
+#[test]
+fn replaced_files_are_deleted_after_the_save_and_kills_lose_nothing() {
+    use std::os::unix::fs::MetadataExt;
+    use turboio_io_posix::{Faults, Step};
+    let dir = scratch_in(&local_dir());
+    let path = dir.path().join("m.bin");
+    let names = || -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    let second_names = || names().into_iter().filter(|n| n.contains(".turboio-old.")).collect::<Vec<_>>();
+    let crashing = |step| {
+        PosixStorage::with_config(PosixConfig {
+            faults: Faults { crash: Some(step), ..Default::default() },
+            ..Default::default()
+        })
+    };
+    std::fs::write(&path, b"v0").unwrap();
+    // Killed right after the link: the target is the old file, linked twice.
+    let e = crashing(Step::Link).write_file(&path, &BytesSource(b"v1"), &IoOptions::default()).unwrap_err();
+    assert!(e.to_string().contains("simulated crash"), "{e}");
+    assert_eq!(std::fs::read(&path).unwrap(), b"v0");
+    let old = second_names();
+    assert_eq!(old.len(), 1, "{:?}", names());
+    let second = dir.path().join(&old[0]);
+    assert_eq!(std::fs::metadata(&second).unwrap().ino(), std::fs::metadata(&path).unwrap().ino());
+    // Killed right after the rename: the new file is in place, the old one only under its
+    // second name (now two such names).
+    crashing(Step::Rename).write_file(&path, &BytesSource(b"v2"), &IoOptions::default()).unwrap_err();
+    assert_eq!(std::fs::read(&path).unwrap(), b"v2");
+    assert_eq!(second_names().len(), 2);
+    // The next save removes both, and its own replaced file goes after it returns. (The
+    // temporary file the simulated kill after the link left carries this live process's id,
+    // so it stays: a real kill's would go.)
+    let st = PosixStorage::new();
+    st.write_file(&path, &BytesSource(b"v3"), &IoOptions::default()).unwrap();
+    turboio_io_posix::wait_for_deletions();
+    assert_eq!(turboio_io_posix::deletions_pending(), 0);
+    assert!(second_names().is_empty(), "{:?}", names());
+    let temps: Vec<String> = names().into_iter().filter(|n| n.contains(".turboio-tmp.")).collect();
+    assert_eq!(temps.len(), 1, "{:?}", names());
+    std::fs::remove_file(dir.path().join(&temps[0])).unwrap();
+    assert_eq!(names(), ["m.bin"]);
+    assert_eq!(std::fs::read(&path).unwrap(), b"v3");
+    // A reader of the old file keeps it whole, whatever happens to its names.
+    let reader = std::fs::File::open(&path).unwrap();
+    st.write_file(&path, &BytesSource(b"v4"), &IoOptions::default()).unwrap();
+    turboio_io_posix::wait_for_deletions();
+    let mut back = Vec::new();
+    std::io::Read::read_to_end(&mut &reader, &mut back).unwrap();
+    assert_eq!(back, b"v3");
+    assert_eq!(names(), ["m.bin"]);
+    // Off: the rename frees the old file itself; no second name is made.
+    let inline = PosixStorage::with_config(PosixConfig {
+        delete_in_background: false,
+        faults: Faults { crash: Some(Step::Rename), ..Default::default() },
+        ..Default::default()
+    });
+    inline.write_file(&path, &BytesSource(b"v5"), &IoOptions::default()).unwrap_err();
+    assert_eq!(names(), ["m.bin"]);
+    // A new file has nothing to replace.
+    let fresh = dir.path().join("new.bin");
+    crashing(Step::Rename).write_file(&fresh, &BytesSource(b"n"), &IoOptions::default()).unwrap_err();
+    assert!(second_names().is_empty());
+}
+
 /// What a crash right after the sync leaves is the final file: the replaced file's mode is
 /// given before the sync (a crash after it used to leave a 0600 file).
 #[test]

@@ -356,9 +356,13 @@ impl Place {
         }
     }
 
-    /// Removes a file; true if it is gone.
+    /// Removes a file; true if it is gone. Local files leave their name at once and are
+    /// unlinked in the background (a large shard's blocks take a while to free).
     pub(crate) fn remove(&self, path: &Path) -> bool {
         match self {
+            #[cfg(feature = "posix")]
+            Place::Local => turboio_io_posix::remove_in_background(path).is_ok(),
+            #[cfg(not(feature = "posix"))]
             Place::Local => std::fs::remove_file(path).is_ok(),
             Place::Remote(s) => s.remove_file(path).is_ok(),
         }

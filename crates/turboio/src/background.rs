@@ -120,8 +120,16 @@ fn pending() -> &'static Mutex<HashMap<PathBuf, Arc<Shared>>> {
 }
 
 /// Waits for every background save of this process to finish (e.g. before exiting: a save
-/// cut short by the process ending leaves the previous file, not the new one).
+/// cut short by the process ending leaves the previous file, not the new one), and for the
+/// deletion of the files saves replaced (done after each save returns, off its path; see
+/// `turboio_io_posix::wait_for_deletions`).
 pub fn wait_for_saves() {
+    wait_for_pending_saves();
+    #[cfg(feature = "posix")]
+    turboio_io_posix::wait_for_deletions();
+}
+
+fn wait_for_pending_saves() {
     loop {
         let next = pending().lock().unwrap_or_else(|p| p.into_inner()).values().next().cloned();
         match next {

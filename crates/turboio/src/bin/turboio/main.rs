@@ -281,6 +281,8 @@ fn main() -> ExitCode {
         Command::Decrypt { input, output, cipher } => cipher::decrypt(&input, &output, &cipher),
         Command::Demo { size, dir, runs } => demo(size, dir, runs),
     };
+    // Files replaced by saves are deleted in the background: gone before the process is.
+    turboio::wait_for_saves();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.is::<out::Closed>() => ExitCode::from(out::CLOSED_STATUS),

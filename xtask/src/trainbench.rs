@@ -1,0 +1,332 @@
+//! `cargo xtask bench --training`: a training job's checkpoint I/O, one tensor of the bench
+//! size, against DeepSpeed's DeepNVMe (`aio_handle`, built by this bench: Debian's libaio-dev
+//! and ninja-build, `deepspeed` from PyPI into `target/bench-tools/deepnvme`, its `async_io` op
+//! JIT-compiled for the CPU accelerator once and cached), in one run with the rows in a shuffled
+//! order each run.
+//!
+//! Saves end durable for everyone (turboio fsyncs file and directory; DeepNVMe's write is
+//! followed by the same fsyncs inside its timing). Two kinds: to a new file (the old one deleted
+//! before the timer) and replacing an existing one of the same size (DeepNVMe overwrites it in
+//! place: it opens without `O_TRUNC`; turboio writes a new file and renames it over the old one,
+//! which stays intact until then). Reads are cold (the file evicted from the page cache first):
+//! turboio's `O_DIRECT` load into an arena reused across loads against DeepNVMe's `sync_pread`
+//! into its page-locked buffer. The disk's `O_DIRECT` ceilings are measured in the same run.
+
+use crate::bench::run_order;
+use anyhow::{bail, Context, Result};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Instant;
+use turboio::device::ArenaPool;
+use turboio::posix::{PosixConfig, PosixStorage};
+use turboio::{CachePolicy, Dtype, LoadMode, LoadOptions, SaveOptions, SaveTensor};
+
+/// The rows, in table order.
+const ROWS: [&str; 9] = [
+    "turboio save, new file",
+    "turboio save, replacing (old file deleted after the save)",
+    "turboio save, replacing (old file freed by the rename, as before)",
+    "DeepNVMe sync_pwrite + fsync, new file",
+    "DeepNVMe sync_pwrite + fsync, overwriting in place",
+    "ceiling: O_DIRECT write QD32 + fsync, new file",
+    "turboio load, O_DIRECT into a reused arena (cold)",
+    "DeepNVMe sync_pread into its page-locked buffer (cold)",
+    "ceiling: O_DIRECT read QD32 into a reused buffer (cold)",
+];
+
+#[derive(Debug, Default, Clone)]
+struct Row {
+    name: &'static str,
+    times: Vec<f64>,
+    skipped: Option<String>,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut t = v.to_vec();
+    t.sort_by(f64::total_cmp);
+    t.get(t.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// The `PYTHONPATH` directory holding deepspeed, with its `async_io` op built; `Err` says why
+/// the DeepNVMe rows are skipped.
+fn deepnvme(python: &Path) -> std::result::Result<(PathBuf, PathBuf), String> {
+    let tools = crate::test::root().join("target/bench-tools");
+    let site = tools.join("deepnvme");
+    let extensions = tools.join("torch-extensions");
+    if !crate::test::ensure_debian_package(
+        "libaio-dev",
+        "the DeepNVMe rows (DeepSpeed's async_io op links -laio)",
+        &["/usr/include/libaio.h"],
+    ) {
+        return Err("libaio-dev is missing (run as root to have it installed)".into());
+    }
+    // torch's extension builder runs `ninja`; PyPI's ninja wheel loses its binary when
+    // installed with --target, so Debian's.
+    if !crate::test::ensure_debian_package(
+        "ninja-build",
+        "the DeepNVMe rows (torch JIT builds with ninja)",
+        &["/usr/bin/ninja"],
+    ) {
+        return Err("ninja is missing (run as root to have Debian's ninja-build installed)".into());
+    }
+    if !site.join("deepspeed").is_dir() {
+        eprintln!("installing deepspeed 0.19.8 into {} ...", site.display());
+        let pip = |args: &[&str]| -> std::result::Result<(), String> {
+            let o = Command::new(python)
+                .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--target"])
+                .arg(&site)
+                .args(args)
+                .output()
+                .map_err(|e| format!("pip: {e}"))?;
+            if o.status.success() {
+                Ok(())
+            } else {
+                Err(format!("pip install {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim()))
+            }
+        };
+        // deepspeed without its dependencies (torch and numpy come from the venv), then the
+        // small ones it imports.
+        pip(&["--no-deps", "deepspeed==0.19.8"])?;
+        pip(&["hjson", "py-cpuinfo", "msgpack", "psutil", "pydantic>=2", "einops", "tqdm", "packaging"])?;
+    }
+    let o = deepnvme_cmd(python, &site, &extensions)
+        .args(["--op", "build"])
+        .output()
+        .map_err(|e| format!("run py_deepnvme.py: {e}"))?;
+    if !o.status.success() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        let tail: Vec<&str> = err.lines().rev().take(6).collect();
+        return Err(format!(
+            "DeepSpeed's async_io op did not build: {}",
+            tail.into_iter().rev().collect::<Vec<_>>().join(" / ")
+        ));
+    }
+    Ok((site, extensions))
+}
+
+fn deepnvme_cmd(python: &Path, site: &Path, extensions: &Path) -> Command {
+    let mut c = Command::new(python);
+    let venv_bin = python.parent().map(Path::to_path_buf).unwrap_or_default();
+    let path =
+        format!("{}:{}:{}", site.join("bin").display(), venv_bin.display(), std::env::var("PATH").unwrap_or_default());
+    c.arg(crate::test::root().join("crates/py/bench/py_deepnvme.py"))
+        .env("PYTHONPATH", site)
+        .env("PATH", path)
+        .env("DS_ACCELERATOR", "cpu")
+        .env("TORCH_EXTENSIONS_DIR", extensions);
+    c
+}
+
+fn deepnvme_op(python: &Path, dirs: &(PathBuf, PathBuf), args: &[&str]) -> Result<f64> {
+    let o = deepnvme_cmd(python, &dirs.0, &dirs.1).args(args).output().context("run py_deepnvme.py")?;
+    if !o.status.success() {
+        bail!("DeepNVMe {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr));
+    }
+    let text = String::from_utf8_lossy(&o.stdout);
+    let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or(""))?;
+    v["s"].as_f64().context("py_deepnvme.py printed no time")
+}
+
+/// Evicts `path` from the page cache (only it; no root needed) and checks it worked.
+fn evict(path: &Path) -> Result<()> {
+    let f = PosixStorage::new().open_posix(path)?;
+    f.evict_cache()?;
+    let left = turboio::storage::StorageFile::cached_fraction(&f).unwrap_or(0.0);
+    if left > 0.01 {
+        bail!("{}: {:.0}% stayed in the page cache", path.display(), left * 100.0);
+    }
+    Ok(())
+}
+
+fn sync() {
+    // SAFETY: sync() has no preconditions.
+    unsafe { libc::sync() };
+}
+
+/// Removes `path` (untimed) and waits for its blocks to be freed and everything to be on disk.
+fn remove(path: &Path) {
+    let _ = std::fs::remove_file(path);
+    turboio::wait_for_saves();
+    sync();
+}
+
+/// Runs every row `runs` times; returns the Markdown section with its checks.
+pub fn run(python: Option<&Path>, dir: &Path, size: u64, runs: usize) -> Result<String> {
+    std::fs::create_dir_all(dir)?;
+    let size = size.next_multiple_of(4096);
+    let st = dir.join("train.safetensors");
+    let raw = dir.join("train.bin");
+    let data: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+    let shape = [size as usize];
+    let tensors = [SaveTensor { name: "t", dtype: Dtype::U8, shape: &shape, data: &data }];
+    let save = |background: bool| -> Result<()> {
+        let cfg = PosixConfig { delete_in_background: background, ..Default::default() };
+        let opts = SaveOptions { storage: Some(Arc::new(PosixStorage::with_config(cfg))), ..Default::default() };
+        turboio::save(&st, &tensors, None, &opts)?;
+        Ok(())
+    };
+    let mut rows: Vec<Row> = ROWS.iter().map(|&name| Row { name, ..Default::default() }).collect();
+    let dn = match python {
+        None => Err("--no-python".to_string()),
+        Some(py) => {
+            eprintln!("DeepNVMe: building DeepSpeed's async_io op (cached after the first time) ...");
+            deepnvme(py)
+        }
+    };
+    if let Err(why) = &dn {
+        for r in rows.iter_mut().filter(|r| r.name.starts_with("DeepNVMe")) {
+            r.skipped = Some(why.clone());
+        }
+    }
+    let pool = ArenaPool::with_huge_pages(1, false);
+    let load_opts = LoadOptions {
+        mode: LoadMode::Copied,
+        cache: CachePolicy::Bypass,
+        arenas: Some(pool.clone()),
+        ..Default::default()
+    };
+    let size_arg = size.to_string();
+    for r in 0..runs {
+        for i in run_order(ROWS.len(), r) {
+            if rows[i].skipped.is_some() {
+                continue;
+            }
+            let name = ROWS[i];
+            let secs = match i {
+                0..=2 => {
+                    if i == 0 {
+                        remove(&st);
+                    } else if !st.exists() || std::fs::metadata(&st)?.len() < size {
+                        save(true)?;
+                        turboio::wait_for_saves();
+                        sync();
+                    }
+                    let t = Instant::now();
+                    save(i != 2)?;
+                    let s = t.elapsed().as_secs_f64();
+                    // The old file's deletion goes on after the save; not in the next row's time.
+                    turboio::wait_for_saves();
+                    s
+                }
+                3 | 4 => {
+                    let (py, dirs) = (python.context("python")?, dn.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?);
+                    if i == 3 {
+                        remove(&raw);
+                    } else if !raw.exists() || std::fs::metadata(&raw)?.len() != size {
+                        deepnvme_op(
+                            py,
+                            dirs,
+                            &["--op", "pwrite", "--out", raw.to_str().unwrap(), "--size", &size_arg],
+                        )?;
+                        sync();
+                    }
+                    deepnvme_op(py, dirs, &["--op", "pwrite", "--out", raw.to_str().unwrap(), "--size", &size_arg])?
+                }
+                5 => {
+                    let ceiling = dir.join("train.ceiling");
+                    remove(&ceiling);
+                    let t = Instant::now();
+                    crate::ceiling::odirect_write(&ceiling, size, 32, 1 << 20)?;
+                    let s = t.elapsed().as_secs_f64();
+                    remove(&ceiling);
+                    s
+                }
+                6 => {
+                    if !st.exists() {
+                        save(true)?;
+                        turboio::wait_for_saves();
+                    }
+                    if pool.free_arenas() == 0 {
+                        drop(turboio::load(&st, &load_opts)?); // the arena, faulted in once (untimed)
+                    }
+                    evict(&st)?;
+                    let t = Instant::now();
+                    let loaded = turboio::load(&st, &load_opts)?;
+                    let s = t.elapsed().as_secs_f64();
+                    std::hint::black_box(loaded.tensor("t").and_then(|t| t.bytes().map(|b| b[b.len() / 2])));
+                    s
+                }
+                7 => {
+                    let (py, dirs) = (python.context("python")?, dn.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?);
+                    if !raw.exists() || std::fs::metadata(&raw)?.len() != size {
+                        deepnvme_op(
+                            py,
+                            dirs,
+                            &["--op", "pwrite", "--out", raw.to_str().unwrap(), "--size", &size_arg],
+                        )?;
+                    }
+                    evict(&raw)?;
+                    deepnvme_op(py, dirs, &["--op", "pread", "--file", raw.to_str().unwrap()])?
+                }
+                _ => {
+                    if !st.exists() {
+                        save(true)?;
+                        turboio::wait_for_saves();
+                    }
+                    evict(&st)?;
+                    let t = Instant::now();
+                    crate::ceiling::odirect_sequential(&st, 32, 1 << 20)?;
+                    t.elapsed().as_secs_f64()
+                }
+            };
+            eprintln!("  {name}: {secs:.3} s");
+            rows[i].times.push(secs);
+        }
+    }
+    for p in [&st, &raw] {
+        let _ = std::fs::remove_file(p);
+    }
+    turboio::wait_for_saves();
+    Ok(render(&rows, size, runs))
+}
+
+fn render(rows: &[Row], size: u64, runs: usize) -> String {
+    let mut s = String::from("## Training checkpoints\n\n");
+    let _ =
+        writeln!(s, "### One {:.2} GB tensor (median of {runs}; saves end durable for everyone)\n", size as f64 / 1e9);
+    let _ = writeln!(s, "| row | s | GB/s |");
+    let _ = writeln!(s, "|---|---:|---:|");
+    for r in rows {
+        match &r.skipped {
+            Some(why) => {
+                let _ = writeln!(s, "| {} | skipped | {why} |", r.name);
+            }
+            None => {
+                let m = median(&r.times);
+                let _ = writeln!(s, "| {} | {m:.3} | {:.2} |", r.name, size as f64 / m / 1e9);
+            }
+        }
+    }
+    let m = |i: usize| rows[i].skipped.is_none().then(|| median(&rows[i].times));
+    let mut checks: Vec<(String, Option<f64>, f64, bool)> = vec![
+        // (what, ratio, bound, ratio must be at most the bound)
+        ("replacing save / new-file save".into(), m(1).zip(m(0)).map(|(a, b)| a / b), 1.15, true),
+        ("replacing save / DeepNVMe overwrite in place".into(), m(1).zip(m(4)).map(|(a, b)| a / b), 1.2, true),
+        ("new-file save / DeepNVMe new file".into(), m(0).zip(m(3)).map(|(a, b)| a / b), 1.0, true),
+        ("reused-arena load speed / DeepNVMe sync_pread speed".into(), m(7).zip(m(6)).map(|(a, b)| a / b), 0.9, false),
+    ];
+    checks.push(("new-file save / O_DIRECT write ceiling".into(), m(0).zip(m(5)).map(|(a, b)| a / b), f64::NAN, true));
+    checks.push((
+        "reused-arena load speed / O_DIRECT read ceiling".into(),
+        m(8).zip(m(6)).map(|(a, b)| a / b),
+        f64::NAN,
+        false,
+    ));
+    let _ = writeln!(s, "\n| check | ratio | needed | |\n|---|---:|---:|---|");
+    for (what, ratio, bound, at_most) in checks {
+        let Some(r) = ratio else {
+            let _ = writeln!(s, "| {what} | - | | skipped |");
+            continue;
+        };
+        if bound.is_nan() {
+            let _ = writeln!(s, "| {what} | {r:.2}x | | (context) |");
+            continue;
+        }
+        let ok = if at_most { r <= bound } else { r >= bound };
+        let need = if at_most { format!("<= {bound}x") } else { format!(">= {bound}x") };
+        let _ = writeln!(s, "| {what} | {r:.2}x | {need} | {} |", if ok { "ok" } else { "BELOW" });
+    }
+    s
+}
