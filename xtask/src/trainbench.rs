@@ -180,7 +180,7 @@ pub fn run(python: Option<&Path>, dir: &Path, size: u64, runs: usize) -> Result<
             r.skipped = Some(why.clone());
         }
     }
-    let pool = ArenaPool::with_huge_pages(1, false);
+    let pool = ArenaPool::new(1);
     let load_opts = LoadOptions {
         mode: LoadMode::Copied,
         cache: CachePolicy::Bypass,

@@ -562,7 +562,7 @@ impl PyArenaPool {
     #[new]
     #[pyo3(signature = (max_arenas=1, huge_pages=None))]
     fn new(max_arenas: usize, huge_pages: Option<bool>) -> Self {
-        let huge = huge_pages.unwrap_or_else(turboio::device::default_huge_pages);
+        let huge = huge_pages.unwrap_or_else(turboio::device::pool_huge_pages);
         PyArenaPool { pool: ArenaPool::with_huge_pages(max_arenas, huge) }
     }
 

@@ -186,7 +186,8 @@ pub struct SaveOptions {
     /// here, and it does not push other data out of the cache), `Auto` is the backend's
     /// default (`O_DIRECT` for local files).
     pub cache: CachePolicy,
-    /// Bytes per chunk handed to a writer thread; 0 means the backend's default (8 MiB).
+    /// Bytes per chunk handed to a writer thread; 0 means the backend's default (1 MiB for
+    /// local files).
     pub chunk_size: usize,
     /// Where [`save_async`](crate::save_async) keeps its snapshots; when `None`, a process-wide
     /// pool of at most two ([`default_snapshot_pool`](crate::default_snapshot_pool)): a third

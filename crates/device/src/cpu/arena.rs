@@ -134,9 +134,10 @@ impl Default for ArenaPool {
 
 impl ArenaPool {
     /// A pool keeping at most `max_arenas` free arenas (the largest are kept), whose arenas
-    /// follow [`default_huge_pages`](super::default_huge_pages).
+    /// follow [`pool_huge_pages`](super::pool_huge_pages) (huge pages unless
+    /// `TURBOIO_HUGE_PAGES=0`: a reused arena fills faster with them).
     pub fn new(max_arenas: usize) -> Self {
-        Self::with_huge_pages(max_arenas, super::default_huge_pages())
+        Self::with_huge_pages(max_arenas, super::pool_huge_pages())
     }
 
     /// A pool whose new arenas use huge pages or not.
@@ -148,7 +149,7 @@ impl ArenaPool {
     /// waits while that many are in use, until one comes back. Whoever takes must not hold an
     /// arena of the pool while waiting for another (that could wait forever).
     pub fn bounded(max_arenas: usize) -> Self {
-        Self::make(max_arenas, Some(max_arenas.max(1)), super::default_huge_pages())
+        Self::make(max_arenas, Some(max_arenas.max(1)), super::pool_huge_pages())
     }
 
     fn make(max_arenas: usize, max_in_use: Option<usize>, huge_pages: bool) -> Self {

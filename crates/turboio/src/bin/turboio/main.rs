@@ -100,7 +100,8 @@ enum Command {
         /// lazy (mapped, nothing read until touched).
         #[arg(long, default_value = "auto")]
         mode: LoadMode,
-        /// Transparent huge pages for copied loads: on, off (default: TURBOIO_HUGE_PAGES, else off).
+        /// Transparent huge pages for copied loads: on, off (default: TURBOIO_HUGE_PAGES, else off
+        /// for a fresh arena and on for --reuse-arena, which fills faster with them).
         #[arg(long, value_parser = parse_on_off)]
         huge_pages: Option<bool>,
         /// Load this many times (each load is dropped before the next); at least 1.
@@ -382,7 +383,7 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
     }
     sigbus::report_for(file);
     if reuse_arena {
-        let huge = opts.huge_pages.unwrap_or_else(turboio::device::default_huge_pages);
+        let huge = opts.huge_pages.unwrap_or_else(turboio::device::pool_huge_pages);
         opts.arenas = Some(turboio::device::ArenaPool::with_huge_pages(1, huge));
     }
     // (A remote file's length is known once opened.)
