@@ -1,5 +1,5 @@
-"""DeepSpeed's DeepNVMe (`aio_handle`) for `cargo xtask bench --training`: one timed operation per
-process, each printing one JSON line.
+"""One timed operation per process for `cargo xtask bench --training`, printing one JSON line:
+DeepSpeed's DeepNVMe (`aio_handle`), and turboio reading into tensors the caller already has.
 
   --op build                     JIT-builds the async_io op (cached in TORCH_EXTENSIONS_DIR); {"build_s"}
   --op pwrite --out F --size N   N bytes from a page-locked tensor to F with sync_pwrite, then fsync of
@@ -7,6 +7,8 @@ process, each printing one JSON line.
                                  overwritten in place if it exists (DeepNVMe opens without O_TRUNC),
                                  else created; {"s"}
   --op pread --file F            the whole of F into a page-locked tensor with sync_pread; {"s"}
+  --op turboio-into --file F     turboio.load(F, state_dict=..., use_direct_io=True) into tensors of
+                                 the file's shapes allocated and touched before the timer; {"s"}
 
 The handle uses DeepSpeed's defaults (block 1 MiB, queue depth 128, one thread per op) unless
 --intra-op-parallelism is given. The buffer is allocated and touched before the timer starts,
@@ -19,23 +21,12 @@ import json
 import os
 import time
 
-
-def fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    d = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(d)
-    finally:
-        os.close(d)
+from py_save import fsync  # the same fsync of the file and its directory as the save rows
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--op", required=True, choices=["build", "pwrite", "pread"])
+    p.add_argument("--op", required=True, choices=["build", "pwrite", "pread", "turboio-into"])
     p.add_argument("--out")
     p.add_argument("--file")
     p.add_argument("--size", type=int)
@@ -43,6 +34,18 @@ def main():
     a = p.parse_args()
     t0 = time.perf_counter()
     import torch
+
+    if a.op == "turboio-into":
+        import safetensors
+        import turboio
+
+        # The bench's file holds uint8 tensors; ones() touches every page before the timer.
+        with safetensors.safe_open(a.file, "pt") as f:
+            sd = {k: torch.ones(f.get_slice(k).get_shape(), dtype=torch.uint8) for k in f.keys()}
+        t = time.perf_counter()
+        turboio.load(a.file, state_dict=sd, use_direct_io=True)
+        print(json.dumps({"s": time.perf_counter() - t}))
+        return
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     aio = AsyncIOBuilder().load(verbose=False)
