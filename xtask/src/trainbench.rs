@@ -25,18 +25,35 @@ use turboio::device::ArenaPool;
 use turboio::posix::{PosixConfig, PosixStorage};
 use turboio::{CachePolicy, Dtype, LoadMode, LoadOptions, SaveOptions, SaveTensor};
 
+/// What a row measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    SaveNew,
+    SaveReplace,
+    SaveReplaceInline,
+    SaveReplaceReuse,
+    DnNew,
+    DnOverwrite,
+    RefWrite,
+    LoadReusedArena,
+    LoadStateDict,
+    DnRead,
+    RefRead,
+}
+
 /// The rows, in table order.
-const ROWS: [&str; 10] = [
-    "turboio save, new file",
-    "turboio save, replacing (old file deleted after the save)",
-    "turboio save, replacing (old file freed by the rename, as before)",
-    "DeepNVMe sync_pwrite + fsync, new file",
-    "DeepNVMe sync_pwrite + fsync, overwriting in place",
-    "reference: O_DIRECT write, one ring of 32 x 1 MiB, + fsync, new file",
-    "turboio load, O_DIRECT into a reused arena (cold)",
-    "turboio.load(state_dict=..., use_direct_io=True) into existing tensors (cold)",
-    "DeepNVMe sync_pread into its page-locked buffer (cold)",
-    "reference: O_DIRECT read, one ring of 32 x 1 MiB, into a reused buffer (cold)",
+const ROWS: [(Kind, &str); 11] = [
+    (Kind::SaveNew, "turboio save, new file"),
+    (Kind::SaveReplace, "turboio save, replacing (old file deleted after the save)"),
+    (Kind::SaveReplaceInline, "turboio save, replacing (old file freed by the rename, as before)"),
+    (Kind::SaveReplaceReuse, "turboio save, replacing with reuse_blocks (into the previous version's blocks)"),
+    (Kind::DnNew, "DeepNVMe sync_pwrite + fsync, new file"),
+    (Kind::DnOverwrite, "DeepNVMe sync_pwrite + fsync, overwriting in place"),
+    (Kind::RefWrite, "reference: O_DIRECT write, one ring of 32 x 1 MiB, + fsync, new file"),
+    (Kind::LoadReusedArena, "turboio load, O_DIRECT into a reused arena (cold)"),
+    (Kind::LoadStateDict, "turboio.load(state_dict=..., use_direct_io=True) into existing tensors (cold)"),
+    (Kind::DnRead, "DeepNVMe sync_pread into its page-locked buffer (cold)"),
+    (Kind::RefRead, "reference: O_DIRECT read, one ring of 32 x 1 MiB, into a reused buffer (cold)"),
 ];
 
 #[derive(Debug, Default, Clone)]
@@ -160,17 +177,28 @@ pub fn run(python: Option<&Path>, dir: &Path, size: u64, runs: usize) -> Result<
     std::fs::create_dir_all(dir)?;
     let size = size.next_multiple_of(4096);
     let st = dir.join("train.safetensors");
+    let spare = dir.join(".train.safetensors.turboio-spare");
     let raw = dir.join("train.bin");
     let data: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
     let shape = [size as usize];
     let tensors = [SaveTensor { name: "t", dtype: Dtype::U8, shape: &shape, data: &data }];
-    let save = |background: bool| -> Result<()> {
+    let save = |background: bool, reuse_blocks: bool| -> Result<()> {
         let cfg = PosixConfig { delete_in_background: background, ..Default::default() };
-        let opts = SaveOptions { storage: Some(Arc::new(PosixStorage::with_config(cfg))), ..Default::default() };
+        let storage = Some(Arc::new(PosixStorage::with_config(cfg)) as Arc<dyn turboio::storage::Storage>);
+        let opts = SaveOptions { storage, reuse_blocks, ..Default::default() };
         turboio::save(&st, &tensors, None, &opts)?;
         Ok(())
     };
-    let mut rows: Vec<Row> = ROWS.iter().map(|&name| Row { name, ..Default::default() }).collect();
+    // The file the reads and replacing saves start from, whole and on disk.
+    let ensure_saved = || -> Result<()> {
+        if !st.exists() || std::fs::metadata(&st)?.len() < size {
+            save(true, false)?;
+            turboio::wait_for_saves();
+            sync();
+        }
+        Ok(())
+    };
+    let mut rows: Vec<Row> = ROWS.iter().map(|&(_, name)| Row { name, ..Default::default() }).collect();
     let dn = match python {
         None => Err("--no-python".to_string()),
         Some(py) => {
@@ -184,7 +212,11 @@ pub fn run(python: Option<&Path>, dir: &Path, size: u64, runs: usize) -> Result<
         }
     }
     if python.is_none() {
-        rows[7].skipped = Some("--no-python".into());
+        for (r, (kind, _)) in rows.iter_mut().zip(ROWS) {
+            if kind == Kind::LoadStateDict {
+                r.skipped = Some("--no-python".into());
+            }
+        }
     }
     let pool = ArenaPool::new(1);
     let load_opts = LoadOptions {
@@ -199,51 +231,58 @@ pub fn run(python: Option<&Path>, dir: &Path, size: u64, runs: usize) -> Result<
             if rows[i].skipped.is_some() {
                 continue;
             }
-            let name = ROWS[i];
-            let secs = match i {
-                0..=2 => {
-                    if i == 0 {
+            let (kind, name) = ROWS[i];
+            let dn_python = || -> Result<(&Path, &(PathBuf, PathBuf))> {
+                Ok((python.context("python")?, dn.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?))
+            };
+            let raw_written = |py: &Path, dirs: &(PathBuf, PathBuf)| -> Result<()> {
+                if !raw.exists() || std::fs::metadata(&raw)?.len() != size {
+                    deepnvme_op(py, dirs, &["--op", "pwrite", "--out", raw.to_str().unwrap(), "--size", &size_arg])?;
+                    sync();
+                }
+                Ok(())
+            };
+            let secs = match kind {
+                Kind::SaveNew | Kind::SaveReplace | Kind::SaveReplaceInline | Kind::SaveReplaceReuse => {
+                    if kind == Kind::SaveNew {
                         remove(&st);
-                    } else if !st.exists() || std::fs::metadata(&st)?.len() < size {
-                        save(true)?;
+                    } else {
+                        ensure_saved()?;
+                    }
+                    let reuse = kind == Kind::SaveReplaceReuse;
+                    if reuse && !spare.exists() {
+                        // The first save with reuse keeps the old file as the spare (untimed).
+                        save(true, true)?;
                         turboio::wait_for_saves();
                         sync();
                     }
                     let t = Instant::now();
-                    save(i != 2)?;
+                    save(kind != Kind::SaveReplaceInline, reuse)?;
                     let s = t.elapsed().as_secs_f64();
                     // The old file's deletion goes on after the save; not in the next row's time.
                     turboio::wait_for_saves();
                     s
                 }
-                3 | 4 => {
-                    let (py, dirs) = (python.context("python")?, dn.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?);
-                    if i == 3 {
+                Kind::DnNew | Kind::DnOverwrite => {
+                    let (py, dirs) = dn_python()?;
+                    if kind == Kind::DnNew {
                         remove(&raw);
-                    } else if !raw.exists() || std::fs::metadata(&raw)?.len() != size {
-                        deepnvme_op(
-                            py,
-                            dirs,
-                            &["--op", "pwrite", "--out", raw.to_str().unwrap(), "--size", &size_arg],
-                        )?;
-                        sync();
+                    } else {
+                        raw_written(py, dirs)?;
                     }
                     deepnvme_op(py, dirs, &["--op", "pwrite", "--out", raw.to_str().unwrap(), "--size", &size_arg])?
                 }
-                5 => {
-                    let ceiling = dir.join("train.ceiling");
-                    remove(&ceiling);
+                Kind::RefWrite => {
+                    let reference = dir.join("train.reference");
+                    remove(&reference);
                     let t = Instant::now();
-                    crate::ceiling::odirect_write(&ceiling, size, 32, 1 << 20)?;
+                    crate::ceiling::odirect_write(&reference, size, 32, 1 << 20)?;
                     let s = t.elapsed().as_secs_f64();
-                    remove(&ceiling);
+                    remove(&reference);
                     s
                 }
-                6 => {
-                    if !st.exists() {
-                        save(true)?;
-                        turboio::wait_for_saves();
-                    }
+                Kind::LoadReusedArena => {
+                    ensure_saved()?;
                     if pool.free_arenas() == 0 {
                         drop(turboio::load(&st, &load_opts)?); // the arena, faulted in once (untimed)
                     }
@@ -254,12 +293,9 @@ pub fn run(python: Option<&Path>, dir: &Path, size: u64, runs: usize) -> Result<
                     std::hint::black_box(loaded.tensor("t").and_then(|t| t.bytes().map(|b| b[b.len() / 2])));
                     s
                 }
-                7 => {
+                Kind::LoadStateDict => {
                     let py = python.context("python")?;
-                    if !st.exists() {
-                        save(true)?;
-                        turboio::wait_for_saves();
-                    }
+                    ensure_saved()?;
                     evict(&st)?;
                     let o = Command::new(py)
                         .arg(crate::test::root().join("crates/py/bench/py_training.py"))
@@ -274,23 +310,14 @@ pub fn run(python: Option<&Path>, dir: &Path, size: u64, runs: usize) -> Result<
                     let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or(""))?;
                     v["s"].as_f64().context("py_training.py printed no time")?
                 }
-                8 => {
-                    let (py, dirs) = (python.context("python")?, dn.as_ref().map_err(|e| anyhow::anyhow!("{e}"))?);
-                    if !raw.exists() || std::fs::metadata(&raw)?.len() != size {
-                        deepnvme_op(
-                            py,
-                            dirs,
-                            &["--op", "pwrite", "--out", raw.to_str().unwrap(), "--size", &size_arg],
-                        )?;
-                    }
+                Kind::DnRead => {
+                    let (py, dirs) = dn_python()?;
+                    raw_written(py, dirs)?;
                     evict(&raw)?;
                     deepnvme_op(py, dirs, &["--op", "pread", "--file", raw.to_str().unwrap()])?
                 }
-                _ => {
-                    if !st.exists() {
-                        save(true)?;
-                        turboio::wait_for_saves();
-                    }
+                Kind::RefRead => {
+                    ensure_saved()?;
                     evict(&st)?;
                     let t = Instant::now();
                     crate::ceiling::odirect_sequential(&st, 32, 1 << 20)?;
@@ -301,7 +328,7 @@ pub fn run(python: Option<&Path>, dir: &Path, size: u64, runs: usize) -> Result<
             rows[i].times.push(secs);
         }
     }
-    for p in [&st, &raw] {
+    for p in [&st, &spare, &raw] {
         let _ = std::fs::remove_file(p);
     }
     turboio::wait_for_saves();
@@ -325,36 +352,41 @@ fn render(rows: &[Row], size: u64, runs: usize) -> String {
             }
         }
     }
-    let m = |i: usize| rows[i].skipped.is_none().then(|| median(&rows[i].times));
-    let mut checks: Vec<(String, Option<f64>, f64, bool)> = vec![
-        // (what, ratio, bound, ratio must be at most the bound)
-        ("replacing save / new-file save".into(), m(1).zip(m(0)).map(|(a, b)| a / b), 1.15, true),
-        ("replacing save / DeepNVMe overwrite in place".into(), m(1).zip(m(4)).map(|(a, b)| a / b), 1.2, true),
-        ("new-file save / DeepNVMe new file".into(), m(0).zip(m(3)).map(|(a, b)| a / b), 1.0, true),
-        ("reused-arena load speed / DeepNVMe sync_pread speed".into(), m(8).zip(m(6)).map(|(a, b)| a / b), 0.9, false),
-        ("state_dict= load speed / DeepNVMe sync_pread speed".into(), m(8).zip(m(7)).map(|(a, b)| a / b), 0.9, false),
+    let m = |kind: Kind| {
+        let i = ROWS.iter().position(|&(k, _)| k == kind)?;
+        rows[i].skipped.is_none().then(|| median(&rows[i].times))
+    };
+    let ratio = |a: Kind, b: Kind| m(a).zip(m(b)).map(|(a, b)| a / b);
+    // (what, ratio, bound, the ratio must be at most the bound); a NaN bound is context.
+    let checks: Vec<(&str, Option<f64>, f64, bool)> = vec![
+        ("replacing save / new-file save", ratio(Kind::SaveReplace, Kind::SaveNew), 1.15, true),
+        ("replacing save / DeepNVMe overwrite in place", ratio(Kind::SaveReplace, Kind::DnOverwrite), 1.2, true),
+        (
+            "replacing save with reuse_blocks / DeepNVMe overwrite in place",
+            ratio(Kind::SaveReplaceReuse, Kind::DnOverwrite),
+            1.2,
+            true,
+        ),
+        ("new-file save / DeepNVMe new file", ratio(Kind::SaveNew, Kind::DnNew), 1.0, true),
+        ("reused-arena load speed / DeepNVMe sync_pread speed", ratio(Kind::DnRead, Kind::LoadReusedArena), 0.9, false),
+        ("state_dict= load speed / DeepNVMe sync_pread speed", ratio(Kind::DnRead, Kind::LoadStateDict), 0.9, false),
+        // What an atomic replace into new blocks can reach: the old ones stay intact until the
+        // rename, which DeepNVMe's own new-file write against its overwrite prices.
+        (
+            "the price of new blocks: DeepNVMe new file / DeepNVMe overwrite in place",
+            ratio(Kind::DnNew, Kind::DnOverwrite),
+            f64::NAN,
+            true,
+        ),
+        ("replacing save / DeepNVMe new file", ratio(Kind::SaveReplace, Kind::DnNew), 1.0, true),
+        ("new-file save / one-ring O_DIRECT write", ratio(Kind::SaveNew, Kind::RefWrite), f64::NAN, true),
+        (
+            "reused-arena load speed / one-ring O_DIRECT read",
+            ratio(Kind::RefRead, Kind::LoadReusedArena),
+            f64::NAN,
+            false,
+        ),
     ];
-    // What an atomic replace can reach: it must write new blocks (the old ones stay intact
-    // until the rename), which DeepNVMe's own new-file write against its overwrite prices.
-    checks.push((
-        "the price of new blocks: DeepNVMe new file / DeepNVMe overwrite in place".into(),
-        m(3).zip(m(4)).map(|(a, b)| a / b),
-        f64::NAN,
-        true,
-    ));
-    checks.push((
-        "replacing save / DeepNVMe new file (an atomic replace's bound)".into(),
-        m(1).zip(m(3)).map(|(a, b)| a / b),
-        1.0,
-        true,
-    ));
-    checks.push(("new-file save / one-ring O_DIRECT write".into(), m(0).zip(m(5)).map(|(a, b)| a / b), f64::NAN, true));
-    checks.push((
-        "reused-arena load speed / one-ring O_DIRECT read".into(),
-        m(8).zip(m(6)).map(|(a, b)| a / b),
-        f64::NAN,
-        false,
-    ));
     let _ = writeln!(s, "\n| check | ratio | needed | |\n|---|---:|---:|---|");
     for (what, ratio, bound, at_most) in checks {
         let Some(r) = ratio else {

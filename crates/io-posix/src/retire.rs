@@ -78,6 +78,16 @@ pub fn remove_in_background(path: &std::path::Path) -> std::io::Result<()> {
         return std::fs::remove_file(path);
     };
     let dir = if dir.as_os_str().is_empty() { std::path::Path::new(".") } else { dir };
+    remove_in_background_as(path, dir, name)
+}
+
+/// [`remove_in_background`] with the hidden name made for `name` (the target whose save
+/// removes it: its cleanup then finds what a kill left).
+pub(crate) fn remove_in_background_as(
+    path: &std::path::Path,
+    dir: &std::path::Path,
+    name: &std::ffi::OsStr,
+) -> std::io::Result<()> {
     for attempt in 0..4 {
         let hidden = crate::temp::retired_name(dir, name, attempt);
         if hidden.exists() {

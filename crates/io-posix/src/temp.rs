@@ -104,6 +104,14 @@ pub(crate) fn temp_name(dir: &Path, name: &OsStr, attempt: u32) -> PathBuf {
     fresh_name(dir, name, TEMP_MARK, attempt)
 }
 
+/// What the name of the file kept for its blocks (block reuse) contains after the target's name.
+pub(crate) const SPARE_MARK: &str = ".turboio-spare";
+
+/// The name of the file a replacing save of `name` in `dir` keeps for the next save's blocks.
+pub(crate) fn spare_name(dir: &Path, name: &OsStr) -> PathBuf {
+    dir.join(OsString::from_vec(prefix_of(name, SPARE_MARK)))
+}
+
 /// A fresh name for the replaced file of a save of `name` in `dir`, kept until its deletion.
 pub(crate) fn retired_name(dir: &Path, name: &OsStr, attempt: u32) -> PathBuf {
     fresh_name(dir, name, RETIRED_MARK, attempt)

@@ -6,7 +6,7 @@
 
 use crate::plan::{aligned_size, ALIGN};
 use crate::sys::{self, AlignedBuf};
-use crate::temp::{remove_abandoned, retired_name, temp_name};
+use crate::temp::{remove_abandoned, retired_name, spare_name, temp_name};
 use crate::uring::Ring;
 use crate::PosixConfig;
 use std::ffi::OsStr;
@@ -39,6 +39,8 @@ struct TempGuard {
     path: PathBuf,
     armed: bool,
     retired: Option<PathBuf>,
+    /// The old file's second name is the spare (block reuse): kept after the save, not deleted.
+    retired_is_spare: bool,
 }
 
 impl Drop for TempGuard {
@@ -50,6 +52,41 @@ impl Drop for TempGuard {
             }
         }
     }
+}
+
+/// Block reuse: takes the file the previous replacing save kept (`.{name}.turboio-spare`) as
+/// this save's temporary file, to write the new file into its blocks. Only when that is safe:
+/// a regular file with no other name, on a local file system, locked by no other saver, and
+/// open or mapped by nobody on this kernel (a lease says so; a reader of an old version keeps
+/// it whole: this save then writes a new file). Renamed to a temporary name before anything is
+/// written, so nobody can open it by a known name meanwhile.
+fn take_spare(dir: &Path, name: &OsStr) -> Option<(PathBuf, File)> {
+    use std::os::unix::fs::MetadataExt;
+    let spare = spare_name(dir, name);
+    let file = OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOFOLLOW).open(&spare).ok()?;
+    let meta = file.metadata().ok()?;
+    if !meta.is_file() || meta.nlink() != 1 || !sys::is_local_fs(&file) {
+        return None;
+    }
+    sys::lock_exclusive(&file, false).ok()?;
+    if !sys::nobody_else_has_open(&file) {
+        return None;
+    }
+    for attempt in 0..16 {
+        let tmp = temp_name(dir, name, attempt);
+        if tmp.exists() {
+            continue;
+        }
+        fs::rename(&spare, &tmp).ok()?;
+        // Another saver may have linked a new spare between the open and the rename: then the
+        // name moved was not the file we checked. Put it back and write a new file.
+        if fs::metadata(&tmp).map(|m| m.ino()).ok() != Some(meta.ino()) {
+            let _ = fs::rename(&tmp, &spare);
+            return None;
+        }
+        return Some((tmp, file));
+    }
+    None
 }
 
 /// Gives the file being replaced a second name next to it (a hard link), so that the rename
@@ -267,8 +304,13 @@ pub(crate) fn replace_with(
         Err(e) => return Err(io_err(path, "stat", e)),
     };
     opts.check_cancel()?;
-    let (tmp, file) = create_temp(path, dir, name, existing.as_ref())?;
-    let mut guard = TempGuard { path: tmp, armed: true, retired: None };
+    let reuse = opts.reuse_blocks && existing.is_some();
+    let taken = if reuse { take_spare(dir, name) } else { None };
+    let (tmp, file) = match taken {
+        Some(t) => t,
+        None => create_temp(path, dir, name, existing.as_ref())?,
+    };
+    let mut guard = TempGuard { path: tmp, armed: true, retired: None, retired_is_spare: false };
     cfg.faults.check(Step::Allocate).map_err(|e| io_err(path, "allocate", e))?;
     sys::size_for_write(&file, len).map_err(|e| io_err(path, "allocate", e))?;
     crash_point(cfg, path, Step::Allocate, &mut guard)?;
@@ -286,15 +328,29 @@ pub(crate) fn replace_with(
     opts.check_cancel()?;
     // Replacing a file: it gets a second name first, so that the rename does not free its
     // blocks (on ext4 that is the slow part of replacing a large file); that name is deleted
-    // after the new file is in place and durable, off the caller's path.
-    if existing.is_some() && cfg.delete_in_background {
+    // after the new file is in place and durable, off the caller's path. With block reuse the
+    // second name is the spare, kept for the next save to write into.
+    let spare = spare_name(dir, name);
+    if existing.is_some() && reuse {
+        if fs::symlink_metadata(&spare).is_ok() {
+            // A spare someone still reads (or a second one): out of the way, freed later.
+            let _ = crate::retire::remove_in_background_as(&spare, dir, name);
+        }
+        if fs::hard_link(&target, &spare).is_ok() {
+            guard.retired = Some(spare.clone());
+            guard.retired_is_spare = true;
+        } else {
+            guard.retired = keep_old(&target, dir, name);
+        }
+        crash_point(cfg, path, Step::Link, &mut guard)?;
+    } else if existing.is_some() && cfg.delete_in_background {
         guard.retired = keep_old(&target, dir, name);
         crash_point(cfg, path, Step::Link, &mut guard)?;
     }
     cfg.faults.check(Step::Rename).map_err(|e| io_err(path, "rename", e))?;
     fs::rename(&guard.path, &target).map_err(|e| io_err(path, "rename", e))?;
     guard.armed = false;
-    let retired = guard.retired.take();
+    let retired = guard.retired.take().filter(|_| !guard.retired_is_spare);
     crash_point(cfg, path, Step::Rename, &mut guard)?;
     // The lock goes with the descriptor, after the rename: until then the temporary file is
     // marked as a live writer's.
@@ -307,6 +363,10 @@ pub(crate) fn replace_with(
     }
     if let Some(r) = retired {
         crate::retire::delete_later(r);
+    }
+    if !reuse && fs::symlink_metadata(&spare).is_ok() {
+        // Block reuse is off for this save: the space a spare holds comes back.
+        let _ = crate::retire::remove_in_background_as(&spare, dir, name);
     }
     remove_abandoned(dir, name);
     Ok(())

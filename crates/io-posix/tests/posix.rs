@@ -426,6 +426,7 @@ fn cancel_mid_read() {
                             hook: Some(&hook),
                             cancel: Some(&cancel),
                             progress: Some(&progress),
+                            ..Default::default()
                         },
                     )
                     .unwrap_err();
@@ -813,6 +814,57 @@ fn replaced_files_are_deleted_after_the_save_and_kills_lose_nothing() {
     let fresh = dir.path().join("new.bin");
     crashing(Step::Rename).write_file(&fresh, &BytesSource(b"n"), &IoOptions::default()).unwrap_err();
     assert!(second_names().is_empty());
+}
+
+/// Block reuse: a replacing save keeps the old file as the spare, and the next one writes into
+/// the spare's blocks (the same inode) when nobody has it open or mapped and it has no other
+/// name; otherwise it writes a new file and the busy spare is freed once its readers let go.
+/// A save without reuse frees the spare.
+#[test]
+fn replacing_saves_reuse_the_previous_files_blocks_when_nobody_holds_it() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = scratch_in(&local_dir());
+    let path = dir.path().join("ckpt.bin");
+    let spare = dir.path().join(".ckpt.bin.turboio-spare");
+    let st = PosixStorage::new();
+    let reuse = IoOptions { reuse_blocks: true, ..Default::default() };
+    let ino = |p: &Path| std::fs::metadata(p).unwrap().ino();
+    let data = |v: u8| vec![v; 3 << 20];
+    st.write_file(&path, &BytesSource(&data(1)), &reuse).unwrap();
+    assert!(!spare.exists(), "a new file has nothing to keep");
+    let v1 = ino(&path);
+    st.write_file(&path, &BytesSource(&data(2)), &reuse).unwrap();
+    assert_eq!(ino(&spare), v1, "the replaced file is kept as the spare");
+    assert_eq!(std::fs::read(&spare).unwrap(), data(1));
+    let v2 = ino(&path);
+    st.write_file(&path, &BytesSource(&data(3)), &reuse).unwrap();
+    assert_eq!(ino(&path), v1, "the new file went into the spare's blocks");
+    assert_eq!(ino(&spare), v2);
+    assert_eq!(std::fs::read(&path).unwrap(), data(3));
+    // A reader of the spare (an old version, mapped or open): not reused, and it keeps reading
+    // what it had.
+    let reader = std::fs::File::open(&spare).unwrap();
+    st.write_file(&path, &BytesSource(&data(4)), &reuse).unwrap();
+    assert_ne!(ino(&path), v2, "a spare someone holds is not written into");
+    assert_eq!(ino(&spare), v1, "the replaced file is the new spare");
+    let mut back = Vec::new();
+    std::io::Read::read_to_end(&mut &reader, &mut back).unwrap();
+    assert_eq!(back, data(2), "the reader's version is intact");
+    drop(reader);
+    // A spare with another name (a hard link of the user's) is not written into either.
+    let other = dir.path().join("backup.bin");
+    std::fs::hard_link(&spare, &other).unwrap();
+    st.write_file(&path, &BytesSource(&data(5)), &reuse).unwrap();
+    assert_eq!(std::fs::read(&other).unwrap(), data(3), "the other name's contents are untouched");
+    std::fs::remove_file(&other).unwrap();
+    // Without reuse, the spare's space comes back.
+    st.write_file(&path, &BytesSource(&data(6)), &IoOptions::default()).unwrap();
+    turboio_io_posix::wait_for_deletions();
+    assert!(!spare.exists());
+    assert_eq!(std::fs::read(&path).unwrap(), data(6));
+    let names: Vec<String> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names, ["ckpt.bin"]);
 }
 
 /// What a crash right after the sync leaves is the final file: the replaced file's mode is

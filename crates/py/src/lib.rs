@@ -1161,7 +1161,7 @@ fn specs_of(tensors: &[RawTensor]) -> PyResult<Vec<TensorSpec<'_>>> {
 /// Private to the Python package, which passes only `data_ptr()`s of contiguous CPU tensors it
 /// keeps referenced for the call.
 #[pyfunction]
-#[pyo3(signature = (path, tensors, metadata=None, threads=0, cipher=false, cipher_header=false, storage=None))]
+#[pyo3(signature = (path, tensors, metadata=None, threads=0, cipher=false, cipher_header=false, storage=None, reuse_blocks=false))]
 #[allow(clippy::too_many_arguments)]
 fn _save(
     py: Python<'_>,
@@ -1172,6 +1172,7 @@ fn _save(
     cipher: bool,
     cipher_header: bool,
     storage: Option<&PyObjectStorage>,
+    reuse_blocks: bool,
 ) -> PyResult<()> {
     let specs = specs_of(&tensors)?;
     let data = RawData(tensors.iter().map(|t| (t.3, t.4)).collect());
@@ -1181,6 +1182,7 @@ fn _save(
         threads,
         cancel: Some(cancel.clone()),
         encryption: encryption(cipher, cipher_header),
+        reuse_blocks,
         ..Default::default()
     };
     interruptible(py, &cancel, None, || turboio::save_with(&path, &specs, metadata.as_ref(), &data, &opts))
@@ -1236,7 +1238,7 @@ impl PySaveHandle {
 ///
 /// Private to the Python package, like `_save`.
 #[pyfunction]
-#[pyo3(signature = (path, tensors, metadata=None, threads=0, cipher=false, cipher_header=false, storage=None))]
+#[pyo3(signature = (path, tensors, metadata=None, threads=0, cipher=false, cipher_header=false, storage=None, reuse_blocks=false))]
 #[allow(clippy::too_many_arguments)]
 fn _save_async(
     py: Python<'_>,
@@ -1247,12 +1249,14 @@ fn _save_async(
     cipher: bool,
     cipher_header: bool,
     storage: Option<&PyObjectStorage>,
+    reuse_blocks: bool,
 ) -> PyResult<PySaveHandle> {
     let dtypes = tensors.iter().map(|t| dtype_of(&t.1)).collect::<PyResult<Vec<_>>>()?;
     let opts = SaveOptions {
         storage: storage_arg(storage),
         threads,
         encryption: encryption(cipher, cipher_header),
+        reuse_blocks,
         ..Default::default()
     };
     let handle = py.detach(|| {

@@ -97,3 +97,24 @@ def test_background_saves_queued_faster_than_written_hold_two_snapshots(tmp):
     # Two snapshots (256 MiB), the writers' buffers and slack (measured: 322 MiB); eight
     # snapshots would be 1 GiB.
     assert added < (2 * 128 + 192) << 20, f"peak RSS grew by {added >> 20} MiB for eight queued 128 MiB saves"
+
+
+def test_reuse_blocks_writes_into_the_previous_versions_blocks(tmp):
+    """`reuse_blocks=True`: a replacing save keeps the old file as a hidden spare and the next
+    one writes into its blocks (the same inode), from both APIs; without it the spare goes."""
+    from turboio import torch as st
+
+    path = str(tmp / "ckpt.safetensors")
+    spare = str(tmp / ".ckpt.safetensors.turboio-spare")
+    w = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+    turboio.save_file(w, path, reuse_blocks=True)
+    first = os.stat(path).st_ino
+    st.save_file({"w": w["w"] + 1}, path, reuse_blocks=True)
+    assert os.stat(spare).st_ino == first
+    turboio.save_file({"w": w["w"] + 2}, path, reuse_blocks=True, blocking=False).wait()
+    assert os.stat(path).st_ino == first, "written into the spare's blocks"
+    assert torch.equal(st.load_file(path)["w"], w["w"] + 2)
+    st.save_file({"w": w["w"] + 3}, path)
+    _turboio.wait_for_saves()
+    assert not os.path.exists(spare)
+    assert sorted(os.listdir(tmp)) == ["ckpt.safetensors"]

@@ -91,6 +91,11 @@ pub struct IoOptions<'h> {
     pub progress: Option<&'h AtomicU64>,
     /// Set by the caller to abort; the operation then fails with [`StorageError::Cancelled`].
     pub cancel: Option<&'h AtomicBool>,
+    /// Saves that replace a file may write the new file into the blocks of the file the
+    /// previous replace kept (the local backend's block reuse: faster on file systems where
+    /// new blocks are expensive, at the price of one more copy of the file on disk). Backends
+    /// that cannot ignore it.
+    pub reuse_blocks: bool,
 }
 
 impl Debug for IoOptions<'_> {

@@ -189,6 +189,14 @@ pub struct SaveOptions {
     /// Bytes per chunk handed to a writer thread; 0 means the backend's default (1 MiB for
     /// local files).
     pub chunk_size: usize,
+    /// Replacing a local file writes the new file into the blocks of the copy the previous
+    /// replacing save kept (`.NAME.turboio-spare`), instead of into new blocks: on ext4 new
+    /// blocks cost a third of a save (they are allocated and converted as the data lands), and
+    /// a training loop that replaces the same checkpoint all day needs none. The price is one
+    /// more copy of the file on disk (the previous version, hidden). The spare is used only
+    /// when nobody has it open or mapped on this machine and it has no other name; otherwise
+    /// the save writes a new file as usual. Off by default; a save with it off frees a spare.
+    pub reuse_blocks: bool,
     /// Where [`save_async`](crate::save_async) keeps its snapshots; when `None`, a process-wide
     /// pool of at most two ([`default_snapshot_pool`](crate::default_snapshot_pool)): a third
     /// background save waits for one of them to come back. A pool made with

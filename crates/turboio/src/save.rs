@@ -227,6 +227,7 @@ pub(crate) fn write_source(path: &Path, plain: &dyn WriteSource, opts: &SaveOpti
         chunk_size: opts.chunk_size,
         progress: opts.progress.as_deref(),
         cancel: opts.cancel.as_deref(),
+        reuse_blocks: opts.reuse_blocks,
         ..Default::default()
     };
     storage.write_file(path, source, &io).map_err(|e| Error::storage(path, e))

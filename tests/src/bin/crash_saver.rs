@@ -2,6 +2,7 @@
 //! to `PATH` with small chunks, printing `fill OFFSET` on stdout as each chunk is produced (so
 //! the harness can kill it at a chosen point of the save) and `saved V` when done.
 //!
+//! Two versions in three are saved with block reuse (into the previous version's blocks).
 //! With `TURBOIO_CRASH_AT=link` or `rename` it kills itself (`SIGKILL`) right after that step
 //! of the writer (the old file given its second name; the new file renamed in, the old one not
 //! yet deleted): the points no timing can hit reliably.
@@ -39,7 +40,15 @@ fn main() {
     };
     let storage =
         PosixStorage::with_config(PosixConfig { faults: Faults { crash, ..Default::default() }, ..Default::default() });
-    let opts = SaveOptions { chunk_size: CHUNK, threads: 2, storage: Some(Arc::new(storage)), ..Default::default() };
+    // Two saves in three write into the previous version's blocks where nobody holds it (the
+    // readers of the test often do): kills then land in the middle of an in-place write.
+    let opts = SaveOptions {
+        chunk_size: CHUNK,
+        threads: 2,
+        storage: Some(Arc::new(storage)),
+        reuse_blocks: version % 3 != 0,
+        ..Default::default()
+    };
     match turboio::save_with(path, &specs, None, &Announcing(data.clone()), &opts) {
         Ok(()) => {
             // The replaced file is deleted in the background: gone before this process is.

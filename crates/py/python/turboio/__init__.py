@@ -384,6 +384,7 @@ def save_file(
     enable_fast_mode=False,
     blocking=True,
     storage_options=None,
+    reuse_blocks=False,
 ):
     """Saves a dict of tensors as safetensors, atomically (the old file survives any failure).
 
@@ -399,6 +400,10 @@ def save_file(
     `file` may be an object-store URL (`s3://bucket/key.safetensors`, `gs://`, `az://`): a
     multipart upload from the tensors, visible only once complete (an error or a kill leaves
     the previous object as it was); `storage_options` as for `load`.
+
+    `reuse_blocks=True` (a turboio extension) writes a replacing save of a local file into the
+    blocks of the previous version, kept hidden by the last replacing save, instead of new
+    blocks (see `turboio.torch.save_file`).
     """
     path = _local_path(file)
     cipher, header = _cipher_for_save(use_cipher)
@@ -414,7 +419,16 @@ def save_file(
     from .torch import _write
 
     storage = _remote.storage(path, storage_options)
-    return _write(tensors, path, metadata, cipher=cipher, cipher_header=header, blocking=blocking, storage=storage)
+    return _write(
+        tensors,
+        path,
+        metadata,
+        cipher=cipher,
+        cipher_header=header,
+        blocking=blocking,
+        storage=storage,
+        reuse_blocks=reuse_blocks,
+    )
 
 
 def save_model(model, file, use_cipher=False):

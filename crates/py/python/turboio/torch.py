@@ -75,7 +75,7 @@ def load_file(filename, device="cpu", *, storage_options=None):
     return tensors_of(_load(filename, device=dev, storage_options=storage_options), aliases=False)
 
 
-def save_file(tensors, filename, metadata=None, *, blocking=True, storage_options=None):
+def save_file(tensors, filename, metadata=None, *, blocking=True, storage_options=None, reuse_blocks=False):
     """Saves a dict of tensors (atomically; byte-identical to safetensors' writer).
 
     With `blocking=False` (a turboio extension) the tensors are copied into reused host
@@ -83,13 +83,20 @@ def save_file(tensors, filename, metadata=None, *, blocking=True, storage_option
     `wait()`, `done()` and `exception()` as soon as the copy is made, and the tensors may then
     be changed or freed.
 
+    With `reuse_blocks=True` (a turboio extension, for a checkpoint replaced again and again) a
+    replacing save of a local file writes into the blocks of the previous version, which the
+    last replacing save kept as a hidden copy, instead of into new blocks (faster where new
+    blocks are costly, as on ext4; one more copy of the file on disk).
+
     `filename` may be an object-store URL (`s3://bucket/key.safetensors`): a multipart upload,
     visible only once complete (`storage_options` as for `load_file`)."""
     storage = _remote.storage(os.fspath(filename), storage_options)
-    return _write(tensors, filename, metadata, blocking=blocking, storage=storage)
+    return _write(tensors, filename, metadata, blocking=blocking, storage=storage, reuse_blocks=reuse_blocks)
 
 
-def _write(tensors, filename, metadata=None, cipher=False, cipher_header=False, blocking=True, storage=None):
+def _write(
+    tensors, filename, metadata=None, cipher=False, cipher_header=False, blocking=True, storage=None, reuse_blocks=False
+):
     # CUDA tensors saved while the caller waits are written from device memory; background
     # saves snapshot host copies (the caller may change the tensors as soon as save returns).
     metadata = _check_metadata(metadata)
@@ -113,7 +120,13 @@ def _write(tensors, filename, metadata=None, cipher=False, cipher_header=False, 
             handle = None
         else:
             handle = save(
-                os.fspath(filename), records, metadata, cipher=cipher, cipher_header=cipher_header, storage=storage
+                os.fspath(filename),
+                records,
+                metadata,
+                cipher=cipher,
+                cipher_header=cipher_header,
+                storage=storage,
+                reuse_blocks=reuse_blocks,
             )
     except ValueError as e:
         raise _error(e, "serializing") from None
