@@ -122,6 +122,8 @@ fn device_saves_use_the_one_atomic_writer() {
     assert_eq!(std::fs::read(&blob).unwrap(), data, "the file it points to is replaced");
     assert_eq!(std::fs::metadata(&blob).unwrap().permissions().mode() & 0o7777, 0o640);
     assert!(!stale.exists(), "abandoned temporaries are removed by the same rule");
+    // The replaced file's second name is unlinked after the save returns.
+    turboio_io_posix::wait_for_deletions();
     let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(left.len(), 2, "{left:?}");
     assert_eq!(turboio_io_gds::driver_open_calls(), 0);
