@@ -117,7 +117,7 @@ pub(crate) fn retired_name(dir: &Path, name: &OsStr, attempt: u32) -> PathBuf {
     fresh_name(dir, name, RETIRED_MARK, attempt)
 }
 
-/// The target name (possibly cut to [`MAX_NAME_PREFIX`] bytes) a temporary file name, or the
+/// The target name (possibly cut to 200 bytes) a temporary file name, or the
 /// name of a replaced file awaiting deletion, belongs to; `None` for other names.
 pub fn temp_target(file_name: &OsStr) -> Option<&OsStr> {
     parse(file_name).or_else(|| parse_with(file_name, RETIRED_MARK)).map(|(target, _, _)| target)
