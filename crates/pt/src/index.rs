@@ -94,12 +94,19 @@ pub struct PtStorage {
     pub dtype: Dtype,
     /// Elements of `dtype` the storage holds.
     pub numel: u64,
-    /// Absolute byte offset of the storage's first byte in the file.
+    /// Absolute byte offset of the storage's first byte in the file (0 for a meta storage).
     pub offset: u64,
-    /// Bytes of the storage (`numel * dtype size`); the record may be longer, never shorter.
+    /// Bytes of the storage in the file: `numel * dtype size`, exactly its record's size (as
+    /// torch checks); 0 for a meta storage, whose bytes are never read.
     pub len: u64,
-    /// Where it was saved from (`cpu`, `cuda:0`, ...): informative only.
+    /// Where it was saved from: `cpu`, `cuda`, `cuda:N`, `mps`, `xpu`, `hpu`, `npu`,
+    /// `privateuseone` (with or without `:N`), or `meta`. A load puts the bytes where it is asked
+    /// to (as `torch.load`'s `map_location` does); other locations are refused, as torch refuses
+    /// them.
     pub location: String,
+    /// A meta storage (location `meta`, or a meta tensor saved without one): its tensors have
+    /// shapes and dtypes but no data, as `torch.load` returns them on the meta device.
+    pub meta: bool,
 }
 
 impl PtStorage {
@@ -131,6 +138,15 @@ pub struct PtTensor {
     pub requires_grad: bool,
     /// Saved as an `nn.Parameter`.
     pub is_parameter: bool,
+    /// The conjugate bit (`x.conj()` of a complex tensor): the logical values are the
+    /// conjugates of the stored ones. [`PtTensor::gather`] gives the logical values; the
+    /// storage bytes ([`PtTensor::byte_span`]) are the stored ones.
+    pub conj: bool,
+    /// The negative bit (`x._neg_view()`): the logical values are the negatives of the stored
+    /// ones, as for [`conj`](Self::conj).
+    pub neg: bool,
+    /// On a meta storage: no data ([`PtStorage::meta`]).
+    pub meta: bool,
     /// Bytes of the view's span in the storage (see [`PtTensor::byte_span`]).
     span: Range<u64>,
 }
@@ -194,11 +210,30 @@ impl PtTensor {
         true
     }
 
-    /// Writes the tensor's contiguous row-major bytes into `out` (`nbytes()` long), reading the
-    /// view from `src`, which holds the storage bytes of [`PtTensor::byte_span`] (so
-    /// `src[0]` is the element at `storage_offset`). Works for any strides, zero-size dimensions
-    /// and 0-d scalars.
+    /// Writes the tensor's logical values, contiguous and row-major, into `out` (`nbytes()`
+    /// long), reading the view from `src`, which holds the storage bytes of
+    /// [`PtTensor::byte_span`] (so `src[0]` is the element at `storage_offset`); the conjugate
+    /// and negative bits are applied. Works for any strides, zero-size dimensions and 0-d
+    /// scalars. A meta tensor has no values: an error.
     pub fn gather(&self, src: &[u8], out: &mut [u8]) -> Result<(), PtError> {
+        if self.meta && self.numel() > 0 {
+            return Err(PtError::Gather {
+                name: self.name.clone(),
+                msg: "a meta tensor has no data (torch returns it on the meta device)".into(),
+            });
+        }
+        self.gather_stored(src, out)?;
+        if !crate::bits::apply(self.dtype, self.conj, self.neg, out) {
+            return Err(PtError::Gather {
+                name: self.name.clone(),
+                msg: format!("the conjugate or negative bit cannot apply to {}", self.dtype),
+            });
+        }
+        Ok(())
+    }
+
+    /// [`gather`](Self::gather) without the bits: the stored values.
+    fn gather_stored(&self, src: &[u8], out: &mut [u8]) -> Result<(), PtError> {
         let span_len = self.span.end.saturating_sub(self.span.start);
         if src.len() as u64 != span_len {
             return Err(PtError::Gather {
@@ -288,6 +323,7 @@ impl PtIndex {
                 )))
             }
         };
+        check_version(archive.read(src, "version", 64, "max_pickle_bytes")?)?;
         let Some(pkl) = archive.read(src, "data.pkl", opts.limits.max_pickle_bytes, "max_pickle_bytes")? else {
             return Err(PtError::Archive("no data.pkl record".into()));
         };
@@ -361,6 +397,60 @@ impl PtIndex {
     pub fn byte_order(&self) -> ByteOrder {
         self.byte_order
     }
+}
+
+/// The file format versions torch reads (`caffe2/serialize/inline_container.h`).
+const VERSIONS: std::ops::RangeInclusive<i64> = 1..=10;
+
+/// The archive's `version` record, read as torch reads it (`std::stoll`: leading blanks, a sign,
+/// digits, anything after them ignored), must be there and within [`VERSIONS`].
+fn check_version(record: Option<Vec<u8>>) -> Result<(), PtError> {
+    let Some(bytes) = record else {
+        return Err(PtError::Archive("no version record (torch writes one and refuses a file without it)".into()));
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    let t = text.trim_start();
+    let (sign, digits) = match t.as_bytes().first() {
+        Some(b'-') => (-1i64, &t[1..]),
+        Some(b'+') => (1, &t[1..]),
+        _ => (1, t),
+    };
+    let n: String = digits.chars().take_while(char::is_ascii_digit).collect();
+    let shown: String = text.chars().take(20).collect();
+    let value = n.parse::<i64>().map(|v| sign * v).map_err(|_| {
+        PtError::Archive(format!("the version record {shown:?} is not a number (torch cannot read it either)"))
+    })?;
+    if !VERSIONS.contains(&value) {
+        return Err(PtError::Archive(format!(
+            "file format version {value}: torch reads versions {} to {}",
+            VERSIONS.start(),
+            VERSIONS.end()
+        )));
+    }
+    Ok(())
+}
+
+/// Whether a storage location is one torch restores, and whether it is `meta` (torch returns
+/// such a storage on the meta device, without its data). torch's registry knows `cpu`, `meta`
+/// and device types followed by an optional `:N`; anything else fails `torch.load` with "don't
+/// know how to restore data location".
+fn location_is_meta(location: &str) -> Result<bool, String> {
+    const DEVICES: [&str; 6] = ["cuda", "mps", "xpu", "hpu", "npu", "privateuseone"];
+    match location {
+        "cpu" => return Ok(false),
+        "meta" => return Ok(true),
+        _ => {}
+    }
+    let (kind, index) = location.split_once(':').map_or((location, None), |(k, i)| (k, Some(i)));
+    let index_ok = index.is_none_or(|i| !i.is_empty() && i.len() <= 9 && i.bytes().all(|b| b.is_ascii_digit()));
+    if DEVICES.contains(&kind) && index_ok {
+        return Ok(false);
+    }
+    let shown: String = location.chars().take(40).collect();
+    let more = if location.chars().count() > 40 { "..." } else { "" };
+    Err(format!(
+        "its storage is tagged with location `{shown}{more}`, which torch does not know how to restore (cpu, meta, cuda[:N], mps, xpu, hpu, npu or privateuseone expected)"
+    ))
 }
 
 struct Builder<'a> {
@@ -553,22 +643,37 @@ impl Builder<'_> {
                 if st.dtype != dtype {
                     return Err(bad(format!("storage `{}` is viewed as both {} and {dtype}", s.key, st.dtype)));
                 }
-                if st.len != storage_bytes {
+                if st.numel.saturating_mul(es) != storage_bytes {
                     return Err(bad(format!(
                         "storage `{}` is described with two sizes ({} and {storage_bytes} bytes)",
-                        s.key, st.len
+                        s.key,
+                        st.numel.saturating_mul(es)
                     )));
                 }
                 i
             }
+            None if !s.record => {
+                // A meta tensor saved without a storage: nothing in the archive.
+                self.storages.push(PtStorage {
+                    key: String::new(),
+                    dtype,
+                    numel: storage_bytes / es,
+                    offset: 0,
+                    len: 0,
+                    location: s.location.clone(),
+                    meta: true,
+                });
+                self.storages.len() - 1
+            }
             None => {
+                let meta = location_is_meta(&s.location).map_err(bad)?;
                 let rec_name = format!("data/{}", s.key);
                 let Some(rec) = self.archive.records.get(&rec_name) else {
                     return Err(bad(format!("its storage record `{rec_name}` is not in the archive")));
                 };
-                if rec.len < storage_bytes {
+                if rec.len != storage_bytes {
                     return Err(bad(format!(
-                        "storage `{rec_name}` has {} bytes, shorter than the {storage_bytes} its {} elements of {dtype} need",
+                        "storage `{rec_name}`: record size ({} bytes) does not match expected size ({storage_bytes} bytes = {} elements of {dtype}), as torch checks",
                         rec.len, s.numel
                     )));
                 }
@@ -576,15 +681,19 @@ impl Builder<'_> {
                     key: s.key.clone(),
                     dtype,
                     numel: storage_bytes / es,
-                    offset: rec.offset,
-                    len: storage_bytes,
+                    offset: if meta { 0 } else { rec.offset },
+                    len: if meta { 0 } else { storage_bytes },
                     location: s.location.clone(),
+                    meta,
                 });
                 self.by_key.insert(s.key.clone(), self.storages.len() - 1);
                 self.storages.len() - 1
             }
         };
-        let storage_len = self.storages[index].len;
+        // Views are checked against the storage's logical size (a meta storage has no bytes in
+        // the file, but torch checks its tensors' views against its size all the same).
+        let meta = self.storages[index].meta;
+        let storage_len = self.storages[index].numel.saturating_mul(es);
         // numel, and the span [offset, offset + sum((size-1)*stride) + 1) elements.
         let mut numel: u64 = 1;
         let mut last: u64 = 0;
@@ -620,6 +729,8 @@ impl Builder<'_> {
         if usize::try_from(span.end).is_err() {
             return Err(bad("its view is larger than this machine's address space".into()));
         }
+        // A meta tensor reads nothing.
+        let span = if meta { 0..0 } else { span };
         self.tensors.push(PtTensor {
             name,
             dtype,
@@ -629,6 +740,9 @@ impl Builder<'_> {
             storage_offset: t.offset,
             requires_grad: t.requires_grad,
             is_parameter: t.parameter,
+            conj: t.conj,
+            neg: t.neg,
+            meta,
             span,
         });
         Ok(())

@@ -68,6 +68,7 @@
 #![deny(missing_docs)]
 
 mod archive;
+pub mod bits;
 mod error;
 mod index;
 mod pickle;

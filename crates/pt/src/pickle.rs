@@ -12,8 +12,16 @@
 //! against a fixed table ([`Global`]) and fail on anything else; `REDUCE` applies one of the
 //! table's rebuild functions, implemented here as plain data constructors; `BUILD` only accepts
 //! a dict as target (OrderedDict's `__dict__`, e.g. nn.Module's `_metadata`), whose state is
-//! dropped. Opcodes outside the binary protocol-2..5 subset that containers need (`INST`, `OBJ`,
-//! `NEWOBJ`, `EXT*`, the text opcodes, sets, out-of-band buffers...) are refused by name.
+//! dropped.
+//!
+//! The opcodes accepted are those of torch's own `weights_only` reader
+//! (`torch/_weights_only_unpickler.py`) that containers and tensors need, plus the ones
+//! `torch.save(..., pickle_protocol=4 or 5)` writes (`FRAME`, `MEMOIZE`, `STACK_GLOBAL`,
+//! `SHORT_BINUNICODE`, `BINUNICODE8`, the `BINBYTES` family): torch can read such files only by
+//! executing their pickle (`weights_only=False`), this VM reads them without executing anything
+//! (see `ATTACKS.md`). Everything else is refused by name: `INST`, `OBJ`, `NEWOBJ`, `EXT*`, the
+//! text opcodes, `POP`, `POP_MARK`, `DUP`, `LIST`, `DICT`, `BINSTRING`, `LONG4`, sets,
+//! out-of-band buffers (no torch writer emits them, and torch's reader refuses them).
 //!
 //! # Bounded
 //!
@@ -23,8 +31,8 @@
 //! items each have a cap that names itself when hit, and the bytes all of them hold together are
 //! capped by [`Limits::max_unpickled_bytes`]: objects are never freed (a popped object may still
 //! be referenced from the memo or a container), so a pickle that makes and drops millions of
-//! objects (`]0]0]0...`) is stopped by that byte budget, not by the machine's memory. The empty
-//! tuple is immutable and made once.
+//! objects (a dict key set again and again, memo slots rewritten) is stopped by that byte budget,
+//! not by the machine's memory. The empty tuple is immutable and made once.
 
 use crate::{Limits, PtError};
 use std::collections::HashMap;
@@ -69,6 +77,7 @@ pub(crate) enum Global {
     RebuildParameter,
     RebuildParameterWithState,
     RebuildFromTypeV2,
+    RebuildMetaTensorNoStorage,
     Storage(StorageType),
     Dtype(Elem),
     TensorClass,
@@ -84,6 +93,7 @@ impl Global {
             Global::RebuildParameter => "torch._utils._rebuild_parameter".into(),
             Global::RebuildParameterWithState => "torch._utils._rebuild_parameter_with_state".into(),
             Global::RebuildFromTypeV2 => "torch._tensor._rebuild_from_type_v2".into(),
+            Global::RebuildMetaTensorNoStorage => "torch._utils._rebuild_meta_tensor_no_storage".into(),
             Global::Storage(StorageType::Untyped) => "torch.storage.UntypedStorage".into(),
             Global::Storage(StorageType::Typed(_, n)) => format!("torch.{n}"),
             Global::Dtype(Elem::Known(d)) => format!("the dtype {d}"),
@@ -160,6 +170,7 @@ fn resolve_global(module: &str, name: &str) -> Option<Global> {
         ("torch._utils", "_rebuild_parameter") => Global::RebuildParameter,
         ("torch._utils", "_rebuild_parameter_with_state") => Global::RebuildParameterWithState,
         ("torch._tensor", "_rebuild_from_type_v2") => Global::RebuildFromTypeV2,
+        ("torch._utils", "_rebuild_meta_tensor_no_storage") => Global::RebuildMetaTensorNoStorage,
         ("torch.storage", "UntypedStorage") => Global::Storage(StorageType::Untyped),
         ("torch", "Tensor") => Global::TensorClass,
         ("torch.nn.parameter", "Parameter") => Global::ParameterClass,
@@ -179,6 +190,8 @@ pub(crate) struct StorageRef {
     pub key: String,
     pub location: String,
     pub numel: u64,
+    /// False for the storage a meta tensor saved without one stands on (nothing in the archive).
+    pub record: bool,
 }
 
 /// A tensor as its rebuild call describes it.
@@ -191,6 +204,10 @@ pub(crate) struct TensorObj {
     pub strides: Vec<usize>,
     pub requires_grad: bool,
     pub parameter: bool,
+    /// The conjugate bit of the metadata argument: the logical values are the conjugates.
+    pub conj: bool,
+    /// The negative bit: the logical values are the negatives of the stored ones.
+    pub neg: bool,
 }
 
 #[derive(Debug)]
@@ -590,16 +607,6 @@ impl<'a> Vm<'a> {
                     }
                     self.marks.push(self.stack.len());
                 }
-                b'0' => {
-                    self.pop()?;
-                }
-                b'1' => {
-                    self.pop_mark()?;
-                }
-                b'2' => {
-                    let v = self.top()?;
-                    self.push(v)?;
-                }
                 b'N' => self.push(Val::None)?,
                 0x88 => self.push(Val::Bool(true))?,
                 0x89 => self.push(Val::Bool(false))?,
@@ -621,29 +628,22 @@ impl<'a> Vm<'a> {
                     let v = self.int(b)?;
                     self.push(v)?
                 }
-                0x8b => {
-                    let n = u32::from_le_bytes(self.le()?);
-                    let n = self.len_u64(n.into())?;
-                    let b = self.take(n)?;
-                    let v = self.int(b)?;
-                    self.push(v)?
-                }
                 b'G' => {
                     self.le::<8>()?;
                     self.push(Val::Float)?
                 }
-                b'X' | 0x8c | 0x8d | b'B' | b'C' | 0x8e | b'T' | b'U' => {
+                b'X' | 0x8c | 0x8d | b'B' | b'C' | 0x8e | b'U' => {
                     let n = match op {
                         0x8c | b'C' | b'U' => u64::from(self.u8()?),
-                        b'X' | b'B' | b'T' => u32::from_le_bytes(self.le()?).into(),
+                        b'X' | b'B' => u32::from_le_bytes(self.le()?).into(),
                         _ => u64::from_le_bytes(self.le()?),
                     };
                     let n = self.len_u64(n)?;
                     let b = self.take(n)?;
                     let v = match op {
                         b'B' | b'C' | 0x8e => self.alloc(Obj::Bytes)?,
-                        // Python 2 `str` (BINSTRING): text if it decodes, else bytes.
-                        b'T' | b'U' => match std::str::from_utf8(b) {
+                        // SHORT_BINSTRING: text if it decodes, else bytes.
+                        b'U' => match std::str::from_utf8(b) {
                             Ok(s) => {
                                 let owned = self.owned_str(s)?;
                                 self.alloc(Obj::Str(owned))?
@@ -686,20 +686,8 @@ impl<'a> Vm<'a> {
                     let v = self.alloc(Obj::List(Vec::new()))?;
                     self.push(v)?
                 }
-                b'l' => {
-                    let items = self.pop_mark()?;
-                    self.count(items.len() as u64)?;
-                    let v = self.alloc(Obj::List(items))?;
-                    self.push(v)?
-                }
                 b'}' => {
                     let v = self.alloc(Obj::Dict(Vec::new()))?;
-                    self.push(v)?
-                }
-                b'd' => {
-                    let items = self.pop_mark()?;
-                    let pairs = self.pairs(items)?;
-                    let v = self.alloc(Obj::Dict(pairs))?;
                     self.push(v)?
                 }
                 b'a' => {
@@ -873,7 +861,7 @@ impl<'a> Vm<'a> {
             Val::Int(n) if n >= 0 => n as u64,
             other => return Err(self.err(format!("persistent id: numel is a {}", self.describe(other)))),
         };
-        let s = StorageRef { ty, key: key.to_owned(), location: location.to_owned(), numel };
+        let s = StorageRef { ty, key: key.to_owned(), location: location.to_owned(), numel, record: true };
         self.alloc(Obj::Storage(Box::new(s)))
     }
 
@@ -900,6 +888,74 @@ impl<'a> Vm<'a> {
             Some(Obj::Tensor(t)) => Some(t),
             _ => None,
         }
+    }
+
+    /// The metadata argument of `_rebuild_tensor_v2/v3`, as torch applies it
+    /// (`torch._utils.set_tensor_metadata`): nothing when it is falsy (`None`, `False`, `0`, an
+    /// empty container or string); otherwise it must be a dict of string keys and bool or int
+    /// values, and a `conj` or `neg` key sets that bit whatever its value (torch's
+    /// `_set_tensor_metadata` does), other keys are ignored. The conjugate bit needs a complex
+    /// dtype, the negative bit a numeric one whose negation turboio can compute.
+    fn tensor_metadata(&self, g: Global, m: Val, elem: Elem) -> Result<(bool, bool), PtError> {
+        let falsy = match m {
+            Val::None | Val::Bool(false) | Val::Int(0) => true,
+            Val::Obj(_) => match self.obj(m) {
+                Some(Obj::Str(s)) => s.is_empty(),
+                Some(Obj::Tuple(v) | Obj::List(v)) => v.is_empty(),
+                Some(Obj::Dict(v)) => v.is_empty(),
+                _ => false,
+            },
+            _ => false,
+        };
+        if falsy {
+            return Ok((false, false));
+        }
+        let Some(Obj::Dict(pairs)) = self.obj(m) else {
+            return Err(self.err(format!(
+                "{}: the metadata argument is a {} (torch requires a dict)",
+                g.name(),
+                self.describe(m)
+            )));
+        };
+        let (mut conj, mut neg) = (false, false);
+        for (k, v) in pairs {
+            let Some(key) = self.str_of(*k) else {
+                return Err(self.err(format!(
+                    "{}: a metadata key is a {} (str expected)",
+                    g.name(),
+                    self.describe(*k)
+                )));
+            };
+            if !matches!(v, Val::Bool(_) | Val::Int(_)) {
+                return Err(self.err(format!(
+                    "{}: metadata `{key}` is a {} (bool expected)",
+                    g.name(),
+                    self.describe(*v)
+                )));
+            }
+            match key {
+                "conj" => conj = true,
+                "neg" => neg = true,
+                _ => {}
+            }
+        }
+        let dtype = match elem {
+            Elem::Known(d) => d,
+            Elem::Unsupported(_) => return Ok((conj, neg)),
+        };
+        if conj && dtype != Dtype::C64 {
+            return Err(self.err(format!(
+                "{}: the conjugate bit on a {dtype} tensor (torch allows it on complex ones only)",
+                g.name()
+            )));
+        }
+        if neg && !crate::bits::negatable(dtype) {
+            return Err(self.err(format!(
+                "{}: the negative bit on a {dtype} tensor, whose negation turboio does not compute",
+                g.name()
+            )));
+        }
+        Ok((conj, neg))
     }
 
     fn reduce(&mut self, func: Val, args: Val) -> Result<Val, PtError> {
@@ -986,7 +1042,68 @@ impl<'a> Vm<'a> {
                         }
                     }
                 };
-                let t = TensorObj { storage, elem, offset, shape, strides, requires_grad, parameter: false };
+                let metadata = if v3 { args.get(7) } else { args.get(6) };
+                let (conj, neg) = match metadata {
+                    Some(&m) => self.tensor_metadata(g, m, elem)?,
+                    None => (false, false),
+                };
+                let t = TensorObj { storage, elem, offset, shape, strides, requires_grad, parameter: false, conj, neg };
+                self.count(t.shape.len() as u64 * 2)?;
+                self.alloc(Obj::Tensor(Box::new(t)))
+            }
+            Global::RebuildMetaTensorNoStorage => {
+                // (dtype, size, stride, requires_grad): torch.empty_strided(..., device="meta").
+                if args.len() != 4 {
+                    return Err(self.err(format!("{} with {} arguments (4 expected)", g.name(), args.len())));
+                }
+                let elem = match self.obj(args[0]) {
+                    Some(Obj::Global(Global::Dtype(e))) => *e,
+                    _ => return Err(self.err(format!("{}: dtype is a {}", g.name(), self.describe(args[0])))),
+                };
+                let shape = self.ints(args[1], "size")?;
+                let strides = self.ints(args[2], "stride")?;
+                if shape.len() != strides.len() || shape.len() > 64 {
+                    return Err(self.err(format!(
+                        "{}: size has {} dimensions and stride {} (equal, at most 64)",
+                        g.name(),
+                        shape.len(),
+                        strides.len()
+                    )));
+                }
+                let requires_grad = match args[3] {
+                    Val::Bool(b) => b,
+                    other => {
+                        return Err(self.err(format!("{}: requires_grad is a {}", g.name(), self.describe(other))))
+                    }
+                };
+                // The elements the strided view reaches: what its (absent) storage would hold.
+                let mut extent: u64 = 1;
+                for (&d, &st) in shape.iter().zip(&strides) {
+                    if d == 0 {
+                        extent = 0;
+                        break;
+                    }
+                    let reach =
+                        (d as u64 - 1).checked_mul(st as u64).ok_or_else(|| self.err("meta tensor too large"))?;
+                    extent = extent.checked_add(reach).ok_or_else(|| self.err("meta tensor too large"))?;
+                }
+                let ty = StorageType::Typed(elem, "meta");
+                let s = StorageRef { ty, key: String::new(), location: "meta".into(), numel: extent, record: false };
+                let storage = match self.alloc(Obj::Storage(Box::new(s)))? {
+                    Val::Obj(id) => id,
+                    _ => return Err(self.err("meta storage")),
+                };
+                let t = TensorObj {
+                    storage,
+                    elem,
+                    offset: 0,
+                    shape,
+                    strides,
+                    requires_grad,
+                    parameter: false,
+                    conj: false,
+                    neg: false,
+                };
                 self.count(t.shape.len() as u64 * 2)?;
                 self.alloc(Obj::Tensor(Box::new(t)))
             }

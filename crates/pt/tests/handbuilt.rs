@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{small_state_dict, torch_zip, with_pickle, Pickle};
+use common::{hostile, small_state_dict, torch_zip, with_pickle, Pickle};
 use turboio_pt::{Dtype, Limits, PtError, PtIndex, PtOptions};
 
 fn parse(file: &[u8]) -> Result<PtIndex, PtError> {
@@ -104,6 +104,16 @@ fn names_flatten_and_leaves_are_skipped() {
     assert!(index.skipped().is_empty());
     let e = err_with(&file, &PtOptions::with_top_level_key("state_dict"));
     assert!(e.contains("`state_dict` not found") && e.contains("`model`, `step`, `cfg`"), "{e}");
+
+    // Allow-listed globals pushed and never called (torch's reader returns the objects): leaves
+    // named as such, nothing called.
+    let mut p = Pickle::new();
+    p.op(b"}(").str("dt").global("torch", "float32").str("fn").global("torch._utils", "_rebuild_tensor_v2");
+    p.str("cls").global("torch", "FloatStorage").op(b"u");
+    let index = parse(&with_pickle(&p.stop(), &[])).unwrap();
+    assert!(index.tensors().is_empty());
+    let kinds: Vec<&str> = index.skipped().iter().map(|s| s.kind).collect();
+    assert_eq!(kinds, ["class or function"; 3]);
 }
 
 #[test]
@@ -248,9 +258,13 @@ fn broken_containers_are_refused() {
     let e = err(&bad);
     assert!(e.contains("compressed") && e.contains("data/0"), "{e}");
 
-    // A storage shorter than its numel, and a view past its storage.
+    // A storage record shorter or longer than its numel (torch checks the size exactly), and a
+    // view past its storage.
     let e = err(&with_pickle(&pkl, &[("0", &data[..16])]));
-    assert!(e.contains("tensor `w`") && e.contains("shorter"), "{e}");
+    assert!(e.contains("tensor `w`") && e.contains("record size (16 bytes) does not match"), "{e}");
+    let longer: Vec<u8> = data.iter().chain(&[0u8; 8]).copied().collect();
+    let e = err(&with_pickle(&pkl, &[("0", &longer)]));
+    assert!(e.contains("record size (32 bytes) does not match expected size (24 bytes"), "{e}");
     let mut p = Pickle::new();
     p.op(b"}(").str("v").tensor("FloatStorage", "0", 6, 4, &[2], &[2]).op(b"u");
     let e = err(&with_pickle(&p.stop(), &[("0", &data)]));
@@ -332,7 +346,7 @@ fn bombs_hit_limits_or_fail_fast() {
     let names: Vec<&str> = index.tensors().iter().map(|t| t.name.as_str()).collect();
     assert_eq!(names, ["model.w", "ema.w"]);
     // Huge length fields.
-    for op in [&b"\x8d\0\0\0\0\0\0\0\x40"[..], b"X\xff\xff\xff\xff", b"\x8b\0\0\0\x80", b"B\xff\xff\xff\x7f"] {
+    for op in [&b"\x8d\0\0\0\0\0\0\0\x40"[..], b"X\xff\xff\xff\xff", b"B\xff\xff\xff\x7f"] {
         let mut p = Pickle::new();
         p.op(op);
         let e = err(&with_pickle(&p.stop(), &[]));
@@ -438,36 +452,23 @@ fn long_names_over_many_leaves_hit_a_byte_bound() {
 
 #[test]
 fn objects_made_and_dropped_hit_a_byte_bound() {
-    // `]0` pairs: each makes an empty list and pops it. Objects are never freed (the memo or a
-    // container may still hold them), so only a byte budget stops this; the count limits alone
-    // let a 32 MB pickle reach 1.4 GB. A small budget shows the bound names itself.
-    let mut p = Pickle::new();
-    p.op(b"N");
-    for _ in 0..100_000 {
-        p.op(b"]0");
-    }
-    let file = with_pickle(&p.stop(), &[]);
+    // One dict key set over and over to a new list (or dict): every replaced value stays in
+    // the arena (the VM never frees: the memo or a container may still hold an object), so only
+    // a byte budget stops this; the count limits alone let a 32 MB pickle reach 1.4 GB. A small
+    // budget shows the bound names itself.
     let mut opts = PtOptions::default();
     opts.limits.max_unpickled_bytes = 1 << 20;
-    let e = err_with(&file, &opts);
-    assert!(e.contains("max_unpickled_bytes"), "{e}");
-    // Memo entries overwritten over and over, each time with a new dict: the same bound.
-    let mut p = Pickle::new();
-    p.op(b"N");
-    for _ in 0..100_000 {
-        p.op(b"}q\x000");
+    for op in [b']', b'}', b')'] {
+        let e = err_with(&hostile::made_and_dropped(op, 100_000), &opts);
+        assert!(e.contains("max_unpickled_bytes"), "{}: {e}", op as char);
     }
-    let e = err_with(&with_pickle(&p.stop(), &[]), &opts);
-    assert!(e.contains("max_unpickled_bytes"), "{e}");
-    // Empty tuples are immutable and made once: a million of them cost nothing.
-    let mut p = Pickle::new();
-    p.op(b"N");
-    for _ in 0..1_000_000 {
-        p.op(b")0");
-    }
-    let idx = PtIndex::parse(&with_pickle(&p.stop(), &[]), &opts).unwrap();
+    // Empty tuples are immutable and made once: a million of them in a list cost a list slot
+    // each (16 MB), far below a budget that one object each would exceed.
+    opts.limits.max_unpickled_bytes = 24 << 20;
+    let idx = PtIndex::parse(hostile::empty_tuples(1_000_000).as_slice(), &opts).unwrap();
     assert_eq!(idx.tensors().len(), 0);
     // An ordinary state dict fits a budget far below the default.
+    opts.limits.max_unpickled_bytes = 1 << 20;
     let (pkl, data) = small_state_dict();
     PtIndex::parse(&with_pickle(&pkl, &[("0", &data)]), &opts).unwrap();
 }

@@ -217,3 +217,97 @@ fn damaged_torch_files_never_panic() {
     // Flips in tensor data leave a valid file: the accepted branch was exercised.
     assert!(accepted > 0);
 }
+
+/// The differential mode (issue 29): random checkpoints varying what torch checks or applies
+/// when it rebuilds a tensor (the metadata argument with its conjugate and negative bits, the
+/// storage's class against its record's size, the storage's location, the view), each loaded by
+/// torch (`weights_only=True`; `map_location="cpu"` where torch needs a GPU it lacks) and by
+/// turboio. Both refuse, or both give the same logical values with the same bits and device.
+#[test]
+fn random_views_bits_sizes_and_locations_match_torch() {
+    use common::{one_view, VIEW_CLASSES, VIEW_LOCATIONS, VIEW_METADATA};
+    let Some(py) = common::python() else { return };
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("pt-differential");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // The record holds 8 float32 (32 bytes), read through the storage class drawn.
+    let record: Vec<u8> = (0..8).flat_map(|i| ((i as f32) - 3.5).to_le_bytes()).collect();
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |n: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % n
+    };
+    let cases = 240;
+    for i in 0..cases {
+        let (class, es) = VIEW_CLASSES[next(VIEW_CLASSES.len() as u64) as usize];
+        // Mostly the numel that fits the record exactly; sometimes one off.
+        let exact = (record.len() / es) as i32;
+        let numel = match next(6) {
+            0 => exact + 1,
+            1 => (exact - 1).max(0),
+            _ => exact,
+        };
+        let len = next(numel.max(1) as u64 + 1) as i32;
+        let offset = next((numel - len).max(0) as u64 + 1) as i32;
+        let location = VIEW_LOCATIONS[next(VIEW_LOCATIONS.len() as u64) as usize];
+        let metadata = VIEW_METADATA[next(VIEW_METADATA.len() as u64) as usize];
+        let file = one_view(class, location, numel, offset, len, metadata, &record);
+        std::fs::write(dir.join(format!("{i}.pt")), file).unwrap();
+    }
+    let code = r#"
+import json, sys, torch
+for i in range(int(sys.argv[2])):
+    path = f"{sys.argv[1]}/{i}.pt"
+    try:
+        try:
+            sd = torch.load(path, weights_only=True)
+        except RuntimeError as e:
+            if "CUDA" not in str(e):
+                raise
+            sd = torch.load(path, weights_only=True, map_location="cpu")
+        t = sd["w"]
+        hexed = "" if t.device.type == "meta" else t.resolve_conj().resolve_neg().contiguous().view(torch.uint8).numpy().tobytes().hex()
+        print(json.dumps({"ok": True, "conj": t.is_conj(), "neg": t.is_neg(), "meta": t.device.type == "meta", "hex": hexed}))
+    except Exception as e:
+        print(json.dumps({"ok": False, "error": str(e).splitlines()[0][:200]}))
+"#;
+    let out = std::process::Command::new(py)
+        .arg("-c")
+        .arg(code)
+        .arg(&dir)
+        .arg(cases.to_string())
+        .output()
+        .expect("run python");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let (mut accepted, mut refused) = (0, 0);
+    for (i, line) in text.lines().enumerate() {
+        let want: Value = serde_json::from_str(line).unwrap();
+        let file = std::fs::read(dir.join(format!("{i}.pt"))).unwrap();
+        let ours = PtIndex::parse(file.as_slice(), &PtOptions::default());
+        if want["ok"] == false {
+            assert!(ours.is_err(), "case {i}: torch refuses ({}) but turboio accepts", want["error"]);
+            refused += 1;
+            continue;
+        }
+        let index = ours.unwrap_or_else(|e| panic!("case {i}: torch loads it but turboio refuses: {e}"));
+        let t = index.tensor("w").unwrap();
+        assert_eq!(
+            (t.conj, t.neg, t.meta),
+            (want["conj"] == true, want["neg"] == true, want["meta"] == true),
+            "case {i}"
+        );
+        if !t.meta {
+            let span = index.file_span(t);
+            let mut got = vec![0u8; t.nbytes() as usize];
+            t.gather(&file[span.start as usize..span.end as usize], &mut got).unwrap();
+            let hex: String = got.iter().map(|b| format!("{b:02x}")).collect();
+            assert_eq!(hex, want["hex"].as_str().unwrap(), "case {i}");
+        }
+        accepted += 1;
+    }
+    assert_eq!(accepted + refused, cases, "torch answered every case");
+    assert!(accepted > 30 && refused > 30, "both outcomes are exercised: {accepted} accepted, {refused} refused");
+}

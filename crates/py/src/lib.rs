@@ -783,22 +783,42 @@ impl PyFileBytes {
     }
 }
 
-/// `(storages, tensors, skipped)` of a loaded `.pt` file: storages `(offset, nbytes, dtype)`
-/// (offsets in the load's memory), tensors `(name, dtype, shape, strides, storage,
-/// storage_offset)` (offsets in elements), skipped `(name, kind)`.
+/// `(storages, tensors, skipped)` of a loaded `.pt` file: storages `(offset, nbytes, dtype,
+/// meta elements)` (offsets in the load's memory; the element count of a meta storage, which
+/// has no bytes, else `None`), tensors `(name, dtype, shape, strides, storage, storage_offset,
+/// conj, neg)` (offsets in elements; the conjugate and negative bits as saved), skipped
+/// `(name, kind)`.
 type PtTables = (
-    Vec<(usize, u64, &'static str)>,
-    Vec<(String, &'static str, Vec<usize>, Vec<usize>, usize, u64)>,
+    Vec<(usize, u64, &'static str, Option<u64>)>,
+    Vec<(String, &'static str, Vec<usize>, Vec<usize>, usize, u64, bool, bool)>,
     Vec<(String, &'static str)>,
 );
 
 fn pt_tables(loaded: &turboio::LoadedPt) -> PtTables {
     let index = loaded.index();
-    let storages = index.storages().iter().map(|s| (loaded.memory_offset(s.offset), s.len, s.dtype.name())).collect();
+    let storages = index
+        .storages()
+        .iter()
+        .map(|s| {
+            let at = if s.meta { 0 } else { loaded.memory_offset(s.offset) };
+            (at, s.len, s.dtype.name(), s.meta.then_some(s.numel))
+        })
+        .collect();
     let tensors = index
         .tensors()
         .iter()
-        .map(|t| (t.name.clone(), t.dtype.name(), t.shape.clone(), t.strides.clone(), t.storage, t.storage_offset))
+        .map(|t| {
+            (
+                t.name.clone(),
+                t.dtype.name(),
+                t.shape.clone(),
+                t.strides.clone(),
+                t.storage,
+                t.storage_offset,
+                t.conj,
+                t.neg,
+            )
+        })
         .collect();
     let skipped = index.skipped().iter().map(|s| (s.name.clone(), s.kind)).collect();
     (storages, tensors, skipped)

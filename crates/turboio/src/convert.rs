@@ -145,7 +145,8 @@ struct Plan {
 }
 
 /// What makes two tensors the same view: storage, offset, shape, strides, dtype.
-type ViewKey<'a> = (usize, u64, &'a [usize], &'a [usize], Dtype);
+/// (storage, offset, shape, strides, dtype, conjugate bit, negative bit): one logical view.
+type ViewKey<'a> = (usize, u64, &'a [usize], &'a [usize], Dtype, bool, bool);
 
 /// Strided views gathered whole, by stored-tensor index: (bytes, bytes served so far).
 type Gathered = Mutex<HashMap<usize, (Arc<Vec<u8>>, u64)>>;
@@ -174,8 +175,18 @@ fn plan_file(path: &Path, index: &PtIndex, opts: &ConvertOptions) -> Result<Plan
         if t.name == "__metadata__" {
             return Err(convert_error(path, "a tensor is called `__metadata__`, which safetensors reserves"));
         }
+        if t.meta {
+            return Err(convert_error(
+                path,
+                format!(
+                    "tensor `{}` is a meta tensor: it has a shape and a dtype but no data to write (torch loads it on \
+                     the meta device)",
+                    t.name
+                ),
+            ));
+        }
         if opts.shared == SharedTensors::Alias && t.numel() > 0 {
-            let key = (t.storage, t.storage_offset, t.shape.as_slice(), t.strides.as_slice(), t.dtype);
+            let key = (t.storage, t.storage_offset, t.shape.as_slice(), t.strides.as_slice(), t.dtype, t.conj, t.neg);
             if let Some(&kept) = views.get(&key) {
                 aliases.insert(t.name.clone(), kept.to_owned());
                 continue;
@@ -272,7 +283,9 @@ impl crate::TensorData for Source<'_> {
         if dst.is_empty() {
             return Ok(());
         }
-        if !t.is_contiguous() {
+        // Strided views, and views whose logical values differ from the stored ones (the
+        // conjugate or negative bit), are gathered whole, bits applied.
+        if !t.is_contiguous() || t.conj || t.neg {
             let bytes = {
                 let mut cache = self.gathered.lock().map_err(|_| "a writer thread panicked".to_owned())?;
                 match cache.get(&i) {

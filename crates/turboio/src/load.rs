@@ -72,7 +72,9 @@ impl Parsed {
     fn data_start(&self, file_len: u64) -> u64 {
         match self {
             Parsed::Safetensors(h) => h.data_start(),
-            Parsed::Pt(index) => index.storages().iter().map(|s| s.offset).min().unwrap_or(file_len),
+            Parsed::Pt(index) => {
+                index.storages().iter().filter(|s| !s.meta).map(|s| s.offset).min().unwrap_or(file_len)
+            }
         }
     }
 }

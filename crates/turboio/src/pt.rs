@@ -90,8 +90,28 @@ impl<'a> PtView<'a> {
         self.offset
     }
 
+    /// The conjugate bit (`x.conj()` saved): the logical values are the conjugates of the
+    /// stored ones. [`LoadedPt::tensor_bytes`] applies it; [`span`](Self::span) is the stored
+    /// bytes.
+    pub fn is_conj(&self) -> bool {
+        self.tensor.conj
+    }
+
+    /// The negative bit (`x._neg_view()` saved): the logical values are the negatives of the
+    /// stored ones, as for [`is_conj`](Self::is_conj).
+    pub fn is_neg(&self) -> bool {
+        self.tensor.neg
+    }
+
+    /// A meta tensor (a shape and a dtype, no data: torch loads it on the meta device).
+    pub fn is_meta(&self) -> bool {
+        self.tensor.meta
+    }
+
     /// The storage bytes the view touches (from its first element to just past its last), when
-    /// the memory is host memory: exactly the tensor's bytes for a contiguous view.
+    /// the memory is host memory: exactly the tensor's bytes for a contiguous view. These are
+    /// the stored values: with the conjugate or negative bit set, the logical ones differ
+    /// ([`LoadedPt::tensor_bytes`]).
     pub fn span(&self) -> Option<&'a [u8]> {
         self.bytes
     }
@@ -155,8 +175,9 @@ impl LoadedPt {
         self.index.tensor(name).map(|t| self.view(t))
     }
 
-    /// A tensor's contiguous row-major bytes (gathered for a strided view), copied to host
-    /// memory from whatever device holds them.
+    /// A tensor's logical values as contiguous row-major bytes (gathered for a strided view,
+    /// conjugated or negated where its bits say so), copied to host memory from whatever device
+    /// holds them. A meta tensor has none: an error.
     pub fn tensor_bytes(&self, name: &str) -> Result<Vec<u8>> {
         let view = self.tensor(name).ok_or_else(|| Error::Unsupported {
             path: self.path.clone(),

@@ -122,11 +122,12 @@ fn hostile_pt_files_are_refused_in_linear_time_and_bounded_memory() {
     let stacked = write("stacked.pt", &hostile::stacked_directory_records(60_000, 0));
     expect(&["load", &s(&stacked)], 1, &stacked, &["central directory"], 256 * MIB);
 
-    // 32 MB of `)0` (empty tuples made and dropped) read as an empty checkpoint in little
-    // memory; 32 MB of `]0` (lists) is refused by a limit, never grows past it (1.4 GB before).
-    let tuples = write("tuples.pt", &hostile::made_and_dropped(b')', 16 << 20));
-    expect(&["inspect", &s(&tuples)], 0, &tuples, &[], 256 * MIB);
-    let lists = write("lists.pt", &hostile::made_and_dropped(b']', 16 << 20));
+    // 8 million empty tuples in a list (8 MB) read as an empty checkpoint in little memory (the
+    // tuple is made once; one object each took 1.4 GB for 16 million before); one dict key set
+    // 10 million times to a new list (50 MB) is refused by a limit, never grows past it.
+    let tuples = write("tuples.pt", &hostile::empty_tuples(8 << 20));
+    expect(&["inspect", &s(&tuples)], 0, &tuples, &[], 384 * MIB);
+    let lists = write("lists.pt", &hostile::made_and_dropped(b']', 10_000_000));
     let r = run(&["inspect", &s(&lists)]);
     assert_eq!(r.code, Some(1), "{}", r.stderr);
     assert!(r.stderr.contains("lists.pt") && r.stderr.contains("max_"), "{}", r.stderr);

@@ -83,6 +83,54 @@ impl Pickle {
     }
 }
 
+/// `{"w": _rebuild_tensor_v2(('storage', torch.<class>, '0', location, numel), offset, (len,),
+/// (1,), False, OrderedDict(), <metadata ops>)}` over the record `data/0` = `record`: one view
+/// with everything torch checks or applies when it rebuilds a tensor open to variation.
+pub fn one_view(
+    class: &str,
+    location: &str,
+    numel: i32,
+    offset: i32,
+    len: i32,
+    metadata: &[u8],
+    record: &[u8],
+) -> Vec<u8> {
+    let mut p = Pickle::new();
+    p.op(b"}(").str("w");
+    p.global("torch._utils", "_rebuild_tensor_v2").op(b"((");
+    p.str("storage").global("torch", class).str("0").str(location).int(numel).op(b"tQ");
+    p.int(offset).ints(&[len]).ints(&[1]).op(&[0x89]);
+    p.global("collections", "OrderedDict").op(b")R");
+    p.op(metadata).op(b"tR").op(b"u");
+    with_pickle(&p.stop(), &[("0", record)])
+}
+
+/// Storage classes with their element size, metadata arguments and locations the differential
+/// tests and the fuzz target draw from (valid and not, as torch sees them).
+pub const VIEW_CLASSES: [(&str, usize); 6] = [
+    ("FloatStorage", 4),
+    ("HalfStorage", 2),
+    ("ComplexFloatStorage", 8),
+    ("LongStorage", 8),
+    ("BoolStorage", 1),
+    ("BFloat16Storage", 2),
+];
+/// See [`VIEW_CLASSES`].
+pub const VIEW_METADATA: [&[u8]; 10] = [
+    b"N",
+    b"}",
+    b"}X\x04\x00\x00\x00conj\x88s",
+    b"}X\x03\x00\x00\x00neg\x88s",
+    b"}X\x03\x00\x00\x00neg\x89s",
+    b"}(X\x04\x00\x00\x00conj\x88X\x03\x00\x00\x00neg\x88u",
+    b"ccollections\nOrderedDict\n",
+    b"]K\x01a",
+    b"}X\x01\x00\x00\x00xK\x01s",
+    b"K\x00",
+];
+/// See [`VIEW_CLASSES`].
+pub const VIEW_LOCATIONS: [&str; 7] = ["cpu", "cpu", "meta", "bogus", "cuda:0", "cuda", "cuda:"];
+
 /// `{"w": <4 f32 at offset 0>, "v": <view of the same storage>}` and its storage bytes.
 pub fn small_state_dict() -> (Vec<u8>, Vec<u8>) {
     let mut p = Pickle::new();
@@ -142,16 +190,36 @@ pub mod hostile {
         with_pickle(&p.stop(), &[("0", &1f32.to_le_bytes())])
     }
 
-    /// `pairs` times the opcodes `op` then POP: objects made and dropped at once (`]0` lists,
-    /// `}0` dicts, `)0` empty tuples).
+    /// One dict key set `pairs` times, each time to a new object made by `op` (`]` lists, `}`
+    /// dicts, `)` empty tuples): every value but the last is unreachable once replaced, yet a
+    /// VM that never frees holds them all (and turboio keeps every pair).
     pub fn made_and_dropped(op: u8, pairs: usize) -> Vec<u8> {
         let mut p = Pickle::new();
-        p.op(b"N");
-        let mut body = Vec::with_capacity(pairs * 2);
-        for _ in 0..pairs {
-            body.extend_from_slice(&[op, b'0']);
+        p.op(b"}");
+        let mut body = Vec::with_capacity(pairs * 4 + 16);
+        for i in 0..pairs {
+            if i == 0 {
+                body.extend_from_slice(b"X\x01\x00\x00\x00kq\x01");
+            } else {
+                body.extend_from_slice(b"h\x01");
+            }
+            body.extend_from_slice(&[op, b's']);
         }
         p.op(&body);
+        with_pickle(&p.stop(), &[])
+    }
+
+    /// A list of `n` empty tuples appended in batches of 1000 (`APPENDS`): torch's pickler writes
+    /// a shared object this way; each costs a list slot and nothing more.
+    pub fn empty_tuples(n: usize) -> Vec<u8> {
+        let mut p = Pickle::new();
+        p.op(b"]");
+        let mut left = n;
+        while left > 0 {
+            let k = left.min(1000);
+            p.op(b"(").op(&vec![b')'; k]).op(b"e");
+            left -= k;
+        }
         with_pickle(&p.stop(), &[])
     }
 }

@@ -202,10 +202,14 @@ def pt_tensors(path, cipher=False, top_level_key=None, threads=0, cache="auto", 
         path, top_level_key=top_level_key, cipher=cipher, threads=threads, cache=cache, storage=storage
     )
     views = []
-    for offset, nbytes, dtype_name in storages:
+    for offset, nbytes, dtype_name, meta_numel in storages:
         td = torch_dtype(dtype_name)
         if td is None:
             raise ValueError(f"{path}: torch dtype {dtype_name} is not available in this torch")
+        if meta_numel is not None:
+            # A meta storage: shapes and dtypes, no data (as torch.load returns it).
+            views.append(torch.empty(meta_numel, dtype=td, device="meta"))
+            continue
         # One export per storage: each keeps the load alive, and a tensor's torch storage is
         # its own storage's bytes, not the whole file's.
         v = torch.from_dlpack(data.slice(offset, nbytes)).view(td)
@@ -215,7 +219,14 @@ def pt_tensors(path, cipher=False, top_level_key=None, threads=0, cache="auto", 
             v = v.to(torch_dtype(dtype))
         views.append(v)
     out = {}
-    for name, _dtype, shape, strides, storage, storage_offset in tensors:
+    for name, _dtype, shape, strides, storage, storage_offset, conj, neg in tensors:
         s = views[storage]
-        out[name] = torch.as_strided(s, shape, strides, s.storage_offset() + storage_offset)
+        t = torch.as_strided(s, shape, strides, s.storage_offset() + storage_offset)
+        # The bits torch records for x._neg_view() and x.conj(): the same lazy views torch.load
+        # returns (the stored values, read negated or conjugated).
+        if neg:
+            t = t._neg_view()
+        if conj:
+            t = t.conj()
+        out[name] = t
     return out
