@@ -130,9 +130,20 @@ fn record_sizes_locations_and_versions_are_checked_as_torch_checks_them() {
             Some("version 99"),
         ),
     ];
+    // torch's verdict on each file, where a Python with torch is set up: it must refuse what
+    // turboio refuses and load the rest (map_location="cpu" only where torch asks for a GPU
+    // this machine may not have: turboio loads where it is asked to).
+    let torch_loads = |path: &std::path::Path| -> Option<bool> {
+        python()?;
+        let code = "import sys, torch\ndef load(**kw):\n    return torch.load(sys.argv[1], weights_only=True, **kw)\ntry:\n    try:\n        load()\n    except RuntimeError as e:\n        if 'CUDA' not in str(e):\n            raise\n        load(map_location='cpu')\n    print('ok')\nexcept Exception:\n    print('refused')";
+        Some(run_python(code, &[path.to_str().unwrap()]).trim() == "ok")
+    };
     for (name, bytes, refused) in cases {
         let path = d.path().join(name);
         std::fs::write(&path, bytes).unwrap();
+        if let Some(ok) = torch_loads(&path) {
+            assert_eq!(ok, refused.is_none(), "{name}: torch and turboio disagree");
+        }
         let o = turboio(&["load", path.to_str().unwrap(), "--check"]);
         match refused {
             Some(words) => {
