@@ -958,6 +958,14 @@ impl<'a> Vm<'a> {
         Ok((conj, neg))
     }
 
+    /// A rebuild function's `requires_grad` argument (a bool).
+    fn requires_grad(&self, g: Global, v: Val) -> Result<bool, PtError> {
+        match v {
+            Val::Bool(b) => Ok(b),
+            other => Err(self.err(format!("{}: requires_grad is a {}", g.name(), self.describe(other)))),
+        }
+    }
+
     fn reduce(&mut self, func: Val, args: Val) -> Result<Val, PtError> {
         let g = match self.obj(func) {
             Some(Obj::Global(g)) => *g,
@@ -1017,12 +1025,7 @@ impl<'a> Vm<'a> {
                 if shape.len() > 64 {
                     return Err(self.err(format!("{}: {} dimensions (at most 64)", g.name(), shape.len())));
                 }
-                let requires_grad = match args[4] {
-                    Val::Bool(b) => b,
-                    other => {
-                        return Err(self.err(format!("{}: requires_grad is a {}", g.name(), self.describe(other))))
-                    }
-                };
+                let requires_grad = self.requires_grad(g, args[4])?;
                 let elem = if v3 {
                     match self.obj(args[6]) {
                         Some(Obj::Global(Global::Dtype(e))) => *e,
@@ -1070,12 +1073,7 @@ impl<'a> Vm<'a> {
                         strides.len()
                     )));
                 }
-                let requires_grad = match args[3] {
-                    Val::Bool(b) => b,
-                    other => {
-                        return Err(self.err(format!("{}: requires_grad is a {}", g.name(), self.describe(other))))
-                    }
-                };
+                let requires_grad = self.requires_grad(g, args[3])?;
                 // The elements the strided view reaches: what its (absent) storage would hold.
                 let mut extent: u64 = 1;
                 for (&d, &st) in shape.iter().zip(&strides) {
@@ -1116,12 +1114,7 @@ impl<'a> Vm<'a> {
                     return Err(self.err(format!("{}: data is a {}", g.name(), self.describe(args[0]))));
                 };
                 let mut t = t.clone();
-                t.requires_grad = match args[1] {
-                    Val::Bool(b) => b,
-                    other => {
-                        return Err(self.err(format!("{}: requires_grad is a {}", g.name(), self.describe(other))))
-                    }
-                };
+                t.requires_grad = self.requires_grad(g, args[1])?;
                 t.parameter = true;
                 self.count(t.shape.len() as u64 * 2)?;
                 self.alloc(Obj::Tensor(Box::new(t)))
