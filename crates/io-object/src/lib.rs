@@ -246,6 +246,18 @@ impl ObjectStorage {
         }
     }
 
+    /// The object's length and version tag from a HEAD request (see [`read`]'s `version_tag`).
+    pub fn head(&self, url: &Path) -> Result<Option<turboio_storage::Version>, StorageError> {
+        use object_store::ObjectStoreExt;
+        let located = self.locate(url)?;
+        let (store, key) = (located.store, located.key);
+        let meta = runtime::block_on(async move { store.head(&key).await })
+            .map_err(|e| StorageError::io(url, "HEAD", e))?
+            .map_err(|e| self.error(url, "HEAD", e))?;
+        Ok(read::version_tag(meta.e_tag.as_deref(), meta.version.as_deref())
+            .map(|tag| turboio_storage::Version { len: meta.size, tag }))
+    }
+
     /// The process-wide backend for URLs met without explicit options (configured from the
     /// environment at each use).
     pub fn global() -> ObjectStorage {
@@ -277,5 +289,9 @@ impl Storage for ObjectStorage {
 
     fn remove_file(&self, path: &Path) -> Result<(), StorageError> {
         self.delete(path)
+    }
+
+    fn current_version(&self, path: &Path) -> Result<Option<turboio_storage::Version>, StorageError> {
+        self.head(path)
     }
 }

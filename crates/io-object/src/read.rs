@@ -215,6 +215,15 @@ impl ObjectFile {
     }
 }
 
+/// The version tag of an object: its ETag, and its version id where the store keeps versions;
+/// `None` when the store gives neither (nothing can then tell two contents apart).
+pub(crate) fn version_tag(etag: Option<&str>, version: Option<&str>) -> Option<String> {
+    match (etag, version) {
+        (None, None) => None,
+        (e, v) => Some(format!("etag={} version={}", e.unwrap_or("-"), v.unwrap_or("-"))),
+    }
+}
+
 struct Reader<'a>(&'a ObjectFile);
 
 impl RangeReader for Reader<'_> {
@@ -243,6 +252,10 @@ impl StorageFile for ObjectFile {
 
     fn requests_in_flight(&self) -> usize {
         self.storage.options().concurrency.max(1)
+    }
+
+    fn version(&self) -> Option<String> {
+        version_tag(self.etag.as_deref(), self.version.as_deref())
     }
 
     fn read_ranges(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<(), StorageError> {

@@ -236,6 +236,23 @@ pub trait StorageFile: Send + Sync + Debug {
     fn cached_fraction(&self) -> Option<f64> {
         None
     }
+
+    /// The version of the bytes this handle reads (an object's ETag, with its version id where
+    /// the store keeps versions): a tag that changes whenever the content does, so a cache can
+    /// key on it. `None` for backends without one (local files; a cache does not keep those).
+    fn version(&self) -> Option<String> {
+        None
+    }
+}
+
+/// What a backend says of a file without opening it: its length and the tag of
+/// [`StorageFile::version`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Version {
+    /// Length in bytes.
+    pub len: u64,
+    /// The content's tag (see [`StorageFile::version`]).
+    pub tag: String,
 }
 
 /// Produces the bytes of a file being written, a chunk at a time.
@@ -320,6 +337,14 @@ pub trait Storage: Send + Sync + Debug {
     fn list(&self, dir: &Path) -> Result<Vec<std::path::PathBuf>> {
         let _ = dir;
         Err(StorageError::Unsupported { backend: self.name(), what: "listing a directory".into() })
+    }
+
+    /// The file's current [`Version`] (length and tag) from a metadata request (an object
+    /// store's HEAD), for a cache to find out whether what it holds is still current without
+    /// reading any of the bytes. `Ok(None)` for backends without versions.
+    fn current_version(&self, path: &Path) -> Result<Option<Version>> {
+        let _ = path;
+        Ok(None)
     }
 
     /// Removes the file at `path`; a file that does not exist is not an error. Used to remove

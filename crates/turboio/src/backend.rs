@@ -214,8 +214,11 @@ struct Scheme {
     /// The Cargo feature that compiles the backend in.
     feature: &'static str,
     /// The backend, when compiled in.
-    storage: Option<fn() -> Arc<dyn Storage>>,
+    storage: Option<MakeStorage>,
 }
+
+/// Builds a scheme's backend, or says why its configuration (the environment) is wrong.
+type MakeStorage = fn() -> std::result::Result<Arc<dyn Storage>, String>;
 
 /// Every scheme turboio knows, compiled in or not (so that a missing feature is a clear error,
 /// not a local file named `sfcs:`).
@@ -250,19 +253,31 @@ const fn object_scheme(prefix: &'static str) -> Scheme {
 }
 
 /// The process-wide object-storage backend (configured from the environment; stores built on
-/// first use of each bucket).
+/// first use of each bucket), behind the node cache of `TURBOIO_CACHE_DIR` when it is set.
 #[cfg(feature = "object")]
-fn object_storage() -> Arc<dyn Storage> {
+fn object_storage() -> std::result::Result<Arc<dyn Storage>, String> {
     static OBJECT: std::sync::OnceLock<Arc<dyn Storage>> = std::sync::OnceLock::new();
-    OBJECT.get_or_init(|| Arc::new(turboio_io_object::ObjectStorage::global())).clone()
+    let object = OBJECT.get_or_init(|| Arc::new(turboio_io_object::ObjectStorage::global())).clone();
+    with_env_cache(object)
+}
+
+/// `storage` behind the node cache the environment names (`TURBOIO_CACHE_DIR`,
+/// `TURBOIO_CACHE_MAX_SIZE`), or as it is when none is named. Read at each call, so a process
+/// that sets the variables before a load gets the cache.
+#[cfg(feature = "cache")]
+pub fn with_env_cache(storage: Arc<dyn Storage>) -> std::result::Result<Arc<dyn Storage>, String> {
+    Ok(match turboio_cache::NodeCache::from_env()? {
+        Some(cache) => Arc::new(turboio_cache::CacheStorage::new(storage, cache)),
+        None => storage,
+    })
 }
 
 /// The process-wide SFCS backend (configured from the environment at each operation; the
 /// library is loaded on first use).
 #[cfg(feature = "sfcs")]
-fn sfcs_storage() -> Arc<dyn Storage> {
+fn sfcs_storage() -> std::result::Result<Arc<dyn Storage>, String> {
     static SFCS: std::sync::OnceLock<Arc<dyn Storage>> = std::sync::OnceLock::new();
-    SFCS.get_or_init(|| Arc::new(turboio_io_sfcs::SfcsStorage::from_env())).clone()
+    Ok(SFCS.get_or_init(|| Arc::new(turboio_io_sfcs::SfcsStorage::from_env())).clone())
 }
 
 /// The backend of `path`'s scheme, `None` for a local path.
@@ -270,7 +285,9 @@ pub(crate) fn scheme_storage(path: &Path) -> Result<Option<Arc<dyn Storage>>> {
     let Some(text) = path.to_str() else { return Ok(None) };
     match SCHEMES.iter().find(|s| text.starts_with(s.prefix)) {
         None => Ok(None),
-        Some(Scheme { storage: Some(make), .. }) => Ok(Some(make())),
+        Some(Scheme { storage: Some(make), .. }) => {
+            make().map(Some).map_err(|message| Error::Unsupported { path: path.to_owned(), message })
+        }
         Some(s) => Err(Error::Unsupported {
             path: path.to_owned(),
             message: format!("{} paths need turboio built with the `{}` feature", s.prefix, s.feature),

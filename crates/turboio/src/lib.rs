@@ -98,6 +98,8 @@ pub mod sample;
 mod save;
 mod to_device;
 
+#[cfg(feature = "cache")]
+pub use backend::with_env_cache;
 pub use backend::{storage_for, ReadInfo};
 pub use background::{default_snapshot_pool, save_async, wait_for_saves, SaveHandle, DEFAULT_SNAPSHOTS};
 pub use error::{Error, Result};
@@ -113,6 +115,10 @@ pub use turboio_format as format;
 pub use turboio_format::{Dtype, Header, TensorInfo, TensorSpec};
 pub use turboio_storage as storage;
 
+/// The node-local cache for remote objects (`TURBOIO_CACHE_DIR`): a [`storage::Storage`]
+/// wrapper, [`cache::CacheStorage`], and the directory's listing and pruning, [`cache::NodeCache`].
+#[cfg(feature = "cache")]
+pub use turboio_cache as cache;
 /// The object-storage backend (`s3://`, `gs://`, `az://`, `http(s)://`), to give explicit
 /// options: `LoadOptions { storage: Some(Arc::new(object::ObjectStorage::new(options))), .. }`.
 #[cfg(feature = "object")]

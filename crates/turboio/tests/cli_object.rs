@@ -64,3 +64,94 @@ fn the_cli_loads_inspects_and_writes_urls() {
     let (ok, out) = run(&["load", "s3://cli/missing.safetensors"]);
     assert!(!ok && out.contains("s3://cli/missing.safetensors") && !out.contains(s3::SECRET_KEY), "{out}");
 }
+
+#[test]
+fn the_node_cache_serves_later_loads_and_concurrent_processes_fetch_once() {
+    let Some(fx) = fixture("cached", &[]) else { return };
+    let bin = env!("CARGO_BIN_EXE_turboio");
+    let dir = tempfile::tempdir().unwrap();
+    let command = |args: &[&str]| {
+        let mut c = Command::new(bin);
+        c.args(args)
+            .env("AWS_ENDPOINT_URL", fx.server.endpoint())
+            .env("AWS_ACCESS_KEY_ID", s3::ACCESS_KEY)
+            .env("AWS_SECRET_ACCESS_KEY", s3::SECRET_KEY)
+            .env("AWS_REGION", "us-east-1")
+            .env_remove("TURBOIO_CACHE_DIR");
+        c
+    };
+    let run = |args: &[&str]| {
+        let out = command(args).output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let size: u64 = 64 << 20;
+    let (ok, out) = run(&["gen", "s3://cached/m.safetensors", "--size", "64MiB"]);
+    assert!(ok, "{out}");
+    let cache = dir.path().join("cache");
+    let cache_arg = cache.to_str().unwrap();
+
+    // Cold: fetched once (plus the opening GETs of the header), published, listed.
+    fx.server.faults("{}");
+    let (ok, out) = run(&["--cache-dir", cache_arg, "load", "s3://cached/m.safetensors", "--check"]);
+    assert!(ok && out.contains("check: all"), "{out}");
+    let cold = fx.server.stat("get_bytes");
+    assert!(cold >= size && cold <= size + (3 << 20), "cold load fetched {cold} bytes");
+    let (ok, out) = run(&["--cache-dir", cache_arg, "cache", "ls"]);
+    assert!(ok && out.contains("s3://cached/m.safetensors") && out.contains("1 entries"), "{out}");
+
+    // Warm, from the environment this time: no byte from the server (one HEAD per open).
+    fx.server.faults("{}");
+    let out =
+        command(&["load", "s3://cached/m.safetensors", "--check"]).env("TURBOIO_CACHE_DIR", &cache).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("check: all"), "{text}");
+    assert_eq!(fx.server.stat("get_bytes"), 0, "a warm load reads the local entry");
+
+    // A new object version is a miss.
+    let size: u64 = 48 << 20;
+    let (ok, out) = run(&["gen", "s3://cached/m.safetensors", "--size", "48MiB"]);
+    assert!(ok, "{out}");
+    fx.server.faults("{}");
+    let (ok, out) = run(&["--cache-dir", cache_arg, "load", "s3://cached/m.safetensors", "--check"]);
+    assert!(ok && out.contains("check: all"), "{out}");
+    assert!(fx.server.stat("get_bytes") >= size);
+    let (ok, out) = run(&["--cache-dir", cache_arg, "cache", "du"]);
+    assert!(ok && out.contains("2 entries"), "{out}");
+
+    // Four processes on a cold cache: the object is served about once (each process that takes
+    // the fetch for a moment, to look at the header, costs one opening GET of 1 MiB more).
+    let size: u64 = 96 << 20;
+    let (ok, out) = run(&["gen", "s3://cached/big.safetensors", "--size", "96MiB"]);
+    assert!(ok, "{out}");
+    let cold_dir = dir.path().join("cold");
+    fx.server.faults("{}");
+    let children: Vec<_> = (0..4)
+        .map(|_| {
+            command(&["--cache-dir", cold_dir.to_str().unwrap(), "load", "s3://cached/big.safetensors", "--check"])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for c in children {
+        let out = c.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && text.contains("check: all"), "{text}");
+    }
+    let served = fx.server.stat("get_bytes");
+    assert!(served as f64 <= 1.1 * size as f64, "four processes made the server send {served} bytes for {size}");
+
+    // prune: down to one entry, then all; a missing directory is an error only without one.
+    let (ok, out) = run(&["--cache-dir", cache_arg, "cache", "prune", "--max-size", "50MiB"]);
+    assert!(ok && out.contains("removed 1 entries"), "{out}");
+    let (ok, out) = run(&["--cache-dir", cache_arg, "cache", "prune"]);
+    assert!(ok && out.contains("removed 1 entries"), "{out}");
+    let (ok, out) = run(&["cache", "ls"]);
+    assert!(!ok && out.contains("--cache-dir"), "{out}");
+    let (ok, out) = run(&["--cache-dir", cache_arg, "--cache-max-size", "lots", "cache", "ls"]);
+    assert!(!ok && out.contains("lots"), "{out}");
+}

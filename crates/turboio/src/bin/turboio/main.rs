@@ -35,6 +35,27 @@ struct Cli {
     /// visible to other users).
     #[arg(long = "storage-option", global = true, value_name = "KEY=VALUE", value_parser = parse_key_value)]
     storage_option: Vec<(String, String)>,
+    /// Node-local cache for s3://, gs://, az:// and http(s):// objects (default:
+    /// $TURBOIO_CACHE_DIR, none if unset): the first load of an object version writes it
+    /// through to a file here while loading it; later loads of that version read the local
+    /// file. Processes loading the same object at once fetch it once. See `turboio cache`.
+    #[arg(long = "cache-dir", global = true, value_name = "DIR")]
+    cache_dir: Option<PathBuf>,
+    /// Bound on the cache's size (default: $TURBOIO_CACHE_MAX_SIZE, else only the file
+    /// system's free space, of which 5% is kept free): least recently used entries go first.
+    #[arg(long = "cache-max-size", global = true, value_name = "SIZE", value_parser = size::parse_size)]
+    cache_max_size: Option<u64>,
+}
+
+impl Cli {
+    /// The node cache of `--cache-dir` / `--cache-max-size`, else the environment's.
+    fn node_cache(&self) -> Result<Option<turboio::cache::NodeCache>, String> {
+        let env = turboio::cache::NodeCache::from_env()?;
+        let dir = self.cache_dir.clone().or(env.as_ref().map(|c| c.dir().to_owned()));
+        Ok(dir.map(|d| {
+            turboio::cache::NodeCache::new(d).with_max_bytes(self.cache_max_size.or(env.and_then(|c| c.max_bytes())))
+        }))
+    }
 }
 
 fn parse_key_value(s: &str) -> Result<(String, String), String> {
@@ -191,6 +212,12 @@ enum Command {
         #[command(flatten)]
         cipher: cipher::ReadCipherArgs,
     },
+    /// The node-local cache of remote objects (--cache-dir, else $TURBOIO_CACHE_DIR): list its
+    /// entries, show its size, or remove entries.
+    Cache {
+        #[command(subcommand)]
+        action: CacheAction,
+    },
     /// Generate a sample checkpoint and print a load table (mapped, copied, auto vs std::fs::read).
     Demo {
         /// Size of the sample.
@@ -205,13 +232,52 @@ enum Command {
     },
 }
 
+#[derive(Subcommand, Debug)]
+enum CacheAction {
+    /// The entries, most recently used first: size, last use, URL and version.
+    Ls {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The number of entries and their total size.
+    Du,
+    /// Removes least recently used entries until the cache holds at most --max-size (all of
+    /// them without it), and what fetches that died left behind. Loads that have an entry
+    /// open keep reading it.
+    Prune {
+        /// The size to prune down to.
+        #[arg(long, value_parser = size::parse_size)]
+        max_size: Option<u64>,
+    },
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let object: Option<Arc<dyn turboio::storage::Storage>> = if cli.storage_option.is_empty() {
+    let cache = match cli.node_cache() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("turboio: error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let object: Option<Arc<dyn turboio::storage::Storage>> = if cli.storage_option.is_empty() && cli.cache_dir.is_none()
+    {
+        // The scheme registry reads the environment (the cache's included).
         None
     } else {
         match turboio::object::ObjectOptions::from_pairs(cli.storage_option.iter().map(|(k, v)| (k, v))) {
-            Ok(o) => Some(Arc::new(turboio::object::ObjectStorage::new(o))),
+            Ok(o) => {
+                let object: Arc<dyn turboio::storage::Storage> = if cli.storage_option.is_empty() {
+                    Arc::new(turboio::object::ObjectStorage::global())
+                } else {
+                    Arc::new(turboio::object::ObjectStorage::new(o))
+                };
+                Some(match &cache {
+                    Some(c) => Arc::new(turboio::cache::CacheStorage::new(object, c.clone())),
+                    None => object,
+                })
+            }
             Err(e) => {
                 eprintln!("turboio: error: --storage-option: {e}");
                 return ExitCode::FAILURE;
@@ -280,6 +346,7 @@ fn main() -> ExitCode {
         }
         Command::Encrypt { input, output, cipher } => cipher::encrypt(&input, &output, &cipher),
         Command::Decrypt { input, output, cipher } => cipher::decrypt(&input, &output, &cipher),
+        Command::Cache { action } => cache_command(cache, action),
         Command::Demo { size, dir, runs } => demo(size, dir, runs),
     };
     // Files replaced by saves are deleted in the background: gone before the process is.
@@ -742,5 +809,53 @@ fn demo(size: u64, dir: Option<PathBuf>, runs: usize) -> CliResult {
         outln!("| {name} | {m:.3} | {:.2} | {:.1}x | {how} |", len as f64 / m / 1e9, base / m);
     }
     outln!("\nMore: `turboio load FILE --check`, `turboio inspect FILE`, `cargo xtask bench` (hot and cold, all baselines).");
+    Ok(())
+}
+
+fn cache_command(
+    cache: Option<turboio::cache::NodeCache>,
+    action: CacheAction,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let cache = cache.ok_or("no cache directory: pass --cache-dir DIR or set TURBOIO_CACHE_DIR")?;
+    let dir = cache.dir().display().to_string();
+    let entries = || cache.entries().map_err(|e| format!("{dir}: {e}"));
+    match action {
+        CacheAction::Ls { json } => {
+            let entries = entries()?;
+            let since = |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+            if json {
+                let list: Vec<_> = entries
+                    .iter()
+                    .map(|e| {
+                        serde_json::json!({
+                            "url": e.url, "version": e.version, "bytes": e.len,
+                            "last_used_unix": since(e.last_used), "path": e.path, "key": e.key,
+                        })
+                    })
+                    .collect();
+                outln!("{}", serde_json::to_string_pretty(&list)?);
+            } else {
+                let now = std::time::SystemTime::now();
+                for e in &entries {
+                    let ago = now.duration_since(e.last_used).map_or(0, |d| d.as_secs());
+                    outln!("{:>12}  {:>9}  {}  {}", e.len, format!("{}s ago", ago), e.url, e.version);
+                }
+                outln!("{} entries, {} bytes in {dir}", entries.len(), entries.iter().map(|e| e.len).sum::<u64>());
+            }
+        }
+        CacheAction::Du => {
+            let entries = entries()?;
+            outln!("{} entries, {} bytes in {dir}", entries.len(), entries.iter().map(|e| e.len).sum::<u64>());
+        }
+        CacheAction::Prune { max_size } => {
+            let r = cache.prune(max_size.unwrap_or(0)).map_err(|e| format!("{dir}: {e}"))?;
+            outln!(
+                "removed {} entries ({} bytes) and {} unfinished fetches from {dir}",
+                r.removed,
+                r.freed,
+                r.stale_parts
+            );
+        }
+    }
     Ok(())
 }

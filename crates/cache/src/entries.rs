@@ -1,0 +1,411 @@
+//! The cache directory: its entries, their keys and locks, listing, eviction.
+
+use nix::fcntl::{Flock, FlockArg};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+use turboio_storage::Version;
+
+/// A node-local cache directory (see the crate docs for its layout and rules).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeCache {
+    dir: PathBuf,
+    max_bytes: Option<u64>,
+}
+
+/// One complete entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// The entry's key (hex SHA-256 of URL, length and version).
+    pub key: String,
+    /// The URL it holds, without query string or credentials.
+    pub url: String,
+    /// The object's version tag (ETag and version id).
+    pub version: String,
+    /// Bytes.
+    pub len: u64,
+    /// When a load last used it (or filled it).
+    pub last_used: SystemTime,
+    /// The local file holding the object's bytes.
+    pub path: PathBuf,
+}
+
+/// What [`NodeCache::prune`] removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PruneReport {
+    /// Complete entries removed.
+    pub removed: usize,
+    /// Their bytes.
+    pub freed: u64,
+    /// Files of fetches that died before finishing, removed.
+    pub stale_parts: usize,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Meta {
+    url: String,
+    version: String,
+    len: u64,
+}
+
+/// The files of one key: `KEY.data` (complete, published by rename), `KEY.json` (what it holds),
+/// `KEY.lock` (held by the one process fetching it; names that fetch's part file),
+/// `KEY.PID-N.part` (a fetch in progress).
+#[derive(Debug, Clone)]
+pub(crate) struct Slot {
+    pub(crate) key: String,
+    pub(crate) dir: PathBuf,
+}
+
+/// An exclusive hold on a key: the one fetch of it on this node.
+pub(crate) type KeyLock = Flock<File>;
+
+/// Whether a key could be locked.
+pub(crate) enum Locking {
+    Held(KeyLock),
+    Busy,
+}
+
+const SUFFIX_DATA: &str = ".data";
+const SUFFIX_META: &str = ".json";
+const SUFFIX_LOCK: &str = ".lock";
+const SUFFIX_PART: &str = ".part";
+
+impl Slot {
+    pub(crate) fn data(&self) -> PathBuf {
+        self.dir.join(format!("{}{SUFFIX_DATA}", self.key))
+    }
+
+    pub(crate) fn meta(&self) -> PathBuf {
+        self.dir.join(format!("{}{SUFFIX_META}", self.key))
+    }
+
+    fn lock_path(&self) -> PathBuf {
+        self.dir.join(format!("{}{SUFFIX_LOCK}", self.key))
+    }
+
+    /// A part file name of this process's own, so two fetchers never write one file.
+    pub(crate) fn new_part(&self) -> PathBuf {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N: AtomicU64 = AtomicU64::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        self.dir.join(format!("{}.{}-{n}{SUFFIX_PART}", self.key, std::process::id()))
+    }
+
+    /// Takes the key's lock without waiting (creating the directory and the lock file).
+    pub(crate) fn try_lock(&self) -> io::Result<Locking> {
+        fs::create_dir_all(&self.dir)?;
+        let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(self.lock_path())?;
+        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => Ok(Locking::Held(lock)),
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(Locking::Busy),
+            Err((_, e)) => Err(io::Error::from(e)),
+        }
+    }
+
+    /// Writes the part file's name into the held lock file, for waiters to watch its progress.
+    pub(crate) fn announce(lock: &mut KeyLock, part: &Path) -> io::Result<()> {
+        lock.set_len(0)?;
+        use std::os::unix::fs::FileExt;
+        lock.write_all_at(part.as_os_str().as_encoded_bytes(), 0)
+    }
+
+    /// When the fetch holding the lock last wrote a byte (its part file's modification time).
+    pub(crate) fn progress(&self) -> Option<SystemTime> {
+        let mut name = Vec::new();
+        File::open(self.lock_path()).ok()?.read_to_end(&mut name).ok()?;
+        let part = PathBuf::from(String::from_utf8(name).ok()?);
+        fs::metadata(part).ok()?.modified().ok()
+    }
+
+    /// Removes part files of this key; only called while holding its lock (so no fetch of it is
+    /// running).
+    pub(crate) fn remove_parts(&self) -> usize {
+        let prefix = format!("{}.", self.key);
+        let mut removed = 0;
+        for name in dir_names(&self.dir) {
+            if name.starts_with(&prefix) && name.ends_with(SUFFIX_PART) && fs::remove_file(self.dir.join(&name)).is_ok()
+            {
+                removed += 1;
+            }
+        }
+        removed
+    }
+
+    /// Records what the entry holds, atomically.
+    pub(crate) fn write_meta(&self, url: &str, version: &str, len: u64) -> io::Result<()> {
+        let meta = Meta { url: url.to_owned(), version: version.to_owned(), len };
+        let tmp = self.dir.join(format!("{}.{}{SUFFIX_META}.tmp", self.key, std::process::id()));
+        let mut f = File::create(&tmp)?;
+        f.write_all(&serde_json::to_vec(&meta).map_err(io::Error::other)?)?;
+        f.sync_data()?;
+        fs::rename(&tmp, self.meta()).inspect_err(|_| {
+            let _ = fs::remove_file(&tmp);
+        })
+    }
+}
+
+fn dir_names(dir: &Path) -> Vec<String> {
+    match fs::read_dir(dir) {
+        Ok(rd) => rd.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The URL as a cache records it: no query string or fragment (presigned URLs carry secrets
+/// there) and no user or password.
+pub(crate) fn clean_url(url: &str) -> String {
+    let end = url.find(['?', '#']).unwrap_or(url.len());
+    let url = &url[..end];
+    match url.find("://") {
+        Some(i) => {
+            let rest = &url[i + 3..];
+            let authority_end = rest.find('/').unwrap_or(rest.len());
+            match rest[..authority_end].rfind('@') {
+                Some(at) => format!("{}{}", &url[..i + 3], &rest[at + 1..]),
+                None => url.to_owned(),
+            }
+        }
+        None => url.to_owned(),
+    }
+}
+
+impl NodeCache {
+    /// A cache in `dir` (created on first use), without a size limit.
+    pub fn new(dir: impl Into<PathBuf>) -> NodeCache {
+        NodeCache { dir: dir.into(), max_bytes: None }
+    }
+
+    /// Bounds the bytes of complete entries: least recently used entries are removed to stay
+    /// within it, and an object larger than the limit is not cached.
+    pub fn with_max_bytes(mut self, max_bytes: Option<u64>) -> NodeCache {
+        self.max_bytes = max_bytes;
+        self
+    }
+
+    /// The cache of the environment: `TURBOIO_CACHE_DIR` (none if unset or empty) and
+    /// `TURBOIO_CACHE_MAX_SIZE` (bytes, or with a unit: `500GiB`, `2TB`, ...; see [`parse_size`]).
+    pub fn from_env() -> Result<Option<NodeCache>, String> {
+        let Some(dir) = std::env::var_os(crate::ENV_DIR).filter(|d| !d.is_empty()) else { return Ok(None) };
+        let max = match std::env::var(crate::ENV_MAX_SIZE) {
+            Ok(v) if !v.trim().is_empty() => {
+                Some(parse_size(&v).map_err(|e| format!("{}={v:?}: {e}", crate::ENV_MAX_SIZE))?)
+            }
+            _ => None,
+        };
+        Ok(Some(NodeCache::new(dir).with_max_bytes(max)))
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The size limit, if any.
+    pub fn max_bytes(&self) -> Option<u64> {
+        self.max_bytes
+    }
+
+    /// The key of an object: hex SHA-256 of its cleaned URL, its length and its version tag.
+    pub fn key(url: &str, version: &Version) -> String {
+        let mut h = Sha256::new();
+        h.update(format!("turboio-cache-1\n{}\n{}\n{}", clean_url(url), version.len, version.tag));
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    pub(crate) fn slot(&self, key: String) -> Slot {
+        Slot { key, dir: self.dir.clone() }
+    }
+
+    /// The complete entries, most recently used first. A missing directory has none.
+    pub fn entries(&self) -> io::Result<Vec<Entry>> {
+        let names = match fs::read_dir(&self.dir) {
+            Ok(rd) => rd.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect::<Vec<_>>(),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        };
+        let mut out = Vec::new();
+        for name in names {
+            let Some(key) = name.strip_suffix(SUFFIX_DATA) else { continue };
+            let slot = self.slot(key.to_owned());
+            let Ok(md) = fs::metadata(slot.data()) else { continue };
+            let meta: Option<Meta> = fs::read(slot.meta()).ok().and_then(|b| serde_json::from_slice(&b).ok());
+            let (url, version) = meta.map(|m| (m.url, m.version)).unwrap_or_default();
+            out.push(Entry {
+                key: key.to_owned(),
+                url,
+                version,
+                len: md.len(),
+                last_used: md.modified().unwrap_or(UNIX_EPOCH),
+                path: slot.data(),
+            });
+        }
+        out.sort_by(|a, b| b.last_used.cmp(&a.last_used).then_with(|| a.key.cmp(&b.key)));
+        Ok(out)
+    }
+
+    /// Removes least recently used entries until the complete ones hold at most `max_bytes`,
+    /// and the files of fetches that died. Entries in use by a running load stay readable to
+    /// it (their files are unlinked, not overwritten).
+    pub fn prune(&self, max_bytes: u64) -> io::Result<PruneReport> {
+        let mut report = self.remove_stale()?;
+        let mut entries = self.entries()?;
+        let mut total: u64 = entries.iter().map(|e| e.len).sum();
+        while total > max_bytes {
+            let Some(e) = entries.pop() else { break };
+            if remove_entry(&self.slot(e.key.clone())) {
+                total -= e.len;
+                report.removed += 1;
+                report.freed += e.len;
+            }
+        }
+        Ok(report)
+    }
+
+    /// Removes the part files and lock files of keys no process is fetching.
+    fn remove_stale(&self) -> io::Result<PruneReport> {
+        let mut report = PruneReport::default();
+        let names = dir_names(&self.dir);
+        for name in &names {
+            let Some(key) = name.strip_suffix(SUFFIX_LOCK) else { continue };
+            let slot = self.slot(key.to_owned());
+            if let Ok(Locking::Held(lock)) = slot.try_lock() {
+                report.stale_parts += slot.remove_parts();
+                if !slot.data().exists() {
+                    let _ = fs::remove_file(slot.meta());
+                    let _ = fs::remove_file(slot.lock_path());
+                }
+                drop(lock);
+            }
+        }
+        // Parts whose lock file is gone (removed by hand) belong to no fetch either.
+        for name in &names {
+            if let Some(stem) = name.strip_suffix(SUFFIX_PART) {
+                let key = stem.split('.').next().unwrap_or(stem);
+                if !self.dir.join(format!("{key}{SUFFIX_LOCK}")).exists()
+                    && fs::remove_file(self.dir.join(name)).is_ok()
+                {
+                    report.stale_parts += 1;
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// Makes room for `len` more bytes: within the size limit, and leaving the file system 5% of
+    /// its size free, removing least recently used entries (never `keep`). False if that is not
+    /// possible (the object is then loaded without the cache).
+    pub(crate) fn make_room(&self, len: u64, keep: &str) -> bool {
+        if self.max_bytes.is_some_and(|max| len > max) {
+            return false;
+        }
+        let Ok(mut entries) = self.entries() else { return false };
+        entries.retain(|e| e.key != keep);
+        let mut total: u64 = entries.iter().map(|e| e.len).sum();
+        loop {
+            let within_limit = self.max_bytes.is_none_or(|max| total + len <= max);
+            let space = match nix::sys::statvfs::statvfs(&self.dir) {
+                Ok(s) => {
+                    let unit = s.fragment_size();
+                    let free = s.blocks_available().saturating_mul(unit);
+                    let reserve = s.blocks().saturating_mul(unit) / 20;
+                    free >= len.saturating_add(reserve)
+                }
+                Err(_) => false,
+            };
+            if within_limit && space {
+                return true;
+            }
+            let Some(e) = entries.pop() else { return false };
+            if remove_entry(&self.slot(e.key)) {
+                total -= e.len;
+            }
+        }
+    }
+
+    /// After a fill: removes least recently used entries beyond the size limit (never `keep`).
+    pub(crate) fn enforce_limit(&self, keep: &str) {
+        let Some(max) = self.max_bytes else { return };
+        let Ok(mut entries) = self.entries() else { return };
+        let mut total: u64 = entries.iter().map(|e| e.len).sum();
+        entries.retain(|e| e.key != keep);
+        while total > max {
+            let Some(e) = entries.pop() else { return };
+            if remove_entry(&self.slot(e.key)) {
+                total -= e.len;
+            }
+        }
+    }
+}
+
+/// Unlinks an entry's data (then its description); true if the data was removed.
+fn remove_entry(slot: &Slot) -> bool {
+    let removed = fs::remove_file(slot.data()).is_ok();
+    let _ = fs::remove_file(slot.meta());
+    removed
+}
+
+/// Parses a byte count as the CLI does: `1073741824`, `512M` / `512MiB` (powers of 1024),
+/// `500GB` (powers of 1000).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let num: f64 = num.parse().map_err(|_| format!("`{text}` is not a size (e.g. 500GiB, 2TB, 1073741824)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024f64.powi(2),
+        "g" | "gib" => 1024f64.powi(3),
+        "t" | "tib" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        other => return Err(format!("`{text}`: unknown unit `{other}` (use KiB, MiB, GiB, TiB, KB, MB, GB or TB)")),
+    };
+    let bytes = num * mult;
+    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        return Err(format!("`{text}` is out of range"));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_lose_their_secrets() {
+        assert_eq!(clean_url("https://u:p@host/a/b?X-Amz-Signature=s#f"), "https://host/a/b");
+        assert_eq!(clean_url("s3://bucket/k@ey.safetensors"), "s3://bucket/k@ey.safetensors");
+        assert_eq!(clean_url("gs://b/k"), "gs://b/k");
+    }
+
+    #[test]
+    fn keys_change_with_url_length_and_version_but_not_with_the_query() {
+        let v = |len, tag: &str| Version { len, tag: tag.into() };
+        let k = NodeCache::key("s3://b/k", &v(10, "e1"));
+        assert_eq!(k.len(), 64);
+        assert_eq!(k, NodeCache::key("s3://b/k", &v(10, "e1")));
+        assert_eq!(k, NodeCache::key("s3://b/k?sig=1", &v(10, "e1")));
+        assert_ne!(k, NodeCache::key("s3://b/k2", &v(10, "e1")));
+        assert_ne!(k, NodeCache::key("s3://b/k", &v(11, "e1")));
+        assert_ne!(k, NodeCache::key("s3://b/k", &v(10, "e2")));
+    }
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_size("1024").unwrap(), 1024);
+        assert_eq!(parse_size("2K").unwrap(), 2048);
+        assert_eq!(parse_size("500G").unwrap(), 500 << 30);
+        assert_eq!(parse_size("2TiB").unwrap(), 2 << 40);
+        assert_eq!(parse_size("1.5GB").unwrap(), 1_500_000_000);
+        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
+        assert!(parse_size("lots").unwrap_err().contains("not a size"));
+        assert!(parse_size("5X").unwrap_err().contains("unknown unit"));
+    }
+}

@@ -1,0 +1,217 @@
+//! A remote file being loaded and written through to its cache entry at the same time.
+
+use crate::entries::{KeyLock, NodeCache, Slot};
+use crate::ranges::Ranges;
+use std::fmt;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use turboio_storage::{IoOptions, RangeReader, ReadRequest, Result, StorageFile};
+
+/// The most bytes a fill left incomplete by its load fetches by itself when the file is
+/// dropped, to publish the entry anyway (a `.pt` load skips the zip's record headers and
+/// directory): at most this, and at most an eighth of the object.
+const MAX_GAP_FILL: u64 = 16 << 20;
+
+pub(crate) struct Filling {
+    inner: Box<dyn StorageFile>,
+    url: String,
+    tag: String,
+    slot: Slot,
+    cache: NodeCache,
+    part_path: PathBuf,
+    part: File,
+    state: Mutex<State>,
+}
+
+struct State {
+    covered: Ranges,
+    /// Published or abandoned: nothing more is written.
+    done: bool,
+    lock: Option<KeyLock>,
+}
+
+impl fmt::Debug for Filling {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Filling").field("inner", &self.inner).field("part", &self.part_path).finish_non_exhaustive()
+    }
+}
+
+impl Filling {
+    /// Starts filling `slot` from `inner` (whose lock the caller holds).
+    pub(crate) fn start(
+        inner: Box<dyn StorageFile>,
+        url: String,
+        tag: String,
+        slot: Slot,
+        cache: NodeCache,
+        mut lock: KeyLock,
+    ) -> std::result::Result<Filling, (Box<dyn StorageFile>, std::io::Error)> {
+        slot.remove_parts();
+        let part_path = slot.new_part();
+        let made = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&part_path)
+            .and_then(|part| Slot::announce(&mut lock, &part_path).map(|()| part));
+        let part = match made {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = std::fs::remove_file(&part_path);
+                return Err((inner, e));
+            }
+        };
+        crate::filling_here(&slot.key, true);
+        let f = Filling {
+            inner,
+            url,
+            tag,
+            slot,
+            cache,
+            part_path,
+            part,
+            state: Mutex::new(State { covered: Ranges::default(), done: false, lock: Some(lock) }),
+        };
+        if f.inner.is_empty() {
+            f.publish();
+        }
+        Ok(f)
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Writes bytes just read into the entry; the last missing ones publish it. A failure
+    /// (a full disk) abandons the entry, never the load.
+    fn record(&self, offset: u64, bytes: &[u8]) {
+        if bytes.is_empty() || self.state().done {
+            return;
+        }
+        if let Err(e) = self.part.write_all_at(bytes, offset) {
+            crate::warn(&self.cache, &format!("writing {}: {e}", self.part_path.display()));
+            self.abandon();
+            return;
+        }
+        crate::sys::start_writeback(&self.part, offset, bytes.len() as u64);
+        let complete = {
+            let mut st = self.state();
+            if st.done {
+                return;
+            }
+            st.covered.insert(offset, offset + bytes.len() as u64);
+            st.covered.covered() >= self.inner.len()
+        };
+        if complete {
+            self.publish();
+        }
+    }
+
+    /// Makes the entry durable and visible: data synced, description written, the part renamed
+    /// to the entry's name, the directory synced; then the key's lock is released.
+    fn publish(&self) {
+        let mut st = self.state();
+        if st.done {
+            return;
+        }
+        st.done = true;
+        let result = (|| -> std::io::Result<()> {
+            self.part.sync_data()?;
+            self.slot.write_meta(&self.url, &self.tag, self.inner.len())?;
+            std::fs::rename(&self.part_path, self.slot.data())?;
+            File::open(&self.slot.dir)?.sync_all()
+        })();
+        if let Err(e) = &result {
+            crate::warn(&self.cache, &format!("publishing {}: {e}", self.slot.data().display()));
+            let _ = std::fs::remove_file(&self.part_path);
+        }
+        st.lock.take();
+        crate::filling_here(&self.slot.key, false);
+        drop(st);
+        if result.is_ok() {
+            self.cache.enforce_limit(&self.slot.key);
+        }
+    }
+
+    fn abandon(&self) {
+        let mut st = self.state();
+        if st.done {
+            return;
+        }
+        st.done = true;
+        let _ = std::fs::remove_file(&self.part_path);
+        st.lock.take();
+        crate::filling_here(&self.slot.key, false);
+    }
+}
+
+impl Drop for Filling {
+    fn drop(&mut self) {
+        let gaps = {
+            let st = self.state();
+            if st.done {
+                return;
+            }
+            st.covered.gaps(self.inner.len())
+        };
+        let missing: u64 = gaps.iter().map(|(s, e)| e - s).sum();
+        if missing <= MAX_GAP_FILL.min(self.inner.len() / 8) {
+            let mut buf = Vec::new();
+            for (start, end) in gaps {
+                buf.resize((end - start) as usize, 0);
+                if self.inner.read_exact_at(start, &mut buf).is_err() {
+                    break;
+                }
+                self.record(start, &buf);
+            }
+        }
+        self.abandon();
+    }
+}
+
+struct Reader<'a> {
+    inner: Box<dyn RangeReader + 'a>,
+    file: &'a Filling,
+}
+
+impl RangeReader for Reader<'_> {
+    fn read_exact_at(&mut self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.inner.read_exact_at(offset, dst)?;
+        self.file.record(offset, dst);
+        Ok(())
+    }
+}
+
+impl StorageFile for Filling {
+    fn path(&self) -> &Path {
+        self.inner.path()
+    }
+
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+
+    fn reader(&self) -> Result<Box<dyn RangeReader + '_>> {
+        Ok(Box::new(Reader { inner: self.inner.reader()?, file: self }))
+    }
+
+    fn read_ranges(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<()> {
+        let user = opts.hook;
+        // The raw bytes go to the entry before the caller's hook decrypts or converts them.
+        let hook = |offset: u64, bytes: &mut [u8]| {
+            self.record(offset, bytes);
+            user.map_or(Ok(()), |h| h(offset, bytes))
+        };
+        self.inner.read_ranges(requests, &IoOptions { hook: Some(&hook), ..*opts })
+    }
+
+    fn requests_in_flight(&self) -> usize {
+        self.inner.requests_in_flight()
+    }
+
+    fn version(&self) -> Option<String> {
+        Some(self.tag.clone())
+    }
+}

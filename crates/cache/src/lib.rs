@@ -1,0 +1,310 @@
+//! turboio's node-local cache: a [`Storage`] wrapper that writes a remote object (an `s3://`,
+//! `gs://`, `az://` or `http(s)://` URL) through to a local file **while** it is loaded, so that
+//! the bytes fetched once serve both the load and the cache, and every later load of the same
+//! object version on the node is a local load (mapped, hot from the page cache).
+//!
+//! # Keys and versions
+//!
+//! An entry is keyed by the SHA-256 of the URL (query string and credentials removed), the
+//! object's length and its version tag (ETag, and version id where the store keeps versions;
+//! [`StorageFile::version`]). Every open asks the store for the current version first (one HEAD
+//! request, no bytes): a replaced object has a new key and is a miss; objects whose backend
+//! gives no version (local files, SFCS) pass through uncached.
+//!
+//! # Layout (`dir`)
+//!
+//! - `KEY.data`: a complete entry, the object's bytes. It appears only by `rename` after its
+//!   bytes and the directory have been synced (`fdatasync`, writeback started as the bytes
+//!   arrive), so a reader never sees a partial file, and nothing that looks complete is left by
+//!   a `kill -9` or a power loss.
+//! - `KEY.json`: what the entry holds (URL, version, length), for `turboio cache ls`.
+//! - `KEY.lock`: an exclusive `flock` held by the one process of the node fetching the key
+//!   (released by the kernel if that process dies); it names the fetch's part file.
+//! - `KEY.PID-N.part`: a fetch in progress.
+//!
+//! # One fetch per node
+//!
+//! A miss takes the key's lock. The process that gets it fetches (the load's own reads, each
+//! chunk also written to the part file on the thread that received it, before decryption or
+//! conversion). The others wait while that fetch makes progress and then load the published
+//! entry locally; if it stops writing for [`STALL`] (it died: its lock is gone; or it reads
+//! only part of the object and then idles), they load from the store without the cache. A
+//! load that reads only part of the object (a tensor subset, one rank's block) publishes
+//! nothing, unless what is missing is small (at most 16 MiB and an eighth of the object: a
+//! `.pt` file's zip records), which it then fetches when the file is closed.
+//!
+//! # Limits and eviction
+//!
+//! Entries are used most-recently-first: a hit sets the entry's modification time. Before a
+//! fill, least recently used entries are removed until the new object fits both the size limit
+//! ([`NodeCache::with_max_bytes`], `TURBOIO_CACHE_MAX_SIZE`) and the file system keeps 5% of its
+//! size free; an object that cannot fit is loaded without the cache. Removing an entry unlinks
+//! it: loads that have it open or mapped keep reading it.
+//!
+//! # Errors
+//!
+//! The cache never fails a load: a cache directory that cannot be written, a full disk or a
+//! failed rename is reported once per process on standard error and the load goes on from
+//! the store. Errors of the store itself are the store's.
+#![deny(missing_docs)]
+#![deny(unsafe_code)]
+
+mod entries;
+mod fill;
+mod ranges;
+#[allow(unsafe_code)]
+mod sys;
+
+pub use entries::{parse_size, Entry, NodeCache, PruneReport};
+
+use entries::{Locking, Slot};
+use std::collections::HashMap;
+use std::fmt;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
+use std::time::{Duration, Instant, SystemTime};
+use turboio_io_posix::PosixStorage;
+use turboio_storage::{
+    DeviceWriteRequest, IoOptions, RangeReader, ReadRequest, Result, Storage, StorageError, StorageFile, Version,
+    WriteSource,
+};
+
+/// The environment variable naming the cache directory (unset or empty: no cache).
+pub const ENV_DIR: &str = "TURBOIO_CACHE_DIR";
+/// The environment variable bounding its size (`500G`, `2TiB`, bytes).
+pub const ENV_MAX_SIZE: &str = "TURBOIO_CACHE_MAX_SIZE";
+/// How long a waiting process waits for a fetch of the same object that writes nothing.
+pub const STALL: Duration = Duration::from_secs(5);
+/// How often a waiting process looks at the fetch it waits for.
+const POLL: Duration = Duration::from_millis(10);
+
+/// A remote backend with a node-local cache in front of it. Reads go through the cache; saves,
+/// listings and removals go straight to the backend.
+#[derive(Clone)]
+pub struct CacheStorage {
+    inner: Arc<dyn Storage>,
+    cache: NodeCache,
+    local: PosixStorage,
+}
+
+impl fmt::Debug for CacheStorage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CacheStorage").field("inner", &self.inner).field("cache", &self.cache).finish()
+    }
+}
+
+impl CacheStorage {
+    /// `inner` with `cache` in front of it.
+    pub fn new(inner: Arc<dyn Storage>, cache: NodeCache) -> CacheStorage {
+        CacheStorage { inner, cache, local: PosixStorage::new() }
+    }
+
+    /// The cache.
+    pub fn cache(&self) -> &NodeCache {
+        &self.cache
+    }
+
+    /// The backend behind it.
+    pub fn inner(&self) -> &Arc<dyn Storage> {
+        &self.inner
+    }
+
+    /// The complete entry for `version` of `path`, opened, its use recorded; `None` on a miss.
+    fn hit(&self, path: &Path, slot: &Slot, version: &Version) -> Option<Box<dyn StorageFile>> {
+        let file = match self.local.open_posix(&slot.data()) {
+            Ok(f) => f,
+            Err(e) if e.is_not_found() => return None,
+            Err(e) => {
+                warn(&self.cache, &format!("opening {}: {e}", slot.data().display()));
+                return None;
+            }
+        };
+        if file.len() != version.len {
+            // Cannot be written by this crate (the length is part of the key): not ours to use.
+            warn(&self.cache, &format!("{} has {} bytes, not {}", slot.data().display(), file.len(), version.len));
+            return None;
+        }
+        if let Some(f) = file.local_file() {
+            let _ = f.set_modified(SystemTime::now());
+        }
+        Some(Box::new(Hit { url: path.to_owned(), tag: version.tag.clone(), file: Box::new(file) }))
+    }
+
+    fn open_through(&self, path: &Path, cancel: Option<&AtomicBool>) -> Result<Box<dyn StorageFile>> {
+        let Some(url) = path.to_str() else { return self.inner.open_cancellable(path, cancel) };
+        let Some(version) = self.inner.current_version(path)? else {
+            return self.inner.open_cancellable(path, cancel);
+        };
+        let slot = self.cache.slot(NodeCache::key(url, &version));
+        if let Some(f) = self.hit(path, &slot, &version) {
+            return Ok(f);
+        }
+        let mut last = (Instant::now(), None);
+        loop {
+            if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+                return Err(StorageError::Cancelled);
+            }
+            if filled_by_this_thread(&slot.key) {
+                // A second open of an object this thread is filling (waiting would wait on itself).
+                return self.inner.open_cancellable(path, cancel);
+            }
+            let lock = match slot.try_lock() {
+                Ok(Locking::Held(lock)) => lock,
+                Ok(Locking::Busy) => {
+                    // Another process (or thread) fetches it: wait while it makes progress.
+                    let progress = slot.progress();
+                    if progress != last.1 {
+                        last = (Instant::now(), progress);
+                    } else if last.0.elapsed() >= STALL {
+                        return self.inner.open_cancellable(path, cancel);
+                    }
+                    std::thread::sleep(POLL);
+                    if let Some(f) = self.hit(path, &slot, &version) {
+                        return Ok(f);
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    warn(&self.cache, &format!("locking an entry in {}: {e}", self.cache.dir().display()));
+                    return self.inner.open_cancellable(path, cancel);
+                }
+            };
+            if let Some(f) = self.hit(path, &slot, &version) {
+                return Ok(f);
+            }
+            let file = self.inner.open_cancellable(path, cancel)?;
+            let tag = file.version();
+            if tag.as_deref() != Some(version.tag.as_str()) || file.len() != version.len {
+                // Replaced between the HEAD and the GET: this load reads the new version uncached.
+                return Ok(file);
+            }
+            if !self.cache.make_room(version.len, &slot.key) {
+                return Ok(file);
+            }
+            let clean = entries::clean_url(url);
+            return match fill::Filling::start(file, clean, version.tag.clone(), slot, self.cache.clone(), lock) {
+                Ok(f) => Ok(Box::new(f)),
+                Err((file, e)) => {
+                    warn(&self.cache, &format!("starting an entry in {}: {e}", self.cache.dir().display()));
+                    Ok(file)
+                }
+            };
+        }
+    }
+}
+
+impl Storage for CacheStorage {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn open(&self, path: &Path) -> Result<Box<dyn StorageFile>> {
+        self.open_through(path, None)
+    }
+
+    fn open_cancellable(&self, path: &Path, cancel: Option<&AtomicBool>) -> Result<Box<dyn StorageFile>> {
+        self.open_through(path, cancel)
+    }
+
+    fn write_file(&self, path: &Path, source: &dyn WriteSource, opts: &IoOptions<'_>) -> Result<()> {
+        self.inner.write_file(path, source, opts)
+    }
+
+    fn writes_from_device(&self, kind: &str) -> bool {
+        self.inner.writes_from_device(kind)
+    }
+
+    fn write_file_from_device(
+        &self,
+        path: &Path,
+        source: &dyn WriteSource,
+        device: &[DeviceWriteRequest],
+        opts: &IoOptions<'_>,
+    ) -> Result<()> {
+        self.inner.write_file_from_device(path, source, device, opts)
+    }
+
+    fn list(&self, dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+        self.inner.list(dir)
+    }
+
+    fn remove_file(&self, path: &Path) -> Result<()> {
+        self.inner.remove_file(path)
+    }
+
+    fn current_version(&self, path: &Path) -> Result<Option<Version>> {
+        self.inner.current_version(path)
+    }
+}
+
+/// A complete entry, read as a local file under the object's URL.
+#[derive(Debug)]
+struct Hit {
+    url: std::path::PathBuf,
+    tag: String,
+    file: Box<dyn StorageFile>,
+}
+
+impl StorageFile for Hit {
+    fn path(&self) -> &Path {
+        &self.url
+    }
+
+    fn len(&self) -> u64 {
+        self.file.len()
+    }
+
+    fn reader(&self) -> Result<Box<dyn RangeReader + '_>> {
+        self.file.reader()
+    }
+
+    fn read_exact_at(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.file.read_exact_at(offset, dst)
+    }
+
+    fn read_ranges(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<()> {
+        self.file.read_ranges(requests, opts)
+    }
+
+    fn local_file(&self) -> Option<&std::fs::File> {
+        self.file.local_file()
+    }
+
+    fn cached_fraction(&self) -> Option<f64> {
+        self.file.cached_fraction()
+    }
+
+    fn version(&self) -> Option<String> {
+        Some(self.tag.clone())
+    }
+}
+
+/// Keys being filled by this process, and by which thread.
+fn fills() -> std::sync::MutexGuard<'static, HashMap<String, ThreadId>> {
+    static FILLS: std::sync::OnceLock<Mutex<HashMap<String, ThreadId>>> = std::sync::OnceLock::new();
+    FILLS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn filled_by_this_thread(key: &str) -> bool {
+    fills().get(key) == Some(&std::thread::current().id())
+}
+
+pub(crate) fn filling_here(key: &str, on: bool) {
+    if on {
+        fills().insert(key.to_owned(), std::thread::current().id());
+    } else {
+        fills().remove(key);
+    }
+}
+
+/// Reports a cache problem once per process and directory (the load goes on without it).
+pub(crate) fn warn(cache: &NodeCache, what: &str) {
+    static SEEN: Mutex<Vec<std::path::PathBuf>> = Mutex::new(Vec::new());
+    let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
+    if !seen.iter().any(|d| d == cache.dir()) {
+        seen.push(cache.dir().to_owned());
+        eprintln!("turboio: node cache {}: {what}; loading without it", cache.dir().display());
+    }
+}
