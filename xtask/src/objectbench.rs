@@ -71,10 +71,19 @@ enum Loader {
     /// The same GETs, each body copied into one fresh buffer as it arrives: the least any
     /// loader that returns the bytes must do (write them into memory it just allocated).
     CeilingKept(usize),
+    /// turboio with an empty node cache (`TURBOIO_CACHE_DIR`): the load fills it.
+    TurboCacheCold,
+    /// turboio with the node cache holding the objects (filled once before the runs).
+    TurboCacheWarm,
+    /// turboio loading the same bytes from local files (the server's own copies, hot).
+    LocalFile,
 }
 
-const LOADERS: [Loader; 7] = [
+const LOADERS: [Loader; 10] = [
     Loader::Turbo,
+    Loader::TurboCacheCold,
+    Loader::TurboCacheWarm,
+    Loader::LocalFile,
     Loader::RunaiDefault,
     Loader::RunaiTuned,
     Loader::Boto3,
@@ -98,13 +107,17 @@ impl Loader {
             Loader::CeilingKept(n) => {
                 format!("ceiling that keeps the bytes: the same GETs, {n} in flight, copied into one fresh buffer")
             }
+            Loader::TurboCacheCold => "turboio, node cache empty (the load fills it)".into(),
+            Loader::TurboCacheWarm => "turboio, node cache holding the objects".into(),
+            Loader::LocalFile => "turboio from local files (the same bytes, in the page cache)".into(),
         }
     }
 
     /// The name the child script knows (None: measured here).
     fn script_name(self) -> Option<&'static str> {
         match self {
-            Loader::Turbo => Some("turboio"),
+            Loader::Turbo | Loader::TurboCacheCold | Loader::TurboCacheWarm => Some("turboio"),
+            Loader::LocalFile => Some("local"),
             Loader::RunaiDefault | Loader::RunaiTuned => Some("runai"),
             Loader::Boto3 => Some("boto3"),
             Loader::Ceiling(_) | Loader::CeilingKept(_) => None,
@@ -570,6 +583,11 @@ struct Setup<'a> {
     objects: [Vec<(Key, u64)>; 2],
     /// The server's copies, warmed before every run.
     stored: [Vec<PathBuf>; 2],
+    /// The local file and the local model directory (the bench's own, uploaded from).
+    local: [PathBuf; 2],
+    /// Node caches: filled by each run (emptied before it), and filled once.
+    cache_cold: PathBuf,
+    cache_warm: PathBuf,
     runs: usize,
     trials: &'static [usize],
 }
@@ -621,7 +639,20 @@ impl Setup<'_> {
             env.push(("RUNAI_STREAMER_CONCURRENCY".into(), c.to_string()));
             env.push(("RUNAI_STREAMER_OBJ_CONCURRENCY".into(), c.to_string()));
         }
-        let args = if target == 0 {
+        match loader {
+            Loader::TurboCacheCold => {
+                let _ = std::fs::remove_dir_all(&self.cache_cold);
+                env.push(("TURBOIO_CACHE_DIR".into(), self.cache_cold.display().to_string()));
+            }
+            Loader::TurboCacheWarm => {
+                env.push(("TURBOIO_CACHE_DIR".into(), self.cache_warm.display().to_string()));
+            }
+            _ => {}
+        }
+        let args = if loader == Loader::LocalFile {
+            warm(&self.local[target]).map_err(|e| e.to_string())?;
+            vec!["--url".to_owned(), self.local[target].display().to_string()]
+        } else if target == 0 {
             vec!["--url".to_owned(), self.file_url.clone()]
         } else {
             vec!["--url".to_owned(), self.model_url.clone(), "--shards".to_owned(), self.shard_urls.clone()]
@@ -638,7 +669,9 @@ impl Setup<'_> {
                 note: String::new(),
                 cells: [Cell::default(), Cell::default()],
                 skipped: match loader {
-                    Loader::Turbo => self.skip_turbo.clone(),
+                    Loader::Turbo | Loader::TurboCacheCold | Loader::TurboCacheWarm | Loader::LocalFile => {
+                        self.skip_turbo.clone()
+                    }
                     Loader::RunaiDefault | Loader::RunaiTuned => self.skip_runai.clone(),
                     Loader::Boto3 => self.skip_boto3.clone(),
                     Loader::Ceiling(_) | Loader::CeilingKept(_) => None,
@@ -673,6 +706,14 @@ impl Setup<'_> {
                 }
             }
             rows[tuned_at].note = format!("concurrency chosen: {}", notes.join("; "));
+        }
+        // The warm cache's entries, filled once (untimed).
+        for (target, what) in TARGETS.iter().enumerate() {
+            if self.skip_turbo.is_none() {
+                if let Err(e) = self.run_once(Loader::TurboCacheWarm, target, port, None) {
+                    eprintln!("  filling the warm node cache ({what}) failed: {e}");
+                }
+            }
         }
         let items: Vec<(usize, usize)> = (0..LOADERS.len()).flat_map(|i| [(i, 0), (i, 1)]).collect();
         for r in 0..self.runs {
@@ -823,6 +864,9 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
         ],
         runs,
         trials: if quick { &RUNAI_TRIALS[1..2] } else { &RUNAI_TRIALS },
+        local: [file.clone(), model.clone()],
+        cache_cold: tmp.join("node-cache-cold"),
+        cache_warm: tmp.join("node-cache-warm"),
     };
 
     eprintln!("object rows, no added latency, {runs} runs ...");
@@ -886,6 +930,19 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
                 format!("{lat}, {what}: (limit) the ceiling itself vs boto3 download + load_file"),
                 boto3.zip(ceiling).map(|(b, c)| b / c),
                 1.5,
+            ));
+            // The node cache: a cold load that fills it within 1.1x of one without it, a warm
+            // one within 1.2x of a local file (ratios as "faster is higher": 1/1.1, 1/1.2).
+            let time = |l| find(t, l).and_then(|r| r.time(target));
+            checks.push((
+                format!("{lat}, {what}: turboio without the cache vs with an empty cache it fills"),
+                time(Loader::Turbo).zip(time(Loader::TurboCacheCold)).map(|(a, b)| a / b),
+                1.0 / 1.1,
+            ));
+            checks.push((
+                format!("{lat}, {what}: a local file vs turboio with a warm node cache"),
+                time(Loader::LocalFile).zip(time(Loader::TurboCacheWarm)).map(|(a, b)| a / b),
+                1.0 / 1.2,
             ));
         }
     }

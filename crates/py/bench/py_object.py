@@ -11,12 +11,14 @@ Loaders (`--loader`):
   "runai"    Run:ai Model Streamer: `SafetensorsStreamer().stream_files(urls)` and every tensor
              of `get_tensors()` kept (owned tensors); its concurrency comes from the environment
              (RUNAI_STREAMER_CONCURRENCY) as the bench sets it;
+  "local"    `turboio.load(path)` / `turboio.load_model(dir)` of local files (`--url` is a path);
   "boto3"    `boto3` `download_file` of each object to a temporary file under `--tmp`, then
              `safetensors.torch.load_file` (download and load timed together; the file is
              deleted afterwards, untimed).
 
 The endpoint and credentials come from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
-AWS_SECRET_ACCESS_KEY, AWS_REGION), set by the bench. Prints one JSON line:
+AWS_SECRET_ACCESS_KEY, AWS_REGION), set by the bench, as is the node cache (TURBOIO_CACHE_DIR)
+for the cache rows. Prints one JSON line:
 {"load_s", "touch_s", "bytes", "tensors", "peak_rss_bytes"}.
 """
 
@@ -46,7 +48,7 @@ def split_url(url):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--loader", required=True, choices=["turboio", "runai", "boto3"])
+    p.add_argument("--loader", required=True, choices=["turboio", "local", "runai", "boto3"])
     p.add_argument("--target", required=True, choices=["file", "model"])
     p.add_argument("--url", required=True, help="the file's URL, or the model's key prefix")
     p.add_argument("--shards", default="", help="the model's shard URLs, comma-separated")
@@ -55,10 +57,10 @@ def main():
     import torch  # noqa: F401  (imported before timing: every loader needs it)
 
     urls = [a.url] if a.target == "file" else [u for u in a.shards.split(",") if u]
-    if a.loader == "turboio":
+    if a.loader in ("turboio", "local"):
         import turboio
 
-        opts = storage_options()
+        opts = storage_options() if a.loader == "turboio" else None
     elif a.loader == "runai":
         from runai_model_streamer import SafetensorsStreamer
     else:
@@ -74,7 +76,7 @@ def main():
         )
     tmp_files = []
     t0 = time.perf_counter()
-    if a.loader == "turboio":
+    if a.loader in ("turboio", "local"):
         if a.target == "file":
             sd = turboio.load(a.url, storage_options=opts)
         else:

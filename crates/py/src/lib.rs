@@ -168,10 +168,39 @@ struct PyObjectStorage {
 
 #[pymethods]
 impl PyObjectStorage {
+    /// `cache_dir` puts a node-local cache in front of it (else `TURBOIO_CACHE_DIR`, if set);
+    /// `cache_max_size` bounds it in bytes (else `TURBOIO_CACHE_MAX_SIZE`).
     #[new]
-    fn new(options: BTreeMap<String, String>) -> PyResult<Self> {
-        let options = turboio::object::ObjectOptions::from_pairs(options).map_err(PyValueError::new_err)?;
-        Ok(PyObjectStorage { inner: Arc::new(turboio::object::ObjectStorage::new(options)) })
+    #[pyo3(signature = (options, cache_dir=None, cache_max_size=None))]
+    fn new(
+        options: BTreeMap<String, String>,
+        cache_dir: Option<std::path::PathBuf>,
+        cache_max_size: Option<u64>,
+    ) -> PyResult<Self> {
+        let object: Arc<dyn turboio::storage::Storage> = if options.is_empty() {
+            // The environment's backend: its connections are shared with every other call.
+            Arc::new(turboio::object::ObjectStorage::global())
+        } else {
+            let options = turboio::object::ObjectOptions::from_pairs(options).map_err(PyValueError::new_err)?;
+            Arc::new(turboio::object::ObjectStorage::new(options))
+        };
+        let env = turboio::cache::NodeCache::from_env().map_err(PyValueError::new_err)?;
+        let inner: Arc<dyn turboio::storage::Storage> = match (cache_dir, env) {
+            (Some(dir), env) => {
+                let max = cache_max_size.or(env.and_then(|c| c.max_bytes()));
+                Arc::new(turboio::cache::CacheStorage::new(
+                    object,
+                    turboio::cache::NodeCache::new(dir).with_max_bytes(max),
+                ))
+            }
+            (None, Some(env)) => {
+                let max = cache_max_size.or(env.max_bytes());
+                let cache = env.with_max_bytes(max);
+                Arc::new(turboio::cache::CacheStorage::new(object, cache))
+            }
+            (None, None) => object,
+        };
+        Ok(PyObjectStorage { inner })
     }
 
     fn __repr__(&self) -> String {

@@ -48,6 +48,12 @@ class Server:
 
         urllib.request.urlopen(urllib.request.Request(self.endpoint + "/__faults", data=body.encode(), method="POST")).read()
 
+    def stats(self):
+        import json
+        import urllib.request
+
+        return json.loads(urllib.request.urlopen(self.endpoint + "/__stats").read())
+
     def get(self, bucket, key):
         return self.client.get_object(Bucket=bucket, Key=key)["Body"].read()
 
@@ -186,3 +192,106 @@ def test_throttling_and_cut_bodies_are_retried(s3):
         finally:
             s3.faults("{}")
         assert all(same(got[k], sd[k]) for k in sd), faults
+
+
+def _entries(cache_dir):
+    return sorted(p.name for p in cache_dir.iterdir() if p.name.endswith(".data"))
+
+
+def test_the_node_cache_serves_every_load_api_locally(s3, tmp, monkeypatch):
+    sd = big_dict(3)
+    opts = s3.options
+    turboio.save_file(sd, "s3://pyobj/cached.safetensors", storage_options=opts)
+    turboio.save_model_dir(sd, "s3://models/cached", max_shard_size="8MB", storage_options=opts)
+    size = len(s3.get("pyobj", "cached.safetensors"))
+    cache = tmp / "node-cache"
+
+    s3.faults("{}")
+    got = turboio.load("s3://pyobj/cached.safetensors", storage_options=opts, cache_dir=cache)
+    assert all(same(got[k], sd[k]) for k in sd)
+    assert s3.stats()["get_bytes"] >= size
+    assert len(_entries(cache)) == 1
+    del got
+
+    # Warm: no byte from the server, through every load API.
+    s3.faults("{}")
+    got = turboio.load("s3://pyobj/cached.safetensors", storage_options=opts, cache_dir=cache)
+    assert all(same(got[k], sd[k]) for k in sd)
+    got = tt.load_file("s3://pyobj/cached.safetensors", storage_options=opts, cache_dir=cache)
+    assert all(same(got[k], sd[k]) for k in sd)
+    with tt.safe_open("s3://pyobj/cached.safetensors", framework="pt", storage_options=opts, cache_dir=cache) as f:
+        assert same(f.get_tensor("big.bf16"), sd["big.bf16"])
+    assert s3.stats()["get_bytes"] == 0, s3.stats()
+
+    # Models: the first load fills one entry per shard, the next reads none from the server.
+    model = turboio.load_model("s3://models/cached", storage_options=opts, cache_dir=cache)
+    assert set(model) == set(sd) and all(same(model[k], sd[k]) for k in sd)
+    shards = len(_entries(cache)) - 1
+    assert shards >= 2
+    s3.faults("{}")
+    model = dict(turboio.iter_weights("s3://models/cached", storage_options=opts, cache_dir=cache))
+    assert all(same(model[k], sd[k]) for k in sd)
+    assert turboio.load_model("s3://models/cached", storage_options=opts, cache_dir=cache).keys() == sd.keys()
+    assert s3.stats()["get_bytes"] < 64 << 10, s3.stats()  # the index only (it is not cached: small)
+
+    # From the environment, with the environment's credentials.
+    monkeypatch.setenv("TURBOIO_CACHE_DIR", str(cache))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    s3.faults("{}")
+    got = turboio.load("s3://pyobj/cached.safetensors")
+    assert all(same(got[k], sd[k]) for k in sd)
+    assert s3.stats()["get_bytes"] == 0
+
+    # A new version of the object is a miss, and the load returns the new tensors.
+    sd2 = big_dict(4)
+    turboio.save_file(sd2, "s3://pyobj/cached.safetensors", storage_options=opts)
+    got = turboio.load("s3://pyobj/cached.safetensors", storage_options=opts, cache_dir=cache)
+    assert all(same(got[k], sd2[k]) for k in sd2)
+    monkeypatch.setenv("TURBOIO_CACHE_MAX_SIZE", "a lot")
+    with pytest.raises(ValueError, match="TURBOIO_CACHE_MAX_SIZE"):
+        turboio.load("s3://pyobj/cached.safetensors", storage_options=opts)
+
+
+_KILLED_LOAD = """
+import sys, torch, turboio
+print("started", flush=True)
+turboio.load(sys.argv[1], storage_options=eval(sys.argv[2]), cache_dir=sys.argv[3])
+print("done", flush=True)
+"""
+
+
+def test_loads_killed_at_random_points_leave_a_usable_cache(s3, tmp):
+    import random
+    import time
+
+    sd = {"w": torch.randn(16 * 1024 * 1024, generator=torch.Generator().manual_seed(5))}
+    turboio.save_file(sd, "s3://pyobj/killed.safetensors", storage_options=s3.options)
+    body = s3.get("pyobj", "killed.safetensors")
+    cache = tmp / "killed-cache"
+    rng = random.Random(11)
+    cut = parts = 0
+    for _ in range(5):
+        p = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_LOAD, "s3://pyobj/killed.safetensors", repr(s3.options), str(cache)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert p.stdout.readline().strip() == "started"
+        time.sleep(rng.uniform(0.0, 0.6))  # a random point of the load, not a timing assertion
+        p.kill()
+        p.wait()
+        entries = _entries(cache) if cache.exists() else []
+        cut += not entries
+        parts += cache.exists() and any(n.endswith(".part") for n in os.listdir(cache))
+        for name in entries:  # anything published is the whole object
+            assert (cache / name).read_bytes() == body
+        got = turboio.load("s3://pyobj/killed.safetensors", storage_options=s3.options, cache_dir=cache)
+        assert same(got["w"], sd["w"])
+        assert _entries(cache) and (cache / _entries(cache)[0]).read_bytes() == body
+        for name in os.listdir(cache):
+            if name.endswith(".data") or name.endswith(".json"):
+                os.remove(cache / name)
+    print(f"{cut} of 5 kills landed before the entry was published, {parts} during the fetch")

@@ -37,13 +37,20 @@ def test_files_follow_the_index_and_ignore_strays(tmp):
 
 
 def test_options_are_checked():
-    assert vllm_plugin.loader_options(None) == {"num_threads": 0, "cache": "auto", "mode": "auto", "storage_options": None}
+    assert vllm_plugin.loader_options(None) == {
+        "num_threads": 0,
+        "cache": "auto",
+        "mode": "auto",
+        "storage_options": None,
+        "cache_dir": None,
+    }
     assert vllm_plugin.loader_options({"num_threads": 4, "cache": "keep"})["num_threads"] == 4
     for bad, msg in [
         ({"num_thread": 4}, "unknown option"),
         ({"cache": "never"}, "cache must"),
         ({"num_threads": "4"}, "must be a int"),
         ({"storage_options": "endpoint=x"}, "storage_options must be a dict"),
+        ({"cache_dir": 3}, "cache_dir must be a str"),
     ]:
         with pytest.raises(ValueError, match=msg):
             vllm_plugin.loader_options(bad)
@@ -111,11 +118,14 @@ def test_object_store_models_are_read_in_place(tmp):
         url = "s3://vllm-models/llama"
         config = types.SimpleNamespace(model=str(tmp), model_weights=url, revision=None)
         assert vllm_plugin._local_dir(config) == url
-        options = vllm_plugin.loader_options({"storage_options": server.options})
-        got = dict(vllm_plugin.weights_iterator(url, options))
-        assert got.keys() == ref.keys(), "the index's shards, not the stray file"
-        for k, v in ref.items():
-            assert torch.equal(got[k], v), k
+        cache = tmp / "node-cache"
+        options = vllm_plugin.loader_options({"storage_options": server.options, "cache_dir": str(cache)})
+        for _ in range(2):  # the second time from the node cache
+            got = dict(vllm_plugin.weights_iterator(url, options))
+            assert got.keys() == ref.keys(), "the index's shards, not the stray file"
+            for k, v in ref.items():
+                assert torch.equal(got[k], v), k
+        assert any(p.name.endswith(".data") for p in cache.iterdir()), "the shards went through the cache"
     finally:
         server.stop()
 

@@ -162,6 +162,7 @@ def load(
     unsafe_pickle_fallback=False,
     dtype=None,
     storage_options=None,
+    cache_dir=None,
 ):
     """Loads a safetensors or torch `.pt` file (detected by content) into a dict of tensors.
 
@@ -211,7 +212,10 @@ def load(
     load's memory, pinned to the object's version. Credentials and endpoints come from the
     environment (`AWS_*`, `GOOGLE_*`, `AZURE_*`) or from `storage_options` (a turboio extension:
     `{"endpoint": ..., "region": ..., "access_key_id": ..., "secret_access_key": ...,
-    "concurrency": 16, "part_size": "8MiB", "max_bandwidth": "500MB"}`).
+    "concurrency": 16, "part_size": "8MiB", "max_bandwidth": "500MB"}`). `cache_dir` (a turboio
+    extension; default `TURBOIO_CACHE_DIR`) is a node-local cache for such URLs: the first load
+    of an object version writes it through to a local file there while loading it; later loads
+    of that version are local loads; processes loading it at the same time fetch it once.
     """
     import torch
 
@@ -228,7 +232,7 @@ def load(
     device = _cuda.target(map_location)
     cache = _cache_policy(use_direct_io, cache)
     n = _threads(num_thread)
-    storage = _remote.storage(path, storage_options)
+    storage = _remote.storage(path, storage_options, cache_dir)
     if not _is_remote(path) and not _os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
     if _kind(path, cipher, storage) == "torch":

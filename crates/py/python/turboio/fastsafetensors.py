@@ -318,11 +318,14 @@ class SafeTensorsFileLoader:
         framework="pytorch",
         shard_mode="collectives",
         storage_options=None,
+        cache_dir=None,
         **kwargs,
     ):
         """`storage_options` (a turboio extension) configures the object-store backend for
         `s3://`, `gs://`, `az://` and `https://` files (as for `turboio.load`); without it the
-        environment does. Direct mode then fetches only this rank's byte ranges."""
+        environment does. Direct mode then fetches only this rank's byte ranges. `cache_dir`
+        (default `TURBOIO_CACHE_DIR`) is the node-local cache, as for `turboio.load`: files this
+        loader reads whole are kept there."""
         if shard_mode not in ("collectives", "direct"):
             raise ValueError(f"shard_mode must be 'collectives' or 'direct', not {shard_mode!r}")
         self.shard_mode = shard_mode
@@ -336,13 +339,14 @@ class SafeTensorsFileLoader:
         self.meta = {}  # filename -> (metadata, rank)
         self._headers = {}
         self._storage_options = storage_options
+        self._cache_dir = cache_dir
         self._storage = {}  # filename -> object-store backend (URLs with storage_options)
 
     def add_filenames(self, filenames):
         for rank, files in filenames.items():
             for f in files:
                 path = os.fspath(f)
-                storage = _remote.storage(path, self._storage_options)
+                storage = _remote.storage(path, self._storage_options, self._cache_dir)
                 if storage is not None:
                     self._storage[path] = storage
                 data_start, _, metadata, infos = _turboio.read_header(path, storage=storage)

@@ -44,6 +44,7 @@ def load_model(
     use_cipher=False,
     dtype=None,
     storage_options=None,
+    cache_dir=None,
 ):
     """Loads a whole model into a dict of tensors: `path` is a safetensors file, a directory of
     shards (with or without `model.safetensors.index.json`), or the index JSON itself.
@@ -61,7 +62,7 @@ def load_model(
 
     `path` may be an object-store URL: `s3://bucket/models/llama` is the model under that key
     prefix (its index, else every `*.safetensors` object directly under it); `storage_options`
-    as for `turboio.load`.
+    and `cache_dir` (the node-local cache) as for `turboio.load`.
     """
     import torch
 
@@ -80,7 +81,7 @@ def load_model(
         cache=cache,
         cipher=bool(use_cipher),
         dtype=load_dtype(dtype),
-        storage=_remote.storage(path, storage_options),
+        storage=_remote.storage(path, storage_options, cache_dir),
     )
     out = {}
     for loaded in shards:
@@ -142,16 +143,17 @@ def save_model_dir(
     return index
 
 
-def iter_weights(files_or_dir, device="cpu", *, storage_options=None):
+def iter_weights(files_or_dir, device="cpu", *, storage_options=None, cache_dir=None):
     """Yields `(name, tensor)` for every tensor of a model directory (or index JSON) or of a list
     of safetensors files, shard by shard, in the shape of vLLM's safetensors weight iterators.
     Each tensor owns a reference to its shard's memory, so it stays valid after the iterator
     moves on (and that memory is freed when the last tensor of the shard is dropped). Paths may
-    be object-store URLs (`storage_options` as for `turboio.load`)."""
+    be object-store URLs (`storage_options` and `cache_dir` as for `turboio.load`)."""
     import torch
 
     dev = torch.device(device)
     for path in _paths(files_or_dir):
-        for loaded in _turboio.load_model(path, threads=threads(0), storage=_remote.storage(path, storage_options)):
+        storage = _remote.storage(path, storage_options, cache_dir)
+        for loaded in _turboio.load_model(path, threads=threads(0), storage=storage):
             for name, t in tensors_of(loaded).items():
                 yield name, (t if dev.type == "cpu" else t.to(dev))

@@ -55,9 +55,9 @@ def _check_device(device):
     return _cuda.target(device)
 
 
-def _load(filename, mode="auto", device="cpu", storage_options=None):
+def _load(filename, mode="auto", device="cpu", storage_options=None, cache_dir=None):
     path = os.fspath(filename)
-    storage = _remote.storage(path, storage_options)
+    storage = _remote.storage(path, storage_options, cache_dir)
     try:
         return _turboio.load(path, mode=mode, device=device, gds=_cuda.gds_setting(), storage=storage)
     except FileNotFoundError:
@@ -66,13 +66,13 @@ def _load(filename, mode="auto", device="cpu", storage_options=None):
         raise _error(e, "deserializing header") from None
 
 
-def load_file(filename, device="cpu", *, storage_options=None):
+def load_file(filename, device="cpu", *, storage_options=None, cache_dir=None):
     """Loads a safetensors file into a dict of tensors (zero-copy views of one load), on the CPU
     or straight into a GPU (`device="cuda:N"`, or an int). `filename` may be an object-store
     URL (`s3://...`, `gs://...`, `az://...`, `https://...`; `storage_options`, a turboio
-    extension, as for `turboio.load`)."""
+    extension, as for `turboio.load`; `cache_dir`, the node-local cache, too)."""
     dev = _check_device(device)
-    return tensors_of(_load(filename, device=dev, storage_options=storage_options), aliases=False)
+    return tensors_of(_load(filename, device=dev, storage_options=storage_options, cache_dir=cache_dir), aliases=False)
 
 
 def save_file(tensors, filename, metadata=None, *, blocking=True, storage_options=None, reuse_blocks=False):
@@ -217,7 +217,7 @@ class safe_open:
     `get_slice(name)[...]` reads just the byte ranges of the slice.
     """
 
-    def __init__(self, filename, framework="pt", device="cpu", *, storage_options=None):
+    def __init__(self, filename, framework="pt", device="cpu", *, storage_options=None, cache_dir=None):
         if framework not in _FRAMEWORKS:
             raise SafetensorError(f"framework {framework} is invalid (turboio.torch supports pt)")
         self._device = _check_device(device)
@@ -226,7 +226,8 @@ class safe_open:
         if not remote and not os.path.exists(self._path):
             raise FileNotFoundError(f"No such file or directory: {self._path}")
         # Lazy loads map a local file; sfcs:// files and object-store URLs are copied.
-        self._loaded = _load(self._path, mode="copied" if remote else "lazy", storage_options=storage_options)
+        mode = "copied" if remote else "lazy"
+        self._loaded = _load(self._path, mode=mode, storage_options=storage_options, cache_dir=cache_dir)
         self._infos = {n: (d, s, b, e) for n, d, s, b, e in self._loaded.infos()}
         self._order = [n for n, *_ in self._loaded.infos()]
         self._tensors = None

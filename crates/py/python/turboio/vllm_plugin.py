@@ -29,7 +29,7 @@ import json
 import os
 
 INDEX = "model.safetensors.index.json"
-OPTIONS = {"num_threads": int, "cache": str, "mode": str, "storage_options": dict}
+OPTIONS = {"num_threads": int, "cache": str, "mode": str, "storage_options": dict, "cache_dir": str}
 
 
 def weight_files(model_dir):
@@ -70,6 +70,7 @@ def loader_options(extra_config):
         "cache": extra.get("cache", "auto"),
         "mode": extra.get("mode", "auto"),
         "storage_options": extra.get("storage_options"),
+        "cache_dir": extra.get("cache_dir"),
     }
 
 
@@ -79,7 +80,7 @@ def weights_iterator(model_dir, options):
     from . import _remote, _turboio
     from ._torch import tensors_of, threads
 
-    storage = _remote.storage(model_dir, options.get("storage_options"))
+    storage = _remote.storage(model_dir, options.get("storage_options"), options.get("cache_dir"))
     index = os.path.join(model_dir, INDEX)
     if _remote.is_remote(model_dir) or os.path.isfile(index):
         # One job: the index (or, for a prefix without one, every *.safetensors object under it).
