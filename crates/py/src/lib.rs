@@ -1031,6 +1031,48 @@ fn read_all<'py>(
     Ok(PyBytes::new(py, &data))
 }
 
+/// A model's files without reading any shard: `(index or None, [shard paths], {tensor: shard
+/// position} or None)`, as `load_model` finds them (a directory, an index JSON, a file, or an
+/// object-store key prefix).
+#[pyfunction]
+#[pyo3(signature = (path, storage=None))]
+#[allow(clippy::type_complexity)]
+fn _model_files(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    storage: Option<&PyObjectStorage>,
+) -> PyResult<(Option<String>, Vec<String>, Option<BTreeMap<String, usize>>)> {
+    let storage = storage_arg(storage);
+    let cancel = Arc::new(AtomicBool::new(false));
+    let files = interruptible(py, &cancel, None, || turboio::ModelFiles::resolve_in(&path, storage.as_ref()))?;
+    let text = |p: &std::path::Path| p.to_string_lossy().into_owned();
+    Ok((files.index.as_deref().map(text), files.shards.iter().map(|p| text(p)).collect(), files.weight_map))
+}
+
+/// A file's length without reading it: a local file's size, an object's from a HEAD request.
+#[pyfunction]
+#[pyo3(signature = (path, storage=None))]
+fn _file_len(py: Python<'_>, path: std::path::PathBuf, storage: Option<&PyObjectStorage>) -> PyResult<u64> {
+    let storage = storage_arg(storage);
+    let cancel = Arc::new(AtomicBool::new(false));
+    interruptible(py, &cancel, None, || {
+        let (default, _) = turboio::storage_for(&path)?;
+        let s = storage.filter(|_| turboio::object::is_object_url(&path)).unwrap_or(default);
+        match s.current_version(&path)? {
+            Some(v) => Ok(v.len),
+            None => Ok(s.open(&path)?.len()),
+        }
+    })
+}
+
+/// Validates a safetensors header from the file's first bytes (at least `8 + N`) and its
+/// length; same result as `read_header`.
+#[pyfunction]
+fn parse_header(prefix: &[u8], file_len: u64) -> PyResult<HeaderInfo> {
+    let h = Header::parse(prefix, file_len).map_err(|e: FormatError| PyValueError::new_err(e.to_string()))?;
+    Ok(header_info(&h))
+}
+
 /// Validates a whole safetensors file held in memory; same result as `read_header`.
 #[pyfunction]
 fn parse_bytes(data: &[u8]) -> PyResult<HeaderInfo> {
@@ -1439,6 +1481,9 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_save_model_dir, m)?)?;
     m.add_function(wrap_pyfunction!(parse_shard_size, m)?)?;
     m.add_function(wrap_pyfunction!(read_header, m)?)?;
+    m.add_function(wrap_pyfunction!(_model_files, m)?)?;
+    m.add_function(wrap_pyfunction!(_file_len, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_header, m)?)?;
     m.add_function(wrap_pyfunction!(file_kind, m)?)?;
     m.add_function(wrap_pyfunction!(read_all, m)?)?;
     m.add_function(wrap_pyfunction!(write_file, m)?)?;

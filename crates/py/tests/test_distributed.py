@@ -128,3 +128,89 @@ def test_sharding_from_object_storage(tmp, monkeypatch):
             assert 0 < direct <= res["direct"]["bound"], (r, res)
     finally:
         server.stop()
+
+
+def big_model():
+    g = torch.Generator().manual_seed(7)
+    return {
+        "embed": torch.randn(1024, 1024, generator=g),
+        "layers.0.w": torch.randn(1024, 768, generator=g).to(torch.bfloat16),
+        "layers.0.b": torch.randn(768, generator=g).to(torch.float16),
+        "layers.1.w": torch.randn(900, 1000, generator=g),
+        "layers.1.i": torch.arange(5000, dtype=torch.int64),
+        "head": torch.randn(1000, 1024, generator=g),
+        "empty": torch.empty(0, 3),
+    }
+
+
+def once_worker(rank, world, d, url, options):
+    import turboio
+
+    dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=rank, world_size=world)
+    ref = big_model()
+    got = turboio.load_model(url, process_group=dist.group.WORLD, fetch="once", storage_options=options)
+    assert got.keys() == ref.keys(), sorted(got)
+    for k, v in ref.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), (rank, k)
+    report = turboio.fetch_report()
+    # dtype= after the exchange; a missing model fails on every rank with the same error.
+    bf = turboio.load_model(url, process_group=dist.group.WORLD, fetch="once", storage_options=options, dtype="bfloat16")
+    assert torch.equal(bf["embed"], ref["embed"].bfloat16()) and bf["layers.1.i"].dtype == torch.int64
+    try:
+        turboio.load_model(url + "-missing", process_group=dist.group.WORLD, fetch="once", storage_options=options)
+        missing = "loaded"
+    except (FileNotFoundError, ValueError) as e:
+        missing = str(e)
+    with open(f"{d}/once{rank}.json", "w") as f:
+        json.dump({"report": report, "missing": missing}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fetch_once_replicates_a_model_and_the_store_serves_it_once(tmp, world):
+    pytest.importorskip("moto")
+    import turboio
+    from test_object import Server
+
+    server = Server()
+    try:
+        bucket = f"once{world}"
+        server.client.create_bucket(Bucket=bucket)
+        url = f"s3://{bucket}/model"
+        turboio.save_model_dir(big_model(), url, max_shard_size="6MB", storage_options=server.options)
+        objects = server.client.list_objects_v2(Bucket=bucket, Prefix="model/")["Contents"]
+        shard_bytes = sum(o["Size"] for o in objects if o["Key"].endswith(".safetensors"))
+        index_bytes = sum(o["Size"] for o in objects if o["Key"].endswith(".json"))
+        assert sum(o["Key"].endswith(".safetensors") for o in objects) >= 3
+        d = tmp / f"once{world}"
+        d.mkdir()
+        server.faults("{}")
+        mp.spawn(once_worker, args=(world, str(d), url, server.options), nprocs=world, join=True)
+        served = server.stats()["get_bytes"]
+        part = 8 << 20
+        fetched = []
+        for r in range(world):
+            res = json.loads((d / f"once{r}.json").read_text())
+            rep = res["report"]
+            fetched.append(rep["fetched_bytes"])
+            assert rep["bytes"] == shard_bytes and rep["world_size"] == world
+            assert rep["fetched_bytes"] <= shard_bytes / world + part, rep
+            assert rep["fetched_bytes"] + rep["received_bytes"] == shard_bytes, rep
+            assert "missing" in res["missing"] or "no " in res["missing"], res["missing"]
+        # Two loads (plain and dtype=) served about once each: the shards' bytes, plus each
+        # rank's opening GETs (1 MiB at most per shard it reads from) and the index.
+        print(f"W={world}: shards {shard_bytes} B; fetched per rank {fetched}; server sent {served} B for two loads")
+        opening = 2 * world * (1 << 20) * 2
+        assert served <= 2 * shard_bytes + opening + 4 * index_bytes, (served, shard_bytes)
+    finally:
+        server.stop()
+
+
+def test_fetch_once_is_checked():
+    import turboio
+
+    with pytest.raises(ValueError, match="fetch must be"):
+        turboio.load_model("x", fetch="sometimes")
+    with pytest.raises(ValueError, match="process_group"):
+        turboio.load_model("x", fetch="once")

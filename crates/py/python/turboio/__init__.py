@@ -33,7 +33,7 @@ _atexit.register(_turboio.wait_for_saves)
 from ._dtypes import torch_dtype_for as _torch_dtype_for
 from ._torch import alias_shared as _alias_shared, pt_tensors as _pt_tensors, tensors_of as _tensors_of, threads as _threads
 from .fastsafetensors import AutoLoader, ParallelLoader, SafeTensorsFileLoader, SingleGroup, fastsafe_open
-from .models import iter_weights, load_model, save_model_dir
+from .models import fetch_report, iter_weights, load_model, save_model_dir
 
 __all__ = [
     "load",
@@ -49,6 +49,7 @@ __all__ = [
     "ParallelLoader",
     "AutoLoader",
     "load_model",
+    "fetch_report",
     "save_model_dir",
     "iter_weights",
     "__version__",

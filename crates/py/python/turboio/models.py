@@ -9,6 +9,9 @@
   crash at any point leaves the old model or the new one, never a mix).
 - `iter_weights(files_or_dir, device="cpu")`: `(name, tensor)` pairs, shard by shard, as
   serving engines' weight iterators yield them.
+- `load_model(..., process_group=pg, fetch="once")`: every rank of a torch.distributed group
+  fetches about 1/W of the model's bytes from storage and the ranks exchange them with
+  broadcasts, so every rank ends with the whole model and the store serves it once.
 """
 
 import os
@@ -45,6 +48,8 @@ def load_model(
     dtype=None,
     storage_options=None,
     cache_dir=None,
+    process_group=None,
+    fetch="all",
 ):
     """Loads a whole model into a dict of tensors: `path` is a safetensors file, a directory of
     shards (with or without `model.safetensors.index.json`), or the index JSON itself.
@@ -63,8 +68,28 @@ def load_model(
     `path` may be an object-store URL: `s3://bucket/models/llama` is the model under that key
     prefix (its index, else every `*.safetensors` object directly under it); `storage_options`
     and `cache_dir` (the node-local cache) as for `turboio.load`.
+
+    `fetch="once"` with a torch.distributed `process_group` (every rank calls it; gloo on CPUs,
+    NCCL on GPUs): each of the W ranks fetches a contiguous 1/W of the model's bytes (the shards
+    taken end to end, headers included) from storage, and the ranks exchange their pieces with
+    broadcasts over the group, so every rank ends with the whole model (CPU tensors viewing one
+    buffer per shard; CUDA tensors with NCCL) and the store serves each byte once instead of W
+    times. Each shard's header and the index are checked as for a normal load, after the
+    exchange. `turboio.fetch_report()` gives this rank's bytes fetched from storage and received
+    over the group. Not with `use_cipher` (the pieces would travel encrypted); `dtype` and
+    `shard_dims` apply after the exchange. Use it when the store, not the network between the
+    ranks, is the bottleneck (object storage shared by many nodes); on a local disk each rank
+    reading everything is faster.
     """
     import torch
+
+    if fetch not in ("all", "once"):
+        raise ValueError(f"fetch must be 'all' or 'once', not {fetch!r}")
+    if fetch == "once":
+        if process_group is None:
+            raise ValueError("fetch='once' needs a process_group (every rank of it calls load_model)")
+        if use_cipher:
+            raise ValueError("fetch='once' does not take use_cipher (the exchanged pieces would be encrypted bytes)")
 
     if (rank is None) != (world_size is None):
         raise ValueError("give both rank and world_size, or neither")
@@ -75,17 +100,27 @@ def load_model(
         raise FileNotFoundError(f"{path}: no such file or directory")
     from ._dtypes import load_dtype
 
-    shards = _turboio.load_model(
-        path,
-        threads=threads(num_thread),
-        cache=cache,
-        cipher=bool(use_cipher),
-        dtype=load_dtype(dtype),
-        storage=_remote.storage(path, storage_options, cache_dir),
-    )
-    out = {}
-    for loaded in shards:
-        out.update(tensors_of(loaded))
+    storage = _remote.storage(path, storage_options, cache_dir)
+    if fetch == "once":
+        out = _load_replicated(path, process_group, storage, threads(num_thread), cache)
+        if dtype is not None:
+            from ._dtypes import CASTABLE, torch_dtype
+
+            td = torch_dtype(load_dtype(dtype))
+            castable = {torch_dtype(n) for n in CASTABLE}
+            out = {k: (v.to(td) if v.dtype in castable else v) for k, v in out.items()}
+    else:
+        shards = _turboio.load_model(
+            path,
+            threads=threads(num_thread),
+            cache=cache,
+            cipher=bool(use_cipher),
+            dtype=load_dtype(dtype),
+            storage=storage,
+        )
+        out = {}
+        for loaded in shards:
+            out.update(tensors_of(loaded))
     if shard_dims:
         missing = sorted(set(shard_dims) - set(out))
         if missing:
@@ -96,6 +131,115 @@ def load_model(
     dev = torch.device(device)
     if dev.type != "cpu":
         out = {k: v.to(dev) for k, v in out.items()}
+    return out
+
+
+_last_fetch = {}
+
+
+def fetch_report():
+    """What this rank's last `load_model(..., fetch="once")` did: `{"files", "bytes",
+    "fetched_bytes", "received_bytes", "sent_bytes", "world_size"}` (bytes fetched from storage,
+    received from other ranks, sent to them by broadcasts this rank was the source of)."""
+    return dict(_last_fetch)
+
+
+def _pieces(lens, world, rank):
+    """Rank `rank`'s contiguous share of the files taken end to end: [(file, offset, length)]."""
+    total = sum(lens)
+    share = -(-total // world) if total else 0
+    start, end = min(rank * share, total), min((rank + 1) * share, total)
+    out, base = [], 0
+    for i, n in enumerate(lens):
+        lo, hi = max(start, base), min(end, base + n)
+        if lo < hi:
+            out.append((i, lo - base, hi - lo))
+        base += n
+    return out
+
+
+def _load_replicated(path, pg, storage, num_thread, cache):
+    import torch
+    import torch.distributed as dist
+
+    from ._dtypes import torch_dtype_for, torch_shape
+
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    src0 = dist.get_global_rank(pg, 0) if pg is not dist.group.WORLD else 0
+    # One plan for every rank: rank 0 resolves the model and the shards' lengths (no shard byte).
+    plan = [None]
+    if rank == 0:
+        try:
+            index, shards, weight_map = _turboio._model_files(path, storage=storage)
+            lens = [_turboio._file_len(s, storage=storage) for s in shards]
+            plan = [("ok", index, shards, weight_map, lens)]
+        except Exception as e:  # every rank raises it, not only rank 0
+            plan = [("error", type(e).__name__, str(e))]
+    dist.broadcast_object_list(plan, src=src0, group=pg)
+    if plan[0][0] == "error":
+        kind = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError}.get(plan[0][1], RuntimeError)
+        raise kind(plan[0][2])
+    _, index, shards, weight_map, lens = plan[0]
+    on_gpu = dist.get_backend(pg) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    bufs = [torch.empty(n, dtype=torch.uint8, device=device) for n in lens]
+    fetched = 0
+    for i, off, n in _pieces(lens, world, rank):
+        dst = bufs[i] if not on_gpu else torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        at = off if not on_gpu else 0
+        fetched += n
+        _turboio._read_into(shards[i], [(off, dst.data_ptr() + at, n)], threads=num_thread, cache=cache, storage=storage)
+        if on_gpu:
+            bufs[i][off : off + n].copy_(dst)
+    received = sent = 0
+    for r in range(world):
+        src = dist.get_global_rank(pg, r) if pg is not dist.group.WORLD else r
+        for i, off, n in _pieces(lens, world, r):
+            dist.broadcast(bufs[i][off : off + n], src=src, group=pg)
+            if r == rank:
+                sent += n * (world - 1)
+            else:
+                received += n
+    _last_fetch.clear()
+    _last_fetch.update(
+        files=len(shards), bytes=sum(lens), fetched_bytes=fetched, received_bytes=received, sent_bytes=sent, world_size=world
+    )
+    out, where = {}, {}
+    for i, (shard, buf) in enumerate(zip(shards, bufs)):
+        n = len(buf)
+        head = buf[: min(n, 8)].cpu()
+        header_len = int.from_bytes(bytes(head.tolist()), "little") if n >= 8 else 0
+        prefix = bytes(buf[: min(n, 8 + header_len)].cpu().numpy().tobytes())
+        try:
+            data_start, _, metadata, infos = _turboio.parse_header(prefix, n)
+        except ValueError as e:
+            raise ValueError(f"{shard}: {e}") from None
+        names = {i[0] for i in infos}
+        # Aliases in __metadata__ (as load_model returns them): a key that is no tensor of the
+        # shard, naming one that is.
+        aliases = {k: v for k, v in (metadata or {}).items() if v in names and k not in names}
+        for name, dtype, shape, begin, end in infos:
+            if name in where:
+                raise ValueError(f"{index or path}: tensor {name} is in both {where[name]} and {shard}")
+            where[name] = shard
+            raw = buf[data_start + begin : data_start + end]
+            td = torch_dtype_for(dtype, shape)
+            if td is None:
+                out[name] = raw
+                continue
+            size = torch.empty((), dtype=td).element_size()
+            if raw.data_ptr() % size:
+                raw = raw.clone()  # an offset torch cannot view at this dtype: copied, as loads do
+            out[name] = raw.view(td).reshape(torch_shape(dtype, shape))
+        for alias, target in aliases.items():
+            out[alias] = out[target]
+    if weight_map is not None:
+        for name, pos in weight_map.items():
+            if where.get(name) != shards[pos]:
+                raise ValueError(f"{index}: the index puts {name} in {shards[pos]}, which does not hold it")
+        extra = sorted(set(where) - set(weight_map))
+        if extra:
+            raise ValueError(f"{index}: shard tensors the index does not name: {extra[:5]}")
     return out
 
 
