@@ -43,6 +43,7 @@ def test_options_are_checked():
         "mode": "auto",
         "storage_options": None,
         "cache_dir": None,
+        "fetch": "all",
     }
     assert vllm_plugin.loader_options({"num_threads": 4, "cache": "keep"})["num_threads"] == 4
     for bad, msg in [
@@ -51,6 +52,7 @@ def test_options_are_checked():
         ({"num_threads": "4"}, "must be a int"),
         ({"storage_options": "endpoint=x"}, "storage_options must be a dict"),
         ({"cache_dir": 3}, "cache_dir must be a str"),
+        ({"fetch": "twice"}, "fetch must be all or once"),
     ]:
         with pytest.raises(ValueError, match=msg):
             vllm_plugin.loader_options(bad)
@@ -153,3 +155,49 @@ def test_real_vllm_registers_the_loader(tmp):
     m = Model()
     loader.load_weights(m, types.SimpleNamespace(model=str(d), revision=None))
     assert m.got.keys() == ref.keys()
+
+
+def _tp_worker(rank, world, d, url, options):
+    import torch.distributed as dist
+
+    import turboio
+
+    dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=rank, world_size=world)
+    # vLLM's tensor-parallel group, as the plug-in finds it (vllm.distributed.get_tp_group).
+    fake = types.ModuleType("vllm.distributed")
+    fake.get_tp_group = lambda: types.SimpleNamespace(world_size=world, cpu_group=dist.group.WORLD)
+    sys.modules["vllm"] = types.ModuleType("vllm")
+    sys.modules["vllm.distributed"] = fake
+    opts = vllm_plugin.loader_options({"storage_options": options, "fetch": "once"})
+    got = dict(vllm_plugin.weights_iterator(url, opts))
+    with open(f"{d}/tp{rank}.json", "w") as f:
+        json.dump({"names": sorted(got), "sums": {k: float(v.double().sum()) for k, v in got.items()}, "report": turboio.fetch_report()}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_fetch_once_uses_the_tensor_parallel_group(tmp):
+    import torch.multiprocessing as mp
+
+    from test_object import Server
+
+    d, ref = model_dir(tmp)
+    server = Server()
+    try:
+        server.client.create_bucket(Bucket="vllm-tp")
+        for f in d.iterdir():
+            server.client.upload_file(str(f), "vllm-tp", f"llama/{f.name}")
+        run = tmp / "tp"
+        run.mkdir()
+        mp.spawn(_tp_worker, args=(2, str(run), "s3://vllm-tp/llama", server.options), nprocs=2, join=True)
+        total = 0
+        for r in range(2):
+            res = json.loads((run / f"tp{r}.json").read_text())
+            assert res["names"] == sorted(ref)
+            for k, v in ref.items():
+                assert res["sums"][k] == pytest.approx(float(v.double().sum())), k
+            total += res["report"]["fetched_bytes"]
+            assert res["report"]["received_bytes"] > 0
+        assert total == res["report"]["bytes"], "the two ranks fetched the model once between them"
+    finally:
+        server.stop()

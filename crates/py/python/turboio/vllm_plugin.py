@@ -17,8 +17,12 @@ The wheel declares an entry point in vLLM's `vllm.general_plugins` group; vLLM c
 Options, from `--model-loader-extra-config '{"num_threads": 8, "cache": "keep"}'`:
 `num_threads` (readers; default one per core), `cache` ("auto", "keep" or "bypass"), `mode`
 ("auto", "mapped" or "copied"), `storage_options` (a dict, for object-store models: endpoint,
-region, credentials, concurrency, ... as `turboio.load` takes them; the environment otherwise).
-Unknown keys are an error, so a typo does not pass silently.
+region, credentials, concurrency, ... as `turboio.load` takes them; the environment otherwise),
+`cache_dir` (the node-local cache for object-store models), `fetch` ("all", or "once": with
+tensor parallelism, the ranks of vLLM's tensor-parallel group each fetch 1/W of the model from
+storage and exchange the pieces over that group's gloo group, so `vllm serve s3://bucket/model
+--load-format turboio -tp 2` fetches the model once). Unknown keys are an error, so a typo does
+not pass silently.
 
 vLLM is not a dependency of the wheel. Everything but the two vLLM classes lives in plain
 functions here (`weight_files`, `loader_options`, `weights_iterator`), tested without vLLM.
@@ -29,7 +33,7 @@ import json
 import os
 
 INDEX = "model.safetensors.index.json"
-OPTIONS = {"num_threads": int, "cache": str, "mode": str, "storage_options": dict, "cache_dir": str}
+OPTIONS = {"num_threads": int, "cache": str, "mode": str, "storage_options": dict, "cache_dir": str, "fetch": str}
 
 
 def weight_files(model_dir):
@@ -63,6 +67,8 @@ def loader_options(extra_config):
             raise ValueError(f"turboio loader: {k} must be a {t.__name__}, not {extra[k]!r}")
     if extra.get("cache", "auto") not in ("auto", "keep", "bypass"):
         raise ValueError(f"turboio loader: cache must be auto, keep or bypass, not {extra['cache']!r}")
+    if extra.get("fetch", "all") not in ("all", "once"):
+        raise ValueError(f"turboio loader: fetch must be all or once, not {extra['fetch']!r}")
     if extra.get("mode", "auto") not in ("auto", "mapped", "copied"):
         raise ValueError(f"turboio loader: mode must be auto, mapped or copied, not {extra['mode']!r}")
     return {
@@ -71,6 +77,7 @@ def loader_options(extra_config):
         "mode": extra.get("mode", "auto"),
         "storage_options": extra.get("storage_options"),
         "cache_dir": extra.get("cache_dir"),
+        "fetch": extra.get("fetch", "all"),
     }
 
 
@@ -80,6 +87,20 @@ def weights_iterator(model_dir, options):
     from . import _remote, _turboio
     from ._torch import tensors_of, threads
 
+    group = _tensor_parallel_group() if options.get("fetch") == "once" else None
+    if group is not None:
+        from .models import load_model
+
+        yield from load_model(
+            model_dir,
+            num_thread=options["num_threads"],
+            cache=options["cache"],
+            storage_options=options.get("storage_options"),
+            cache_dir=options.get("cache_dir"),
+            process_group=group,
+            fetch="once",
+        ).items()
+        return
     storage = _remote.storage(model_dir, options.get("storage_options"), options.get("cache_dir"))
     index = os.path.join(model_dir, INDEX)
     if _remote.is_remote(model_dir) or os.path.isfile(index):
@@ -92,6 +113,21 @@ def weights_iterator(model_dir, options):
             source, threads=threads(options["num_threads"]), cache=options["cache"], mode=options["mode"], storage=storage
         ):
             yield from tensors_of(loaded).items()
+
+
+def _tensor_parallel_group():
+    """vLLM's tensor-parallel group's gloo group when there are several ranks, else None."""
+    try:
+        from vllm.distributed import get_tp_group
+    except ImportError:
+        return None
+    try:
+        group = get_tp_group()
+    except (AssertionError, RuntimeError):  # not initialised (a single process)
+        return None
+    if getattr(group, "world_size", 1) <= 1:
+        return None
+    return getattr(group, "cpu_group", None)
 
 
 def _local_dir(model_config, load_config=None):
