@@ -40,6 +40,7 @@ use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt, PutPayload
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -367,13 +368,23 @@ impl Drop for Proxy {
 }
 
 fn start_proxy(rt: &tokio::runtime::Runtime, upstream: u16, delay: Duration) -> Result<Proxy> {
+    start_counting_proxy(rt, upstream, delay, Arc::new(AtomicU64::new(0)))
+}
+
+/// [`start_proxy`], adding the bytes the server sends to `served`.
+fn start_counting_proxy(
+    rt: &tokio::runtime::Runtime,
+    upstream: u16,
+    delay: Duration,
+    served: Arc<AtomicU64>,
+) -> Result<Proxy> {
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let port = listener.local_addr()?.port();
     let task = rt.spawn(async move {
         loop {
             match listener.accept().await {
                 Ok((client, _)) => {
-                    tokio::spawn(relay(client, upstream, delay));
+                    tokio::spawn(relay(client, upstream, delay, served.clone()));
                 }
                 Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
             }
@@ -382,7 +393,7 @@ fn start_proxy(rt: &tokio::runtime::Runtime, upstream: u16, delay: Duration) -> 
     Ok(Proxy { port, task })
 }
 
-async fn relay(client: tokio::net::TcpStream, upstream: u16, delay: Duration) {
+async fn relay(client: tokio::net::TcpStream, upstream: u16, delay: Duration, served: Arc<AtomicU64>) {
     let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else {
         return;
     };
@@ -405,8 +416,18 @@ async fn relay(client: tokio::net::TcpStream, upstream: u16, delay: Duration) {
         let _ = to_server.shutdown().await;
     };
     let down = async move {
-        let mut from_server = tokio::io::BufReader::with_capacity(1 << 20, from_server);
-        let _ = tokio::io::copy_buf(&mut from_server, &mut to_client).await;
+        let mut from_server = from_server;
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = match from_server.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            served.fetch_add(n as u64, Ordering::Relaxed);
+            if to_client.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
         let _ = to_client.shutdown().await;
     };
     futures_util::future::join(up, down).await;
@@ -519,6 +540,182 @@ impl Py<'_> {
     }
 }
 
+impl Py<'_> {
+    /// Runs `envs.len()` children of the script at once (child `i` with `envs[i]` added); the
+    /// JSON line each printed, or the first failure.
+    fn run_together(
+        &self,
+        target: &str,
+        args: &[String],
+        envs: &[Vec<(String, String)>],
+    ) -> std::result::Result<Vec<serde_json::Value>, String> {
+        let mut children = Vec::new();
+        for (i, env) in envs.iter().enumerate() {
+            let out = self.tmp.join(format!("together{i}.out"));
+            let err = self.tmp.join(format!("together{i}.err"));
+            let file = |p: &Path| std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()));
+            let mut cmd = Command::new(self.python);
+            cmd.arg(root().join("crates/py/bench/py_object.py"))
+                .args(["--loader", "turboio", "--target", target, "--tmp"])
+                .arg(&self.tmp)
+                .args(args)
+                .env_remove("TURBOIO_CACHE_DIR")
+                .envs(env.iter().map(|(k, v)| (k, v)))
+                .stdout(Stdio::from(file(&out)?))
+                .stderr(Stdio::from(file(&err)?));
+            children.push((cmd.spawn().map_err(|e| e.to_string())?, out, err));
+        }
+        let t = Instant::now();
+        let mut results = Vec::new();
+        for (mut child, out, err) in children {
+            let status = loop {
+                match child.try_wait() {
+                    Ok(Some(s)) => break s,
+                    Ok(None) if t.elapsed() > self.timeout => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        return Err("no result in time (killed)".into());
+                    }
+                    Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+                    Err(e) => return Err(e.to_string()),
+                }
+            };
+            let stdout = std::fs::read_to_string(&out).unwrap_or_default();
+            if !status.success() {
+                let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+                let tail: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+                return Err(format!("{status}: {}", tail[tail.len().saturating_sub(3)..].join(" / ")));
+            }
+            let line = stdout.lines().rev().find(|l| l.starts_with('{')).unwrap_or("");
+            results.push(serde_json::from_str(line).map_err(|_| format!("unexpected output: {}", stdout.trim()))?);
+        }
+        Ok(results)
+    }
+}
+
+/// The rows of several processes on one node: N processes loading the same object at once
+/// without and with a (cold) node cache, and 2 ranks each fetching the whole model vs
+/// `fetch="once"`; bytes the server sent counted by a proxy in front of it.
+fn cluster_rows(setup: &Setup<'_>, server_port: u16) -> Result<String> {
+    let mut s = String::from(
+        "### Several processes on one node (through a proxy that counts the bytes the server sends)
+
+",
+    );
+    let Some(py) = setup.py.as_ref() else {
+        s.push_str(
+            "Skipped: no Python.
+
+",
+        );
+        return Ok(s);
+    };
+    if let Some(why) = &setup.skip_turbo {
+        let _ = writeln!(
+            s,
+            "Skipped: {why}.
+"
+        );
+        return Ok(s);
+    }
+    let served = Arc::new(AtomicU64::new(0));
+    let proxy = start_counting_proxy(setup.rt, server_port, Duration::ZERO, served.clone())?;
+    let lens: [u64; 2] = [setup.objects[0].iter().map(|o| o.1).sum(), setup.objects[1].iter().map(|o| o.1).sum()];
+    #[derive(Clone, Copy)]
+    enum Case {
+        Plain(usize),
+        Cached(usize),
+        EachAll,
+        Once,
+    }
+    let cases = [Case::Plain(2), Case::Cached(2), Case::Plain(4), Case::Cached(4), Case::EachAll, Case::Once];
+    let name = |c: Case| match c {
+        Case::Plain(n) => format!("{n} processes load the file at once, no cache"),
+        Case::Cached(n) => format!("{n} processes load the file at once, empty node cache"),
+        Case::EachAll => "2 ranks load the model, each fetching all of it".to_owned(),
+        Case::Once => "2 gloo ranks load the model with fetch=\"once\"".to_owned(),
+    };
+    let mut results: Vec<Vec<(f64, u64, Vec<u64>)>> = vec![Vec::new(); cases.len()];
+    let cache = setup.cache_cold.with_file_name("node-cache-together");
+    for r in 0..setup.runs {
+        for k in run_order(cases.len(), r) {
+            let case = cases[k];
+            let (target, n) = match case {
+                Case::Plain(n) | Case::Cached(n) => (0, n),
+                Case::EachAll | Case::Once => (1, 2),
+            };
+            setup.warm(target)?;
+            let mut base = setup.env(proxy.port);
+            if let Case::Cached(_) = case {
+                let _ = std::fs::remove_dir_all(&cache);
+                base.push(("TURBOIO_CACHE_DIR".into(), cache.display().to_string()));
+            }
+            let master = free_port()?;
+            let envs: Vec<Vec<(String, String)>> = (0..n)
+                .map(|rank| {
+                    let mut e = base.clone();
+                    if let Case::Once = case {
+                        e.extend([
+                            ("RANK".to_owned(), rank.to_string()),
+                            ("WORLD_SIZE".to_owned(), n.to_string()),
+                            ("MASTER_ADDR".to_owned(), "127.0.0.1".to_owned()),
+                            ("MASTER_PORT".to_owned(), master.to_string()),
+                        ]);
+                    }
+                    e
+                })
+                .collect();
+            let mut args = if target == 0 {
+                vec!["--url".to_owned(), setup.file_url.clone()]
+            } else {
+                vec!["--url".to_owned(), setup.model_url.clone()]
+            };
+            if let Case::Once = case {
+                args.push("--fetch-once".into());
+            }
+            served.store(0, Ordering::Relaxed);
+            eprintln!("  {} (run {}) ...", name(case), r + 1);
+            match py.run_together(TARGETS[target], &args, &envs) {
+                Ok(out) => {
+                    let secs = out.iter().filter_map(|v| v["load_s"].as_f64()).fold(0.0, f64::max);
+                    let per_rank = out.iter().filter_map(|v| v["fetched_bytes"].as_u64()).collect();
+                    results[k].push((secs, served.load(Ordering::Relaxed), per_rank));
+                }
+                Err(e) => eprintln!("  {} failed: {e}", name(case)),
+            }
+        }
+    }
+    drop(proxy);
+    let _ = std::fs::remove_dir_all(&cache);
+    let _ = writeln!(
+        s,
+        "| case | s (slowest process, median) | bytes the server sent / the object's size | bytes fetched per rank |\n|---|---:|---:|---|"
+    );
+    for (k, case) in cases.iter().enumerate() {
+        let runs = &results[k];
+        if runs.is_empty() {
+            let _ = writeln!(s, "| {} | failed | | |", name(*case));
+            continue;
+        }
+        let times: Vec<f64> = runs.iter().map(|r| r.0).collect();
+        let len = lens[if matches!(case, Case::Plain(_) | Case::Cached(_)) { 0 } else { 1 }];
+        let served_x = runs.iter().map(|r| r.1 as f64 / len as f64).fold(0.0, f64::max);
+        let per_rank = runs
+            .last()
+            .map(|r| r.2.iter().map(|b| format!("{:.2} GB", *b as f64 / 1e9)).collect::<Vec<_>>().join(", "))
+            .unwrap_or_default();
+        let _ = writeln!(
+            s,
+            "| {} | {:.3} | {served_x:.2}x (most of {} runs) | {per_rank} |",
+            name(*case),
+            median(&times),
+            runs.len()
+        );
+    }
+    s.push('\n');
+    Ok(s)
+}
+
 /// Checks that a Python snippet runs (the reason when it does not).
 fn python_ok(python: &Path, code: &str) -> std::result::Result<(), String> {
     let out = Command::new(python).args(["-c", code]).output().map_err(|e| e.to_string())?;
@@ -583,8 +780,10 @@ struct Setup<'a> {
     objects: [Vec<(Key, u64)>; 2],
     /// The server's copies, warmed before every run.
     stored: [Vec<PathBuf>; 2],
-    /// The local file and the local model directory (the bench's own, uploaded from).
+    /// The local file and the local model directory (the bench's own, uploaded from), and
+    /// their files (warmed before each run).
     local: [PathBuf; 2],
+    local_files: [Vec<PathBuf>; 2],
     /// Node caches: filled by each run (emptied before it), and filled once.
     cache_cold: PathBuf,
     cache_warm: PathBuf,
@@ -650,7 +849,7 @@ impl Setup<'_> {
             _ => {}
         }
         let args = if loader == Loader::LocalFile {
-            warm(&self.local[target]).map_err(|e| e.to_string())?;
+            self.local_files[target].iter().try_for_each(|p| warm(p)).map_err(|e| e.to_string())?;
             vec!["--url".to_owned(), self.local[target].display().to_string()]
         } else if target == 0 {
             vec!["--url".to_owned(), self.file_url.clone()]
@@ -865,6 +1064,7 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
         runs,
         trials: if quick { &RUNAI_TRIALS[1..2] } else { &RUNAI_TRIALS },
         local: [file.clone(), model.clone()],
+        local_files: [vec![file.clone()], shards.iter().map(|n| model.join(n)).collect()],
         cache_cold: tmp.join("node-cache-cold"),
         cache_warm: tmp.join("node-cache-warm"),
     };
@@ -878,6 +1078,8 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
         format!("{} ms added to every request (a TCP proxy holds each read from the client)", LATENCY.as_millis()),
     );
     drop(proxy);
+    eprintln!("object rows, several processes ...");
+    let together = cluster_rows(&setup, server.port)?;
     let server_start = server.start_s;
     drop(server);
     let _ = std::fs::remove_dir_all(&tmp);
@@ -905,6 +1107,7 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
     for t in [&plain, &slow] {
         render(&mut s, t, lens);
     }
+    s.push_str(&together);
     let mut checks: Vec<(String, Option<f64>, f64)> = Vec::new();
     for t in [&plain, &slow] {
         let lat = if std::ptr::eq(t, &plain) { "0 ms" } else { "20 ms" };

@@ -53,8 +53,22 @@ def main():
     p.add_argument("--url", required=True, help="the file's URL, or the model's key prefix")
     p.add_argument("--shards", default="", help="the model's shard URLs, comma-separated")
     p.add_argument("--tmp", default="", help="directory for boto3's downloads")
+    p.add_argument(
+        "--fetch-once",
+        action="store_true",
+        help="turboio only: join the gloo group of the environment (RANK, WORLD_SIZE, MASTER_ADDR, "
+        "MASTER_PORT) and load the model with fetch='once'",
+    )
     a = p.parse_args()
     import torch  # noqa: F401  (imported before timing: every loader needs it)
+
+    group = None
+    if a.fetch_once:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        group = dist.group.WORLD
+        dist.barrier()  # every rank starts its clock together
 
     urls = [a.url] if a.target == "file" else [u for u in a.shards.split(",") if u]
     if a.loader in ("turboio", "local"):
@@ -77,7 +91,9 @@ def main():
     tmp_files = []
     t0 = time.perf_counter()
     if a.loader in ("turboio", "local"):
-        if a.target == "file":
+        if group is not None:
+            sd = turboio.load_model(a.url, storage_options=opts, process_group=group, fetch="once")
+        elif a.target == "file":
             sd = turboio.load(a.url, storage_options=opts)
         else:
             sd = turboio.load_model(a.url, storage_options=opts)
@@ -102,7 +118,10 @@ def main():
         os.remove(f)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report = turboio.fetch_report() if group is not None else {}
     print(json.dumps({
+        "fetched_bytes": report.get("fetched_bytes"),
+        "received_bytes": report.get("received_bytes"),
         "load_s": t1 - t0,
         "touch_s": t2 - t1,
         "bytes": nbytes,
