@@ -13,6 +13,8 @@ use turboio_storage::{IoOptions, RangeReader, ReadRequest, Result, StorageFile};
 /// dropped, to publish the entry anyway (a `.pt` load skips the zip's record headers and
 /// directory): at most this, and at most an eighth of the object.
 const MAX_GAP_FILL: u64 = 16 << 20;
+/// ... in at most this many ranges (fetched together, as one bulk read of the backend).
+const MAX_GAPS: usize = 4096;
 
 pub(crate) struct Filling {
     inner: Box<dyn StorageFile>,
@@ -117,12 +119,7 @@ impl Filling {
             return;
         }
         st.done = true;
-        let result = (|| -> std::io::Result<()> {
-            self.part.sync_data()?;
-            self.slot.write_meta(&self.url, &self.tag, self.inner.len())?;
-            std::fs::rename(&self.part_path, self.slot.data())?;
-            File::open(&self.slot.dir)?.sync_all()
-        })();
+        let result = publish_part(&self.slot, &self.part, &self.part_path, &self.url, &self.tag, self.inner.len());
         if let Err(e) = &result {
             crate::warn(&self.cache, &format!("publishing {}: {e}", self.slot.data().display()));
             let _ = std::fs::remove_file(&self.part_path);
@@ -147,6 +144,22 @@ impl Filling {
     }
 }
 
+/// Makes a complete part file an entry: data synced, description written, renamed to the
+/// entry's name, the directory synced.
+pub(crate) fn publish_part(
+    slot: &Slot,
+    part: &File,
+    part_path: &Path,
+    url: &str,
+    tag: &str,
+    len: u64,
+) -> std::io::Result<()> {
+    part.sync_data()?;
+    slot.write_meta(url, tag, len)?;
+    std::fs::rename(part_path, slot.data())?;
+    File::open(&slot.dir)?.sync_all()
+}
+
 impl Drop for Filling {
     fn drop(&mut self) {
         let gaps = {
@@ -157,15 +170,17 @@ impl Drop for Filling {
             st.covered.gaps(self.inner.len())
         };
         let missing: u64 = gaps.iter().map(|(s, e)| e - s).sum();
-        if missing <= MAX_GAP_FILL.min(self.inner.len() / 8) {
-            let mut buf = Vec::new();
-            for (start, end) in gaps {
-                buf.resize((end - start) as usize, 0);
-                if self.inner.read_exact_at(start, &mut buf).is_err() {
-                    break;
-                }
-                self.record(start, &buf);
-            }
+        if missing <= MAX_GAP_FILL.min(self.inner.len() / 8) && gaps.len() <= MAX_GAPS {
+            // One bulk read (the backend keeps its requests in flight); each range lands in the
+            // entry through `record`, the last one publishes it.
+            let mut bufs: Vec<Vec<u8>> = gaps.iter().map(|(s, e)| vec![0u8; (e - s) as usize]).collect();
+            let requests =
+                gaps.iter().zip(bufs.iter_mut()).map(|(&(s, _), b)| ReadRequest { offset: s, dst: b }).collect();
+            let hook = |offset: u64, bytes: &mut [u8]| {
+                self.record(offset, bytes);
+                Ok(())
+            };
+            let _ = self.inner.read_ranges(requests, &IoOptions { hook: Some(&hook), ..Default::default() });
         }
         self.abandon();
     }

@@ -132,6 +132,53 @@ impl CacheStorage {
         Some(Box::new(Hit { url: path.to_owned(), tag: version.tag.clone(), file: Box::new(file) }))
     }
 
+    /// Publishes `bytes`, obtained some other way (a replicated load: the pieces came from other
+    /// ranks), as the entry of `path` at `version`, atomically as a fill would. The caller
+    /// vouches that `bytes` are that version's; their length must be `version.len`. True if
+    /// the entry was written; false if it exists already, another process is filling it, or
+    /// the cache cannot take it (then reported once on standard error, as for fills).
+    pub fn insert(&self, path: &Path, version: &Version, bytes: &[u8]) -> bool {
+        use std::os::unix::fs::FileExt;
+        let Some(url) = path.to_str() else { return false };
+        if bytes.len() as u64 != version.len {
+            return false;
+        }
+        let slot = self.cache.slot(NodeCache::key(url, version));
+        if self.hit(path, &slot, version).is_some() {
+            return false;
+        }
+        let mut lock = match slot.try_lock() {
+            Ok(Locking::Held(lock)) => lock,
+            Ok(Locking::Busy) => return false,
+            Err(e) => {
+                warn(&self.cache, &format!("locking an entry in {}: {e}", self.cache.dir().display()));
+                return false;
+            }
+        };
+        if slot.data().exists() || !self.cache.make_room(version.len, &slot.key) {
+            return false;
+        }
+        slot.remove_parts();
+        let part_path = slot.new_part();
+        let result = std::fs::File::options().write(true).create_new(true).open(&part_path).and_then(|part| {
+            Slot::announce(&mut lock, &part_path)?;
+            part.write_all_at(bytes, 0)?;
+            fill::publish_part(&slot, &part, &part_path, &entries::clean_url(url), &version.tag, version.len)
+        });
+        drop(lock);
+        match result {
+            Ok(()) => {
+                self.cache.enforce_limit(&slot.key);
+                true
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&part_path);
+                warn(&self.cache, &format!("writing {}: {e}", slot.data().display()));
+                false
+            }
+        }
+    }
+
     fn open_through(&self, path: &Path, cancel: Option<&AtomicBool>) -> Result<Box<dyn StorageFile>> {
         let Some(url) = path.to_str() else { return self.inner.open_cancellable(path, cancel) };
         let Some(version) = self.inner.current_version(path)? else {

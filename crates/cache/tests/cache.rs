@@ -403,3 +403,20 @@ fn killed_fetches_leave_complete_entries_or_none() {
     }
     assert!(killed > 0 && mid_fill > 0, "{killed} kills, {mid_fill} before the entry was published");
 }
+
+#[test]
+fn inserted_bytes_are_entries_like_fills() {
+    let (dir, inner, cache) = setup(None);
+    let path = dir.path().join("store/replicated.bin");
+    let data = pattern(3 << 20, 8);
+    std::fs::write(&path, &data).unwrap();
+    let version = inner.current_version(&path).unwrap().unwrap();
+    assert!(!cache.insert(&path, &version, &data[1..]), "a length other than the version's");
+    assert!(cache.insert(&path, &version, &data));
+    assert!(!cache.insert(&path, &version, &data), "the entry exists");
+    let (got, local) = read_all(&cache, &path);
+    assert!(local && got == data, "a hit");
+    assert_eq!(inner.read.load(Ordering::Relaxed), 0, "nothing read from the store");
+    let e = &cache.cache().entries().unwrap()[0];
+    assert_eq!((e.url.as_str(), e.len), (path.to_str().unwrap(), data.len() as u64));
+}

@@ -164,6 +164,8 @@ fn open_target(py: Python<'_>, device: &str, staging: Option<&PyStagingPool>) ->
 #[pyclass(name = "ObjectStorage", module = "turboio._turboio", frozen)]
 struct PyObjectStorage {
     inner: Arc<dyn turboio::storage::Storage>,
+    /// The node cache in front of it, if any (the same backend as `inner`).
+    cache: Option<turboio::cache::CacheStorage>,
 }
 
 #[pymethods]
@@ -185,26 +187,61 @@ impl PyObjectStorage {
             Arc::new(turboio::object::ObjectStorage::new(options))
         };
         let env = turboio::cache::NodeCache::from_env().map_err(PyValueError::new_err)?;
-        let inner: Arc<dyn turboio::storage::Storage> = match (cache_dir, env) {
+        let node = match (cache_dir, env) {
             (Some(dir), env) => {
                 let max = cache_max_size.or(env.and_then(|c| c.max_bytes()));
-                Arc::new(turboio::cache::CacheStorage::new(
-                    object,
-                    turboio::cache::NodeCache::new(dir).with_max_bytes(max),
-                ))
+                Some(turboio::cache::NodeCache::new(dir).with_max_bytes(max))
             }
             (None, Some(env)) => {
                 let max = cache_max_size.or(env.max_bytes());
-                let cache = env.with_max_bytes(max);
-                Arc::new(turboio::cache::CacheStorage::new(object, cache))
+                Some(env.with_max_bytes(max))
             }
-            (None, None) => object,
+            (None, None) => None,
         };
-        Ok(PyObjectStorage { inner })
+        let cache = node.map(|n| turboio::cache::CacheStorage::new(object.clone(), n));
+        let inner: Arc<dyn turboio::storage::Storage> = match &cache {
+            Some(c) => Arc::new(c.clone()),
+            None => object,
+        };
+        Ok(PyObjectStorage { inner, cache })
     }
 
     fn __repr__(&self) -> String {
         format!("{:?}", self.inner)
+    }
+
+    /// True if a node cache is in front of the store.
+    fn has_cache(&self) -> bool {
+        self.cache.is_some()
+    }
+
+    /// The same store without its node cache (for reads of pieces, which a cache would not keep).
+    fn without_cache(&self) -> PyObjectStorage {
+        match &self.cache {
+            Some(c) => PyObjectStorage { inner: c.inner().clone(), cache: None },
+            None => PyObjectStorage { inner: self.inner.clone(), cache: None },
+        }
+    }
+
+    /// Publishes the `nbytes` at `addr` as the node cache's entry of `path` at version
+    /// `(len, tag)` (see `CacheStorage::insert`); False without a cache or when nothing was
+    /// written. Private to the Python package, which passes the `data_ptr()` of a contiguous CPU
+    /// tensor it keeps referenced for the call.
+    fn _cache_insert(
+        &self,
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        len: u64,
+        tag: String,
+        addr: usize,
+        nbytes: usize,
+    ) -> bool {
+        let Some(cache) = &self.cache else { return false };
+        // SAFETY: the Python layer passes the address of a contiguous CPU tensor of `nbytes`
+        // bytes that it keeps alive and does not write during the call.
+        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, nbytes) };
+        let version = turboio::storage::Version { len, tag };
+        py.detach(|| cache.insert(&path, &version, bytes))
     }
 }
 
@@ -1049,18 +1086,23 @@ fn _model_files(
     Ok((files.index.as_deref().map(text), files.shards.iter().map(|p| text(p)).collect(), files.weight_map))
 }
 
-/// A file's length without reading it: a local file's size, an object's from a HEAD request.
+/// A file's length and version tag without reading it: `(len, tag or None)`; an object's from a
+/// HEAD request (its ETag), a local file's size (no tag).
 #[pyfunction]
 #[pyo3(signature = (path, storage=None))]
-fn _file_len(py: Python<'_>, path: std::path::PathBuf, storage: Option<&PyObjectStorage>) -> PyResult<u64> {
+fn _file_version(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    storage: Option<&PyObjectStorage>,
+) -> PyResult<(u64, Option<String>)> {
     let storage = storage_arg(storage);
     let cancel = Arc::new(AtomicBool::new(false));
     interruptible(py, &cancel, None, || {
         let (default, _) = turboio::storage_for(&path)?;
         let s = storage.filter(|_| turboio::object::is_object_url(&path)).unwrap_or(default);
         match s.current_version(&path)? {
-            Some(v) => Ok(v.len),
-            None => Ok(s.open(&path)?.len()),
+            Some(v) => Ok((v.len, Some(v.tag))),
+            None => Ok((s.open(&path)?.len(), None)),
         }
     })
 }
@@ -1482,7 +1524,7 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_shard_size, m)?)?;
     m.add_function(wrap_pyfunction!(read_header, m)?)?;
     m.add_function(wrap_pyfunction!(_model_files, m)?)?;
-    m.add_function(wrap_pyfunction!(_file_len, m)?)?;
+    m.add_function(wrap_pyfunction!(_file_version, m)?)?;
     m.add_function(wrap_pyfunction!(parse_header, m)?)?;
     m.add_function(wrap_pyfunction!(file_kind, m)?)?;
     m.add_function(wrap_pyfunction!(read_all, m)?)?;

@@ -161,8 +161,11 @@ def once_worker(rank, world, d, url, options):
         missing = "loaded"
     except (FileNotFoundError, ValueError) as e:
         missing = str(e)
+    # With a node cache: the first rank of the host publishes every shard.
+    cached = turboio.load_model(url, process_group=dist.group.WORLD, fetch="once", storage_options=options, cache_dir=f"{d}/cache")
+    assert torch.equal(cached["head"], ref["head"])
     with open(f"{d}/once{rank}.json", "w") as f:
-        json.dump({"report": report, "missing": missing}, f)
+        json.dump({"report": report, "missing": missing, "cached_files": turboio.fetch_report()["cached_files"]}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -198,11 +201,19 @@ def test_fetch_once_replicates_a_model_and_the_store_serves_it_once(tmp, world):
             assert rep["fetched_bytes"] <= shard_bytes / world + part, rep
             assert rep["fetched_bytes"] + rep["received_bytes"] == shard_bytes, rep
             assert "missing" in res["missing"] or "no " in res["missing"], res["missing"]
-        # Two loads (plain and dtype=) served about once each: the shards' bytes, plus each
-        # rank's opening GETs (1 MiB at most per shard it reads from) and the index.
-        print(f"W={world}: shards {shard_bytes} B; fetched per rank {fetched}; server sent {served} B for two loads")
-        opening = 2 * world * (1 << 20) * 2
-        assert served <= 2 * shard_bytes + opening + 4 * index_bytes, (served, shard_bytes)
+        # Three loads (plain, dtype=, with a cache) served about once each: the shards' bytes,
+        # plus each rank's opening GETs (1 MiB at most per shard it reads from) and the index.
+        print(f"W={world}: shards {shard_bytes} B; fetched per rank {fetched}; server sent {served} B for three loads")
+        opening = 3 * world * (1 << 20) * 2
+        assert served <= 3 * shard_bytes + opening + 6 * index_bytes, (served, shard_bytes)
+        shards = sum(o["Key"].endswith(".safetensors") for o in objects)
+        assert sum(json.loads((d / f"once{r}.json").read_text())["cached_files"] for r in range(world)) == shards
+        urls = [json.loads(p.read_text())["url"] for p in (d / "cache").glob("*.json")]
+        assert sum(u.endswith(".safetensors") for u in urls) == shards, urls  # (and the index)
+        server.faults("{}")
+        warm = turboio.load_model(url, storage_options=server.options, cache_dir=d / "cache")
+        assert torch.equal(warm["embed"], big_model()["embed"])
+        assert server.stats()["get_bytes"] <= index_bytes, "the shards came from the node cache"
     finally:
         server.stop()
 

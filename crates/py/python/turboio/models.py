@@ -76,7 +76,9 @@ def load_model(
     buffer per shard; CUDA tensors with NCCL) and the store serves each byte once instead of W
     times. Each shard's header and the index are checked as for a normal load, after the
     exchange. `turboio.fetch_report()` gives this rank's bytes fetched from storage and received
-    over the group. Not with `use_cipher` (the pieces would travel encrypted); `dtype` and
+    over the group. With a node cache (`cache_dir` or `TURBOIO_CACHE_DIR`), the first rank of each
+    host publishes the shards there after the exchange. An object replaced during the load fails
+    it on every rank. Not with `use_cipher` (the pieces would travel encrypted); `dtype` and
     `shard_dims` apply after the exchange. Use it when the store, not the network between the
     ranks, is the bottleneck (object storage shared by many nodes); on a local disk each rank
     reading everything is faster.
@@ -139,8 +141,9 @@ _last_fetch = {}
 
 def fetch_report():
     """What this rank's last `load_model(..., fetch="once")` did: `{"files", "bytes",
-    "fetched_bytes", "received_bytes", "sent_bytes", "world_size"}` (bytes fetched from storage,
-    received from other ranks, sent to them by broadcasts this rank was the source of)."""
+    "fetched_bytes", "received_bytes", "sent_bytes", "world_size", "cached_files"}` (bytes
+    fetched from storage, received from other ranks, sent to them by broadcasts this rank was the
+    source of; shards this rank published in the node cache)."""
     return dict(_last_fetch)
 
 
@@ -165,32 +168,51 @@ def _load_replicated(path, pg, storage, num_thread, cache):
     from ._dtypes import torch_dtype_for, torch_shape
 
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    if storage is None and _remote.is_object_url(path) and os.environ.get("TURBOIO_CACHE_DIR"):
+        storage = _turboio.ObjectStorage({})  # the environment's store and node cache
     src0 = dist.get_global_rank(pg, 0) if pg is not dist.group.WORLD else 0
     # One plan for every rank: rank 0 resolves the model and the shards' lengths (no shard byte).
     plan = [None]
     if rank == 0:
         try:
             index, shards, weight_map = _turboio._model_files(path, storage=storage)
-            lens = [_turboio._file_len(s, storage=storage) for s in shards]
-            plan = [("ok", index, shards, weight_map, lens)]
+            versions = [_turboio._file_version(s, storage=storage) for s in shards]
+            plan = [("ok", index, shards, weight_map, versions)]
         except Exception as e:  # every rank raises it, not only rank 0
             plan = [("error", type(e).__name__, str(e))]
     dist.broadcast_object_list(plan, src=src0, group=pg)
     if plan[0][0] == "error":
         kind = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError}.get(plan[0][1], RuntimeError)
         raise kind(plan[0][2])
-    _, index, shards, weight_map, lens = plan[0]
+    _, index, shards, weight_map, versions = plan[0]
+    lens = [n for n, _ in versions]
     on_gpu = dist.get_backend(pg) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     bufs = [torch.empty(n, dtype=torch.uint8, device=device) for n in lens]
-    fetched = 0
-    for i, off, n in _pieces(lens, world, rank):
-        dst = bufs[i] if not on_gpu else torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        at = off if not on_gpu else 0
-        fetched += n
-        _turboio._read_into(shards[i], [(off, dst.data_ptr() + at, n)], threads=num_thread, cache=cache, storage=storage)
-        if on_gpu:
-            bufs[i][off : off + n].copy_(dst)
+    # Pieces are read past the node cache (it keeps whole objects only; ranks of one host would
+    # otherwise wait on each other's fills of the same shard).
+    reader = storage.without_cache() if storage is not None else None
+    fetched, failure = 0, None
+    try:
+        for i, off, n in _pieces(lens, world, rank):
+            dst = bufs[i] if not on_gpu else torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            at = off if not on_gpu else 0
+            fetched += n
+            _turboio._read_into(shards[i], [(off, dst.data_ptr() + at, n)], threads=num_thread, cache=cache, storage=reader)
+            if on_gpu:
+                bufs[i][off : off + n].copy_(dst)
+            # Each rank's reads are pinned to the version its open saw: the same as the plan's
+            # unless the object was replaced since, which this rank sees now.
+            if _turboio._file_version(shards[i], storage=reader) != tuple(versions[i]):
+                raise RuntimeError(f"{shards[i]}: the object changed while the ranks were reading it; load again")
+    except Exception as e:  # reported on every rank below, so that none waits in a broadcast
+        failure = f"{type(e).__name__}: {e}"
+    failures = [None] * world
+    dist.all_gather_object(failures, failure, group=pg)
+    failed = [(r, f) for r, f in enumerate(failures) if f]
+    if failed:
+        r, f = failed[0]
+        raise RuntimeError(f"fetch='once': rank {r} failed: {f}")
     received = sent = 0
     for r in range(world):
         src = dist.get_global_rank(pg, r) if pg is not dist.group.WORLD else r
@@ -200,9 +222,27 @@ def _load_replicated(path, pg, storage, num_thread, cache):
                 sent += n * (world - 1)
             else:
                 received += n
+    # With a node cache, the first rank of each host publishes every shard there (all the
+    # ranks hold all the bytes now): later loads on the host are local.
+    cached = 0
+    if storage is not None and storage.has_cache() and not on_gpu:
+        import socket
+
+        hosts = [None] * world
+        dist.all_gather_object(hosts, socket.gethostname(), group=pg)
+        if hosts.index(hosts[rank]) == rank:
+            for shard, (n, tag), buf in zip(shards, versions, bufs):
+                if tag is not None and storage._cache_insert(shard, n, tag, buf.data_ptr(), n):
+                    cached += 1
     _last_fetch.clear()
     _last_fetch.update(
-        files=len(shards), bytes=sum(lens), fetched_bytes=fetched, received_bytes=received, sent_bytes=sent, world_size=world
+        files=len(shards),
+        bytes=sum(lens),
+        fetched_bytes=fetched,
+        received_bytes=received,
+        sent_bytes=sent,
+        world_size=world,
+        cached_files=cached,
     )
     out, where = {}, {}
     for i, (shard, buf) in enumerate(zip(shards, bufs)):
