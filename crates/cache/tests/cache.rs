@@ -420,3 +420,26 @@ fn inserted_bytes_are_entries_like_fills() {
     let e = &cache.cache().entries().unwrap()[0];
     assert_eq!((e.url.as_str(), e.len), (path.to_str().unwrap(), data.len() as u64));
 }
+
+#[test]
+fn aligned_chunks_go_to_the_entry_with_o_direct_and_the_rest_buffered() {
+    // A load's memory is page-aligned (arenas, staging buffers): parts at aligned offsets are
+    // written with O_DIRECT from it, the unaligned tail through the page cache.
+    let (dir, _inner, cache) = setup(None);
+    let path = dir.path().join("store/aligned.bin");
+    let data = pattern((5 << 20) + 1234, 12);
+    std::fs::write(&path, &data).unwrap();
+    let f = cache.open(&path).unwrap();
+    let mut backing = vec![0u8; data.len() + 4096];
+    let start = backing.as_ptr().align_offset(4096);
+    let buf = &mut backing[start..start + data.len()];
+    f.read_ranges(
+        vec![ReadRequest { offset: 0, dst: buf }],
+        &IoOptions { threads: 2, chunk_size: 1 << 20, ..Default::default() },
+    )
+    .unwrap();
+    assert_eq!(&backing[start..start + data.len()], &data[..]);
+    drop(f);
+    let e = &cache.cache().entries().unwrap()[0];
+    assert_eq!(std::fs::read(&e.path).unwrap(), data);
+}
