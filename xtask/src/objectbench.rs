@@ -511,12 +511,27 @@ impl Py<'_> {
             cmd.env_remove(var);
         }
         cmd.envs(env.iter().map(|(k, v)| (k, v)));
-        let mut child = cmd.spawn().map_err(|e| format!("cannot start {}: {e}", self.python.display()))?;
-        let t = Instant::now();
+        let child = cmd.spawn().map_err(|e| format!("cannot start {}: {e}", self.python.display()))?;
+        let v = self.result_of(child, &out, &err, Instant::now())?;
+        let secs = v["load_s"].as_f64().unwrap_or(f64::NAN) + v["touch_s"].as_f64().unwrap_or(f64::NAN);
+        Ok(Sample { secs, peak_rss: v["peak_rss_bytes"].as_u64().unwrap_or(0) })
+    }
+}
+
+impl Py<'_> {
+    /// Waits for a child of the script started at `started` (killed past the timeout) and
+    /// gives the JSON line it printed to `out`, or why it failed (the end of `err`).
+    fn result_of(
+        &self,
+        mut child: Child,
+        out: &Path,
+        err: &Path,
+        started: Instant,
+    ) -> std::result::Result<serde_json::Value, String> {
         let status = loop {
             match child.try_wait() {
                 Ok(Some(s)) => break s,
-                Ok(None) if t.elapsed() > self.timeout => {
+                Ok(None) if started.elapsed() > self.timeout => {
                     let _ = child.kill();
                     let _ = child.wait();
                     return Err(format!("no result after {:.0} s (killed)", self.timeout.as_secs_f64()));
@@ -525,22 +540,17 @@ impl Py<'_> {
                 Err(e) => return Err(e.to_string()),
             }
         };
-        let stdout = std::fs::read_to_string(&out).unwrap_or_default();
+        let stdout = std::fs::read_to_string(out).unwrap_or_default();
         if !status.success() {
-            let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+            let stderr = std::fs::read_to_string(err).unwrap_or_default();
             let last: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
             let tail = last[last.len().saturating_sub(3)..].join(" / ");
             return Err(format!("{status}: {tail}"));
         }
         let line = stdout.lines().rev().find(|l| l.starts_with('{')).unwrap_or("");
-        let v: serde_json::Value =
-            serde_json::from_str(line).map_err(|_| format!("unexpected output: {}", stdout.trim()))?;
-        let secs = v["load_s"].as_f64().unwrap_or(f64::NAN) + v["touch_s"].as_f64().unwrap_or(f64::NAN);
-        Ok(Sample { secs, peak_rss: v["peak_rss_bytes"].as_u64().unwrap_or(0) })
+        serde_json::from_str(line).map_err(|_| format!("unexpected output: {}", stdout.trim()))
     }
-}
 
-impl Py<'_> {
     /// Runs `envs.len()` children of the script at once (child `i` with `envs[i]` added); the
     /// JSON line each printed, or the first failure.
     fn run_together(
@@ -566,30 +576,7 @@ impl Py<'_> {
             children.push((cmd.spawn().map_err(|e| e.to_string())?, out, err));
         }
         let t = Instant::now();
-        let mut results = Vec::new();
-        for (mut child, out, err) in children {
-            let status = loop {
-                match child.try_wait() {
-                    Ok(Some(s)) => break s,
-                    Ok(None) if t.elapsed() > self.timeout => {
-                        let _ = child.kill();
-                        let _ = child.wait();
-                        return Err("no result in time (killed)".into());
-                    }
-                    Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-                    Err(e) => return Err(e.to_string()),
-                }
-            };
-            let stdout = std::fs::read_to_string(&out).unwrap_or_default();
-            if !status.success() {
-                let stderr = std::fs::read_to_string(&err).unwrap_or_default();
-                let tail: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-                return Err(format!("{status}: {}", tail[tail.len().saturating_sub(3)..].join(" / ")));
-            }
-            let line = stdout.lines().rev().find(|l| l.starts_with('{')).unwrap_or("");
-            results.push(serde_json::from_str(line).map_err(|_| format!("unexpected output: {}", stdout.trim()))?);
-        }
-        Ok(results)
+        children.into_iter().map(|(child, out, err)| self.result_of(child, &out, &err, t)).collect()
     }
 }
 

@@ -147,9 +147,6 @@ impl Filling {
         drop(st);
         if result.is_ok() {
             self.cache.enforce_limit(&self.slot.key);
-            if self.direct.is_some() {
-                bring_into_page_cache(&self.slot.data());
-            }
         }
     }
 
@@ -179,17 +176,6 @@ pub(crate) fn publish_part(
     slot.write_meta(url, tag, len)?;
     std::fs::rename(part_path, slot.data())?;
     File::open(&slot.dir)?.sync_all()
-}
-
-/// Starts reading a published entry into the page cache in the background (the kernel's
-/// readahead: disk to page cache by DMA, no CPU copy), so that the next load of it is hot: the
-/// bytes written with `O_DIRECT` went to the disk only. Best effort.
-fn bring_into_page_cache(path: &Path) {
-    let Ok(file) = File::open(path) else { return };
-    let _ = std::thread::Builder::new().name("turboio-cache-readahead".into()).spawn(move || {
-        use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
-        let _ = posix_fadvise(&file, 0, 0, PosixFadviseAdvice::POSIX_FADV_WILLNEED);
-    });
 }
 
 impl Drop for Filling {
