@@ -246,7 +246,8 @@ impl ObjectStorage {
         }
     }
 
-    /// The object's length and version tag from a HEAD request (see [`read`]'s `version_tag`).
+    /// The object's length and version tag (its ETag and version id, as
+    /// [`StorageFile::version`] gives them for an open object) from a HEAD request.
     pub fn head(&self, url: &Path) -> Result<Option<turboio_storage::Version>, StorageError> {
         use object_store::ObjectStoreExt;
         let located = self.locate(url)?;
