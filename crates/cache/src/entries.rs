@@ -113,6 +113,26 @@ impl Slot {
         lock.write_all_at(part.as_os_str().as_encoded_bytes(), 0)
     }
 
+    /// Starts this process's part file under the held `lock`: the parts of fetches that died
+    /// removed, a new one created and named in the lock file for waiters.
+    pub(crate) fn start_part(&self, lock: &mut KeyLock) -> io::Result<(PathBuf, File)> {
+        self.remove_parts();
+        let path = self.new_part();
+        let made = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .and_then(|part| Slot::announce(lock, &path).map(|()| part));
+        match made {
+            Ok(part) => Ok((path, part)),
+            Err(e) => {
+                let _ = fs::remove_file(&path);
+                Err(e)
+            }
+        }
+    }
+
     /// When the fetch holding the lock last wrote a byte (its part file's modification time).
     pub(crate) fn progress(&self) -> Option<SystemTime> {
         let mut name = Vec::new();
@@ -199,6 +219,15 @@ impl NodeCache {
         Ok(Some(NodeCache::new(dir).with_max_bytes(max)))
     }
 
+    /// The cache a caller configured: `dir` (else `TURBOIO_CACHE_DIR`; none if neither) bounded
+    /// by `max_bytes` (else `TURBOIO_CACHE_MAX_SIZE`). For options given beside the environment
+    /// (the CLI's `--cache-dir`, Python's `cache_dir=`).
+    pub fn configured(dir: Option<PathBuf>, max_bytes: Option<u64>) -> Result<Option<NodeCache>, String> {
+        let env = NodeCache::from_env()?;
+        let max = max_bytes.or(env.as_ref().and_then(|c| c.max_bytes));
+        Ok(dir.or(env.map(|c| c.dir)).map(|d| NodeCache::new(d).with_max_bytes(max)))
+    }
+
     /// The directory.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -252,16 +281,8 @@ impl NodeCache {
     /// it (their files are unlinked, not overwritten).
     pub fn prune(&self, max_bytes: u64) -> io::Result<PruneReport> {
         let mut report = self.remove_stale()?;
-        let mut entries = self.entries()?;
-        let mut total: u64 = entries.iter().map(|e| e.len).sum();
-        while total > max_bytes {
-            let Some(e) = entries.pop() else { break };
-            if remove_entry(&self.slot(e.key.clone())) {
-                total -= e.len;
-                report.removed += 1;
-                report.freed += e.len;
-            }
-        }
+        let evicted = self.evict_lru(None, |total| total <= max_bytes)?;
+        (report.removed, report.freed) = (evicted.removed, evicted.freed);
         Ok(report)
     }
 
@@ -302,10 +323,7 @@ impl NodeCache {
         if self.max_bytes.is_some_and(|max| len > max) {
             return false;
         }
-        let Ok(mut entries) = self.entries() else { return false };
-        entries.retain(|e| e.key != keep);
-        let mut total: u64 = entries.iter().map(|e| e.len).sum();
-        loop {
+        let fits = |total: u64| {
             let within_limit = self.max_bytes.is_none_or(|max| total + len <= max);
             let space = match nix::sys::statvfs::statvfs(&self.dir) {
                 Ok(s) => {
@@ -316,29 +334,46 @@ impl NodeCache {
                 }
                 Err(_) => false,
             };
-            if within_limit && space {
-                return true;
-            }
-            let Some(e) = entries.pop() else { return false };
-            if remove_entry(&self.slot(e.key)) {
-                total -= e.len;
-            }
-        }
+            within_limit && space
+        };
+        self.evict_lru(Some(keep), fits).is_ok_and(|e| e.satisfied)
     }
 
     /// After a fill: removes least recently used entries beyond the size limit (never `keep`).
     pub(crate) fn enforce_limit(&self, keep: &str) {
-        let Some(max) = self.max_bytes else { return };
-        let Ok(mut entries) = self.entries() else { return };
+        if let Some(max) = self.max_bytes {
+            let _ = self.evict_lru(Some(keep), |total| total <= max);
+        }
+    }
+
+    /// Removes complete entries, least recently used first and never `keep`, until `satisfied`
+    /// holds for the bytes of the entries left (`keep`'s included).
+    fn evict_lru(&self, keep: Option<&str>, mut satisfied: impl FnMut(u64) -> bool) -> io::Result<Eviction> {
+        let mut entries = self.entries()?;
         let mut total: u64 = entries.iter().map(|e| e.len).sum();
-        entries.retain(|e| e.key != keep);
-        while total > max {
-            let Some(e) = entries.pop() else { return };
+        entries.retain(|e| Some(e.key.as_str()) != keep);
+        let mut done = Eviction::default();
+        loop {
+            if satisfied(total) {
+                done.satisfied = true;
+                return Ok(done);
+            }
+            let Some(e) = entries.pop() else { return Ok(done) };
             if remove_entry(&self.slot(e.key)) {
                 total -= e.len;
+                done.removed += 1;
+                done.freed += e.len;
             }
         }
     }
+}
+
+/// What [`NodeCache::evict_lru`] did.
+#[derive(Default)]
+struct Eviction {
+    satisfied: bool,
+    removed: usize,
+    freed: u64,
 }
 
 /// Unlinks an entry's data (then its description); true if the data was removed.

@@ -57,20 +57,9 @@ impl Filling {
         cache: NodeCache,
         mut lock: KeyLock,
     ) -> std::result::Result<Filling, (Box<dyn StorageFile>, std::io::Error)> {
-        slot.remove_parts();
-        let part_path = slot.new_part();
-        let made = File::options()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&part_path)
-            .and_then(|part| Slot::announce(&mut lock, &part_path).map(|()| part));
-        let part = match made {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = std::fs::remove_file(&part_path);
-                return Err((inner, e));
-            }
+        let (part_path, part) = match slot.start_part(&mut lock) {
+            Ok(made) => made,
+            Err(e) => return Err((inner, e)),
         };
         crate::filling_here(&slot.key, true);
         use std::os::unix::fs::OpenOptionsExt;

@@ -171,11 +171,14 @@ impl CacheStorage {
         if slot.data().exists() || !self.cache.make_room(version.len, &slot.key) {
             return false;
         }
-        slot.remove_parts();
-        let part_path = slot.new_part();
-        let result = std::fs::File::options().write(true).create_new(true).open(&part_path).and_then(|part| {
-            Slot::announce(&mut lock, &part_path)?;
-            part.write_all_at(bytes, 0)?;
+        let (part_path, part) = match slot.start_part(&mut lock) {
+            Ok(made) => made,
+            Err(e) => {
+                warn(&self.cache, &format!("writing {}: {e}", slot.data().display()));
+                return false;
+            }
+        };
+        let result = part.write_all_at(bytes, 0).and_then(|()| {
             fill::publish_part(&slot, &part, &part_path, &entries::clean_url(url), &version.tag, version.len)
         });
         drop(lock);

@@ -186,18 +186,7 @@ impl PyObjectStorage {
             let options = turboio::object::ObjectOptions::from_pairs(options).map_err(PyValueError::new_err)?;
             Arc::new(turboio::object::ObjectStorage::new(options))
         };
-        let env = turboio::cache::NodeCache::from_env().map_err(PyValueError::new_err)?;
-        let node = match (cache_dir, env) {
-            (Some(dir), env) => {
-                let max = cache_max_size.or(env.and_then(|c| c.max_bytes()));
-                Some(turboio::cache::NodeCache::new(dir).with_max_bytes(max))
-            }
-            (None, Some(env)) => {
-                let max = cache_max_size.or(env.max_bytes());
-                Some(env.with_max_bytes(max))
-            }
-            (None, None) => None,
-        };
+        let node = turboio::cache::NodeCache::configured(cache_dir, cache_max_size).map_err(PyValueError::new_err)?;
         let cache = node.map(|n| turboio::cache::CacheStorage::new(object.clone(), n));
         let inner: Arc<dyn turboio::storage::Storage> = match &cache {
             Some(c) => Arc::new(c.clone()),

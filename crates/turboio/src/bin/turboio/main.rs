@@ -50,11 +50,7 @@ struct Cli {
 impl Cli {
     /// The node cache of `--cache-dir` / `--cache-max-size`, else the environment's.
     fn node_cache(&self) -> Result<Option<turboio::cache::NodeCache>, String> {
-        let env = turboio::cache::NodeCache::from_env()?;
-        let dir = self.cache_dir.clone().or(env.as_ref().map(|c| c.dir().to_owned()));
-        Ok(dir.map(|d| {
-            turboio::cache::NodeCache::new(d).with_max_bytes(self.cache_max_size.or(env.and_then(|c| c.max_bytes())))
-        }))
+        turboio::cache::NodeCache::configured(self.cache_dir.clone(), self.cache_max_size)
     }
 }
 
