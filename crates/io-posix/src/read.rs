@@ -661,6 +661,22 @@ impl StorageFile for PosixFile {
         self.read_ranges_report(requests, opts).map(|_| ())
     }
 
+    fn read_ranges_reported(
+        &self,
+        requests: Vec<ReadRequest<'_>>,
+        opts: &IoOptions<'_>,
+    ) -> Result<turboio_storage::ReadInfo, StorageError> {
+        let r = self.read_ranges_report(requests, opts)?;
+        Ok(turboio_storage::ReadInfo {
+            method: match r.method {
+                ReadMethod::IoUring => "io_uring",
+                _ => "threads",
+            },
+            direct: r.direct,
+            direct_refused: r.direct_refused,
+        })
+    }
+
     fn local_file(&self) -> Option<&File> {
         Some(&self.file)
     }

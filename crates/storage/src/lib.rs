@@ -175,6 +175,18 @@ pub trait RangeReader: Send {
     fn read_exact_at(&mut self, offset: u64, dst: &mut [u8]) -> Result<()>;
 }
 
+/// How a bulk read brought its bytes in (see [`StorageFile::read_ranges_reported`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReadInfo {
+    /// The read path: `"threads"`, `"io_uring"`, `"gds"`, `"mmap"`..., or `"storage"` for a
+    /// backend that does not say.
+    pub method: &'static str,
+    /// `O_DIRECT` was used.
+    pub direct: bool,
+    /// `O_DIRECT` was asked for but the file system refused it; buffered reads were used.
+    pub direct_refused: bool,
+}
+
 /// An open file.
 pub trait StorageFile: Send + Sync + Debug {
     /// The path it was opened with.
@@ -205,6 +217,13 @@ pub trait StorageFile: Send + Sync + Debug {
         let chunk = if opts.chunk_size == 0 { 8 << 20 } else { opts.chunk_size };
         let chunks = split_requests(requests, chunk);
         for_each_chunk(chunks, opts, || self.reader(), |reader, c| reader.read_exact_at(c.offset, c.dst))
+    }
+
+    /// [`read_ranges`](Self::read_ranges), saying how the bytes were read (for reports). The
+    /// default says `"storage"`; a backend with several read paths names the one it took.
+    fn read_ranges_reported(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<ReadInfo> {
+        self.read_ranges(requests, opts)?;
+        Ok(ReadInfo { method: "storage", direct: false, direct_refused: false })
     }
 
     /// True if [`read_to_device`](Self::read_to_device) can write into memory of this device kind.
