@@ -1,18 +1,19 @@
 //! Raw memory mappings. Every `unsafe` block of this crate lives here.
 
+use nix::errno::Errno;
+use nix::sys::mman::{self, MapFlags, MmapAdvise, ProtFlags};
+use nix::unistd::{sysconf, SysconfVar};
+use std::ffi::c_void;
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::num::NonZeroUsize;
 use std::ptr::NonNull;
 
 /// The page size.
 pub(crate) fn page_size() -> usize {
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if n > 0 {
-        n as usize
-    } else {
-        4096
+    match sysconf(SysconfVar::PAGE_SIZE) {
+        Ok(Some(n)) if n > 0 => n as usize,
+        _ => 4096,
     }
 }
 
@@ -46,34 +47,30 @@ impl RawMap {
         let align = align.max(page);
         let len = len.max(1).next_multiple_of(page);
         let over = len.checked_add(align - page).ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
+        let over_nz = NonZeroUsize::new(over).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
         // SAFETY: a fresh anonymous mapping at an address of the kernel's choosing; no existing
         // memory is affected.
         let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                over,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
+            mman::mmap_anonymous(
+                None,
+                over_nz,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE | MapFlags::MAP_NORESERVE,
             )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let start = p as usize;
+        }?;
+        let start = p.as_ptr() as usize;
         let aligned = start.next_multiple_of(align);
         let head = aligned - start;
         let tail = over - head - len;
-        // SAFETY: [start, start+head) and [aligned+len, start+over) lie inside the mapping just
-        // created and nothing refers to them; unmapping them trims it to [aligned, aligned+len).
-        unsafe {
-            if head > 0 {
-                libc::munmap(p, head);
-            }
-            if tail > 0 {
-                libc::munmap((aligned + len) as *mut libc::c_void, tail);
-            }
+        if head > 0 {
+            // SAFETY: [start, start+head) lies inside the mapping just created and nothing
+            // refers to it; unmapping it trims the mapping's head.
+            let _ = unsafe { mman::munmap(p, head) };
+        }
+        if let Some(tail_start) = NonNull::new((aligned + len) as *mut c_void).filter(|_| tail > 0) {
+            // SAFETY: [aligned+len, start+over) lies inside the mapping just created and nothing
+            // refers to it; unmapping it leaves [aligned, aligned+len).
+            let _ = unsafe { mman::munmap(tail_start, tail) };
         }
         Ok(RawMap {
             // aligned is inside a successful mapping, hence non-null.
@@ -101,26 +98,23 @@ impl RawMap {
         if len == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "cannot map an empty file"));
         }
-        let map_at = |addr: usize, flags: libc::c_int| {
+        let len_nz = NonZeroUsize::new(len).ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        let map_at = |addr: Option<NonZeroUsize>, flags: MapFlags| -> nix::Result<usize> {
             // SAFETY: either the kernel picks the address (no flags), or MAP_FIXED_NOREPLACE
             // asks for `addr` and fails rather than replace an existing mapping: no memory
             // anyone owns is affected. MAP_PRIVATE means writes through the mapping never
             // reach the file; the fd only needs to be valid for the call.
             let p = unsafe {
-                libc::mmap(
-                    addr as *mut libc::c_void,
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | flags,
-                    file.as_raw_fd(),
+                mman::mmap(
+                    addr,
+                    len_nz,
+                    ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                    MapFlags::MAP_PRIVATE | flags,
+                    file,
                     0,
                 )
-            };
-            if p == libc::MAP_FAILED {
-                Err(io::Error::last_os_error())
-            } else {
-                Ok(p as usize)
-            }
+            }?;
+            Ok(p.as_ptr() as usize)
         };
         for _ in 0..4 {
             // Find a free aligned range, then give it back (dropping the reservation unmaps
@@ -128,16 +122,16 @@ impl RawMap {
             let aligned = RawMap::anonymous(len, HUGE_PAGE)?.addr();
             #[cfg(test)]
             tests::race(aligned);
-            match map_at(aligned, libc::MAP_FIXED_NOREPLACE) {
+            match map_at(NonZeroUsize::new(aligned), MapFlags::MAP_FIXED_NOREPLACE) {
                 // (A kernel older than 4.17 takes the flag as a hint and may map elsewhere:
                 // that mapping is ours too, only unaligned.)
                 Ok(p) => return RawMap::owning(p, len),
                 // Another thread mapped something into the range meanwhile: try again.
-                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => continue,
-                Err(e) => return Err(e),
+                Err(Errno::EEXIST) => continue,
+                Err(e) => return Err(e.into()),
             }
         }
-        RawMap::owning(map_at(0, 0)?, len)
+        RawMap::owning(map_at(None, MapFlags::empty())?, len)
     }
 
     /// Takes ownership of the mapping `[addr, addr + len)` just returned by `mmap`.
@@ -166,31 +160,28 @@ impl RawMap {
     }
 
     /// `madvise` on `[offset, offset + len)`, clipped to the mapping and widened to pages.
-    pub(crate) fn advise(&self, offset: usize, len: usize, advice: libc::c_int) -> io::Result<()> {
+    pub(crate) fn advise(&self, offset: usize, len: usize, advice: MmapAdvise) -> io::Result<()> {
         let page = page_size();
         let start = (offset.min(self.len) / page) * page;
         let end = offset.saturating_add(len).min(self.len);
         if end <= start {
             return Ok(());
         }
+        // Inside the mapping, hence non-null.
+        let at =
+            NonNull::new((self.addr() + start) as *mut c_void).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?;
         // SAFETY: the range lies inside our mapping. The advice values used by this crate
         // (HUGEPAGE, WILLNEED, POPULATE_READ, POPULATE_WRITE) never change the contents visible to Rust:
         // they only change how and when pages are faulted in.
-        let r = unsafe { libc::madvise((self.addr() + start) as *mut libc::c_void, end - start, advice) };
-        if r == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
+        unsafe { mman::madvise(at, end - start, advice) }?;
+        Ok(())
     }
 }
 
 impl Drop for RawMap {
     fn drop(&mut self) {
         // SAFETY: we own the mapping and nothing borrows it any more (&mut self).
-        unsafe {
-            libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, self.len);
-        }
+        let _ = unsafe { mman::munmap(self.ptr.cast::<c_void>(), self.len) };
     }
 }
 
@@ -226,20 +217,19 @@ mod tests {
             return;
         }
         RACES.set(RACES.get() - 1);
+        let len = NonZeroUsize::new(page_size()).unwrap();
         // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; the range is free (the
         // reservation was just given back), and the new mapping is owned by the RawMap below.
         let p = unsafe {
-            libc::mmap(
-                addr as *mut libc::c_void,
-                page_size(),
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
-                -1,
-                0,
+            mman::mmap_anonymous(
+                NonZeroUsize::new(addr),
+                len,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE | MapFlags::MAP_FIXED_NOREPLACE,
             )
-        };
-        assert_ne!(p, libc::MAP_FAILED, "the simulated racer could not map at {addr:#x}");
-        let mut other = RawMap::owning(p as usize, page_size()).unwrap();
+        }
+        .unwrap_or_else(|e| panic!("the simulated racer could not map at {addr:#x}: {e}"));
+        let mut other = RawMap::owning(p.as_ptr() as usize, page_size()).unwrap();
         other.as_mut_slice().fill(0xA5);
         TAKEN.with_borrow_mut(|t| t.push(other));
     }

@@ -3,6 +3,7 @@
 use super::advise_parallel;
 use crate::sys::{RawMap, HUGE_PAGE};
 use crate::{Allocation, DeviceError, DeviceId, HostBuffer, Result};
+use nix::sys::mman::MmapAdvise;
 use std::any::Any;
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -30,7 +31,7 @@ impl Arena {
         })?;
         if huge_pages {
             // Advisory: a kernel without THP refuses, and 4 KiB pages still work.
-            let _ = map.advise(0, map.len(), libc::MADV_HUGEPAGE);
+            let _ = map.advise(0, map.len(), MmapAdvise::MADV_HUGEPAGE);
         }
         Ok(Arena { map, len })
     }
@@ -77,7 +78,7 @@ impl Arena {
     /// follows takes no faults. Falls back to doing nothing on kernels without it (the copy
     /// then faults pages as it goes).
     pub fn prefault(&self, threads: usize) {
-        let _ = advise_parallel(&self.map, libc::MADV_POPULATE_WRITE, threads);
+        let _ = advise_parallel(&self.map, MmapAdvise::MADV_POPULATE_WRITE, threads);
     }
 }
 

@@ -3,6 +3,8 @@
 use super::advise_parallel;
 use crate::sys::{touch_pages, RawMap};
 use crate::{Allocation, DeviceError, DeviceId, Result};
+use nix::errno::Errno;
+use nix::sys::mman::MmapAdvise;
 use std::any::Any;
 use std::fs::File;
 
@@ -48,18 +50,18 @@ impl FileMapping {
     /// Asks the kernel to read the whole file into the page cache, without waiting for it
     /// (`MADV_WILLNEED`; advisory: a kernel that ignores it only loses the speed-up).
     pub fn will_need(&self) {
-        let _ = self.map.advise(0, self.map.len(), libc::MADV_WILLNEED);
+        let _ = self.map.advise(0, self.map.len(), MmapAdvise::MADV_WILLNEED);
     }
 
     fn populate_with(&self, threads: usize, read_ahead: bool) -> Result<()> {
         if read_ahead {
             // Advisory: a kernel or file system that ignores it only loses the speed-up.
-            let _ = self.map.advise(0, self.map.len(), libc::MADV_WILLNEED);
+            let _ = self.map.advise(0, self.map.len(), MmapAdvise::MADV_WILLNEED);
             return self.populate_and_touch(threads);
         }
-        match advise_parallel(&self.map, libc::MADV_POPULATE_READ, threads) {
+        match advise_parallel(&self.map, MmapAdvise::MADV_POPULATE_READ, threads) {
             Ok(()) => Ok(()),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            Err(e) if e.raw_os_error() == Some(Errno::EINVAL as i32) => {
                 touch_pages(self.map.as_slice());
                 Ok(())
             }
@@ -91,10 +93,10 @@ impl FileMapping {
             let mut at = start;
             while at < end {
                 let n = PIECE.min(end - at);
-                match map.advise(at, n, libc::MADV_POPULATE_READ) {
+                match map.advise(at, n, MmapAdvise::MADV_POPULATE_READ) {
                     Ok(()) => {}
                     // Kernels before 5.14: the read below faults the pages in.
-                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+                    Err(e) if e.raw_os_error() == Some(Errno::EINVAL as i32) => {}
                     Err(e) => return Err(e),
                 }
                 touch_pages(&map.as_slice()[at..at + n]);

@@ -8,10 +8,11 @@ pub use mapping::FileMapping;
 
 use crate::sys::{RawMap, HUGE_PAGE};
 use crate::{check_range, Allocation, Device, DeviceError, DeviceId, Result, Staging, Transfer};
+use nix::sys::mman::MmapAdvise;
 
 /// Runs `madvise(advice)` over `map` split into `threads` pieces at huge-page boundaries, one
 /// thread each, so that page faults are taken on every core at once.
-pub(crate) fn advise_parallel(map: &RawMap, advice: libc::c_int, threads: usize) -> std::io::Result<()> {
+pub(crate) fn advise_parallel(map: &RawMap, advice: MmapAdvise, threads: usize) -> std::io::Result<()> {
     let len = map.len();
     let pieces = threads.max(1).min(len.div_ceil(HUGE_PAGE)).max(1);
     if pieces == 1 {
