@@ -14,7 +14,7 @@
 //!   microseconds of each other); the disk bytes show whether the file was read once or four
 //!   times.
 
-use crate::bench::run_order;
+use crate::benchkit::run_order;
 use crate::test::root;
 use anyhow::{bail, Context, Result};
 use std::fmt::Write as _;
@@ -80,7 +80,7 @@ impl CacheRow {
 /// sectors of 512 bytes), or `None` where the statistics cannot be found (e.g. tmpfs).
 pub fn disk_bytes_read(path: &Path) -> Option<u64> {
     let dev = std::fs::metadata(path).ok()?.dev();
-    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let (major, minor) = (nix::sys::stat::major(dev), nix::sys::stat::minor(dev));
     let stat = std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/stat")).ok()?;
     let sectors: u64 = stat.split_whitespace().nth(2)?.parse().ok()?;
     Some(sectors * 512)
@@ -92,8 +92,8 @@ fn child(python: &Path, loader: &str, file: &Path, wait: bool) -> Result<Child> 
     if wait {
         cmd.arg("--wait");
     }
-    cmd.env("VETURBOIO_KEY", crate::bench::KEY_B64)
-        .env("VETURBOIO_IV", crate::bench::IV_B64)
+    cmd.env("VETURBOIO_KEY", crate::benchkit::KEY_B64)
+        .env("VETURBOIO_IV", crate::benchkit::IV_B64)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -15,7 +15,7 @@ use turboio::device::{Arena, FileMapping};
 pub fn odirect_sequential(path: &Path, depth: usize, block: usize) -> Result<u64> {
     let file = OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_DIRECT)
+        .custom_flags(nix::fcntl::OFlag::O_DIRECT.bits())
         .open(path)
         .with_context(|| format!("{}: open with O_DIRECT", path.display()))?;
     let len = file.metadata()?.len();
@@ -103,7 +103,7 @@ pub fn odirect_write(path: &Path, len: u64, depth: usize, block: usize) -> Resul
         .write(true)
         .create(true)
         .truncate(true)
-        .custom_flags(libc::O_DIRECT)
+        .custom_flags(nix::fcntl::OFlag::O_DIRECT.bits())
         .open(path)
         .with_context(|| format!("{}: open with O_DIRECT", path.display()))?;
     let mut buf = Arena::new(depth * block, false)?;

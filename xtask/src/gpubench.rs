@@ -7,7 +7,7 @@
 //! Where the device cannot be opened (no GPU, no driver) every row is skipped with the reason,
 //! so the bench runs everywhere.
 
-use crate::bench::{drop_caches, run_order, warm, Row};
+use crate::benchkit::{drop_caches, run_order, warm, Row};
 use anyhow::Result;
 use std::path::Path;
 use std::sync::Arc;
@@ -50,7 +50,7 @@ impl GpuLoader {
 }
 
 /// The name of the hot auto row and of the ceiling row (for the bench's checks).
-pub const AUTO: &str = "turboio -> GPU, auto";
+pub const AUTO: &str = crate::benchkit::GPU_AUTO;
 /// See [`AUTO`].
 pub const STAGED: &str = "turboio -> GPU, staged (pinned buffers)";
 /// See [`AUTO`].
@@ -89,7 +89,7 @@ fn one(
         GpuLoader::Mapped => (path, LoadOptions { mode: LoadMode::Mapped, ..base }),
         GpuLoader::Gds => (path, LoadOptions { mode: LoadMode::Copied, storage: gds(GdsMode::On), ..base }),
         GpuLoader::Encrypted => {
-            (encrypted, LoadOptions { encryption: Some(crate::bench::bench_encryption()?), ..base })
+            (encrypted, LoadOptions { encryption: Some(crate::benchkit::bench_encryption()?), ..base })
         }
         GpuLoader::Ceiling => unreachable!(),
     };

@@ -9,6 +9,7 @@
 //!   Python interop in a venv it creates, a bench smoke run).
 
 mod bench;
+mod benchkit;
 mod cachebench;
 mod ceiling;
 mod gpubench;

@@ -6,7 +6,7 @@
 //! then a 2-rank gloo run of turboio's fastsafetensors API, direct against collectives, with the
 //! bytes each rank read from storage.
 
-use crate::bench::{drop_caches, median_of as median, warm};
+use crate::benchkit::{drop_caches, median_of as median, warm};
 use crate::test::root;
 use anyhow::{bail, Context, Result};
 use std::fmt::Write as _;
@@ -32,7 +32,7 @@ fn model_dir(dir: &Path, size: u64) -> Result<PathBuf> {
         return Ok(out);
     }
     eprintln!("generating {} (8 shards) ...", out.display());
-    let status = Command::new(crate::bench::cli()?)
+    let status = Command::new(crate::benchkit::cli()?)
         .args(["gen", "--shards", "8", "--size"])
         .arg(size.to_string())
         .arg(&out)
@@ -86,7 +86,7 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, runs: usize, no_cold: bool
         let mut these: Vec<Row> =
             LOADERS.iter().map(|&loader| Row { loader, cache, times: Vec::new(), bytes_read: None }).collect();
         for r in 0..runs {
-            for i in crate::bench::run_order(LOADERS.len(), r) {
+            for i in crate::benchkit::run_order(LOADERS.len(), r) {
                 if cache == "cold" {
                     drop_caches().map_err(|e| anyhow::anyhow!("cold rows: {e}"))?;
                 } else {
@@ -126,7 +126,7 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, runs: usize, no_cold: bool
     let _ = writeln!(
         s,
         "\n### Whole model: {} in {} shards (median of {runs}; each load in its own Python process, load + touch of every page)\n",
-        crate::bench::size_name(total),
+        crate::benchkit::size_name(total),
         shards.len()
     );
     let _ = writeln!(s, "| loader | cache | s | GB/s | one job is | bytes read per rank |");

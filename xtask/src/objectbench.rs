@@ -30,7 +30,7 @@
 //!   from the client for 20 ms before passing it on, so each request pays about 20 ms, as it
 //!   would against a store in another zone. Concurrency, not bandwidth, decides those rows.
 
-use crate::bench::{median_of as median, run_order, size_name, warm};
+use crate::benchkit::{median_of as median, run_order, size_name, warm};
 use crate::test::root;
 use anyhow::{bail, Context, Result};
 use futures_util::{StreamExt, TryStreamExt};
@@ -440,7 +440,7 @@ fn model_dir(dir: &Path, size: u64) -> Result<PathBuf> {
         return Ok(out);
     }
     eprintln!("generating {} ({MODEL_SHARDS} shards) ...", out.display());
-    let status = Command::new(crate::bench::cli()?)
+    let status = Command::new(crate::benchkit::cli()?)
         .args(["gen", "--shards", &MODEL_SHARDS.to_string(), "--size", &size.to_string()])
         .arg(&out)
         .status()?;
@@ -946,7 +946,7 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
             return Ok(s);
         }
     };
-    let file = crate::bench::sample(data_dir, size)?;
+    let file = crate::benchkit::sample(data_dir, size)?;
     let model = model_dir(data_dir, size)?;
     let shards = shard_names(&model)?;
     let s3_root = data_dir.join("s3");

@@ -6,7 +6,7 @@
 //! page cache holds afterwards (measured with `mincore`). The tensors come from the bench
 //! sample, copied into ordinary memory first (not timed).
 
-use crate::bench::run_order;
+use crate::benchkit::run_order;
 use anyhow::{bail, Context, Result};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -103,8 +103,8 @@ pub fn measure(python: Option<&Path>, file: &Path, runs: usize) -> Result<Vec<Sa
                 continue;
             }
             let _ = std::fs::remove_file(&out);
-            // SAFETY: sync() has no preconditions; earlier rows' dirty pages go now, untimed.
-            unsafe { libc::sync() };
+            // Earlier rows' dirty pages go now, untimed.
+            nix::unistd::sync();
             let opts = |cache| SaveOptions { cache, ..Default::default() };
             let (secs, blocked) = match saver {
                 "turboio save (O_DIRECT, default)" | "turboio save, through the page cache" => {

@@ -14,7 +14,7 @@
 //! buffer. The disk's `O_DIRECT` rows (one ring, 32 requests of 1 MiB) are measured in the
 //! same run, for context.
 
-use crate::bench::run_order;
+use crate::benchkit::run_order;
 use anyhow::{bail, Context, Result};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -161,8 +161,7 @@ fn evict(path: &Path) -> Result<()> {
 }
 
 fn sync() {
-    // SAFETY: sync() has no preconditions.
-    unsafe { libc::sync() };
+    nix::unistd::sync();
 }
 
 /// Removes `path` (untimed) and waits for its blocks to be freed and everything to be on disk.
