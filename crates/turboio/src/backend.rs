@@ -5,61 +5,27 @@ use crate::{Error, Result};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+pub use turboio_storage::ReadInfo;
 use turboio_storage::{IoOptions, ReadRequest, Storage, StorageFile};
-
-/// What a bulk read did (for reports).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct ReadInfo {
-    /// `"threads"`, `"io_uring"`, or `"storage"` for a backend that does not say.
-    pub method: &'static str,
-    /// `O_DIRECT` was used.
-    pub direct: bool,
-    /// `O_DIRECT` was asked for but the file system refused it; buffered reads were used.
-    pub direct_refused: bool,
-}
-
-/// An open file on whichever backend.
-#[derive(Debug)]
-pub(crate) enum Backend {
-    #[cfg(feature = "posix")]
-    Posix(turboio_io_posix::PosixFile),
-    Other(Box<dyn StorageFile>),
-}
 
 /// An open file as the loader sees it: the backend's file, and, for an encrypted file, the
 /// layer that shifts offsets past the cipher header and decrypts every chunk on the thread that
 /// read it, while the bytes are still in cache.
 #[derive(Debug)]
 pub(crate) struct Opened {
-    backend: Backend,
+    file: Box<dyn StorageFile>,
     #[cfg(feature = "cipher")]
-    pub(crate) crypt: Option<crate::crypt::Crypt>,
+    pub(crate) crypt: Option<crate::encryption::Crypt>,
 }
 
 impl Opened {
+    /// Opens `path` through `storage`, else the backend of its scheme, else the local file
+    /// system ([`write_storage`] picks the same one for saves).
     pub(crate) fn open(storage: Option<&Arc<dyn Storage>>, path: &Path, cancel: Option<&AtomicBool>) -> Result<Opened> {
-        let scheme = match storage {
-            Some(_) => None,
-            None => scheme_storage(path)?,
-        };
-        let backend = if let Some(s) = storage.or(scheme.as_ref()) {
-            Backend::Other(s.open_cancellable(path, cancel).map_err(|e| Error::storage(path, e))?)
-        } else {
-            #[cfg(feature = "posix")]
-            {
-                Backend::Posix(default_posix().open_posix(path)?)
-            }
-            #[cfg(not(feature = "posix"))]
-            {
-                let _ = path;
-                return Err(Error::Storage(turboio_storage::StorageError::NotCompiledIn {
-                    backend: "posix",
-                    feature: "posix",
-                }));
-            }
-        };
+        let storage = write_storage(storage, path)?;
+        let file = storage.open_cancellable(path, cancel).map_err(|e| Error::storage(path, e))?;
         Ok(Opened {
-            backend,
+            file,
             #[cfg(feature = "cipher")]
             crypt: None,
         })
@@ -67,11 +33,7 @@ impl Opened {
 
     /// The backend's file (raw bytes, cipher header included).
     pub(crate) fn raw(&self) -> &dyn StorageFile {
-        match &self.backend {
-            #[cfg(feature = "posix")]
-            Backend::Posix(f) => f,
-            Backend::Other(f) => f.as_ref(),
-        }
+        self.file.as_ref()
     }
 
     pub(crate) fn path(&self) -> &Path {
@@ -154,32 +116,8 @@ impl Opened {
     }
 
     fn read_raw(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<ReadInfo> {
-        let path = self.path().to_owned();
-        match &self.backend {
-            #[cfg(feature = "posix")]
-            Backend::Posix(f) => {
-                let r = f.read_ranges_report(requests, opts).map_err(|e| Error::storage(&path, e))?;
-                Ok(ReadInfo {
-                    method: match r.method {
-                        turboio_io_posix::ReadMethod::IoUring => "io_uring",
-                        _ => "threads",
-                    },
-                    direct: r.direct,
-                    direct_refused: r.direct_refused,
-                })
-            }
-            Backend::Other(f) => {
-                f.read_ranges(requests, opts).map_err(|e| Error::storage(&path, e))?;
-                Ok(ReadInfo { method: "storage", direct: false, direct_refused: false })
-            }
-        }
+        self.file.read_ranges_reported(requests, opts).map_err(|e| Error::storage(self.path(), e))
     }
-}
-
-#[cfg(feature = "posix")]
-pub(crate) fn default_posix() -> &'static turboio_io_posix::PosixStorage {
-    static POSIX: std::sync::OnceLock<turboio_io_posix::PosixStorage> = std::sync::OnceLock::new();
-    POSIX.get_or_init(turboio_io_posix::PosixStorage::new)
 }
 
 /// The storage a save to `path` writes through: the one given, the one of the path's scheme,
@@ -193,7 +131,7 @@ pub(crate) fn write_storage(storage: Option<&Arc<dyn Storage>>, path: &Path) -> 
     }
     #[cfg(feature = "posix")]
     {
-        Ok(default_posix_arc())
+        Ok(local_storage())
     }
     #[cfg(not(feature = "posix"))]
     {
@@ -201,10 +139,11 @@ pub(crate) fn write_storage(storage: Option<&Arc<dyn Storage>>, path: &Path) -> 
     }
 }
 
+/// The local file system's backend, shared by the process.
 #[cfg(feature = "posix")]
-fn default_posix_arc() -> Arc<dyn Storage> {
+fn local_storage() -> Arc<dyn Storage> {
     static POSIX: std::sync::OnceLock<Arc<dyn Storage>> = std::sync::OnceLock::new();
-    POSIX.get_or_init(|| Arc::new(default_posix().clone())).clone()
+    POSIX.get_or_init(|| Arc::new(turboio_io_posix::PosixStorage::new())).clone()
 }
 
 /// A path scheme served by a backend of its own.
@@ -396,16 +335,6 @@ pub fn storage_for(path: &Path) -> Result<(Arc<dyn Storage>, PathBuf)> {
     Ok((write_storage(None, path)?, path.to_owned()))
 }
 
-/// The path key sources see for `path`: the path on its file system (`sfcs://a/b` is `/a/b`,
-/// as veTurboIO sends it in `X-TOS-Path`).
-#[cfg(feature = "cipher")]
-pub(crate) fn key_path(path: &Path) -> PathBuf {
-    match path.to_str().and_then(|s| s.strip_prefix("sfcs:/")) {
-        Some(rest) if rest.len() > 1 => PathBuf::from(format!("/{}", rest.trim_start_matches('/'))),
-        _ => path.to_owned(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -425,12 +354,5 @@ mod tests {
         }
         assert!(scheme_storage(Path::new("/models/sfcs://x")).unwrap().is_none());
         assert!(scheme_storage(Path::new("models/m.safetensors")).unwrap().is_none());
-    }
-
-    #[cfg(feature = "cipher")]
-    #[test]
-    fn key_paths_are_the_path_on_the_file_system() {
-        assert_eq!(key_path(Path::new("sfcs://a/b.safetensors")), PathBuf::from("/a/b.safetensors"));
-        assert_eq!(key_path(Path::new("/local/x")), PathBuf::from("/local/x"));
     }
 }

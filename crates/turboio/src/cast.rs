@@ -22,9 +22,9 @@
 //! arena is uploaded (a line in [`LoadReport::fallbacks`](crate::LoadReport::fallbacks) says
 //! why).
 
-use crate::load::{cpu_device, io_options, plan};
 use crate::loaded::{Held, LoadedFile};
 use crate::options::LoadOptions;
+use crate::plan::{cpu_device, io_options, load_plain, plan};
 use crate::{Error, Result};
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -64,7 +64,7 @@ pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Resul
     // A device that converts in its own memory: the plain load onto it, then its kernel.
     let mut fallback = None;
     if let Some(device) = opts.device.as_ref().filter(|d| d.id().kind != DeviceKind::Cpu && d.casts()) {
-        let src = crate::load(path, &LoadOptions { dtype: None, ..opts.clone() })?;
+        let src = load_plain(path, &LoadOptions { dtype: None, ..opts.clone() })?;
         if !src.header.tensors().iter().any(|t| converts(t, target)) {
             return Ok(src);
         }
@@ -84,7 +84,7 @@ pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Resul
         // Nothing to convert: the plain load, onto the asked-for device (the CPU one is planned).
         if opts.device.as_ref().is_some_and(|d| d.id().kind != DeviceKind::Cpu) {
             drop(planned);
-            return crate::load(path, &LoadOptions { dtype: None, ..opts.clone() });
+            return load_plain(path, &LoadOptions { dtype: None, ..opts.clone() });
         }
         let read = planned.fill(&cpu, &host, &io_options(&host))?;
         return planned.finish(read, &host);

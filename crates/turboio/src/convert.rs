@@ -36,7 +36,7 @@
 //! input read again, chunk by chunk.
 
 use crate::backend::{Opened, Place};
-use crate::load::open;
+use crate::plan::open;
 use crate::{Error, LoadOptions, Result, SaveOptions};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -390,7 +390,7 @@ fn validate(
     #[cfg(feature = "cipher")]
     let read_opts = LoadOptions { encryption: opts.save.encryption.clone(), ..read_opts };
     let written = open(output, &read_opts)?;
-    let header: Header = crate::load::read_header(&written, false)?;
+    let header: Header = crate::plan::read_header(&written, false)?;
     if header.len() != specs.len() {
         return Err(fail(format!("{} tensors written, {} expected", header.len(), specs.len())));
     }

@@ -87,12 +87,15 @@ mod cast;
 pub mod convert;
 #[cfg(feature = "cipher")]
 pub mod crypt;
+#[cfg(feature = "cipher")]
+mod encryption;
 mod error;
 pub mod inspect;
 mod load;
 mod loaded;
 pub mod model;
 mod options;
+mod plan;
 pub mod pt;
 pub mod sample;
 mod save;

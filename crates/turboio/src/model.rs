@@ -45,7 +45,7 @@
 //! every save.
 
 use crate::backend::Place;
-use crate::load::{cpu_device, load_device, plan, Planned};
+use crate::plan::{cpu_device, load_device, plan, Planned};
 use crate::{Error, LoadOptions, LoadReport, LoadedFile, Result, SaveOptions, SaveTensor, TensorView};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};

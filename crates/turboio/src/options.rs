@@ -148,7 +148,7 @@ pub struct LoadOptions {
     pub cancel: Option<Arc<AtomicBool>>,
     /// Decrypt the file (veTurboIO's AES-CTR formats; the header layout is detected).
     #[cfg(feature = "cipher")]
-    pub encryption: Option<crate::crypt::Encryption>,
+    pub encryption: Option<crate::encryption::Encryption>,
     /// Convert every floating tensor (F64, F32, F16, BF16, F8_E4M3, F8_E5M2) to this dtype on
     /// the way in, bit-identical to torch's `.to()` ([`turboio_format::cast()`]); other tensors
     /// pass through. `None` (the default): tensors keep their dtype.
@@ -204,7 +204,7 @@ pub struct SaveOptions {
     pub snapshots: Option<ArenaPool>,
     /// Encrypt the file (veTurboIO's AES-CTR formats).
     #[cfg(feature = "cipher")]
-    pub encryption: Option<crate::crypt::Encryption>,
+    pub encryption: Option<crate::encryption::Encryption>,
 }
 
 impl fmt::Debug for SaveOptions {

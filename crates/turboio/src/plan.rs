@@ -1,4 +1,8 @@
-//! The load pipeline.
+//! The load pipeline: open a file (with its decrypting layer), parse what it holds, plan how
+//! to hold its bytes (mapped, copied or staged; page cache kept or not), allocate, fill, and
+//! finish into a [`LoadedFile`]. Dtype conversion is a stage composed after it
+//! ([`crate::cast`]); `.pt` files plug their parser in ([`plan_parsed`]); the public entry
+//! points are in `load`.
 
 use crate::backend::{Opened, ReadInfo};
 use crate::loaded::{CacheUse, Held, LoadReport, LoadedFile};
@@ -36,7 +40,7 @@ pub(crate) fn read_header(file: &Opened, bypass: bool) -> Result<Header> {
             return Error::Decrypted { path: path.to_owned(), source: e, key_source: c.source.clone() };
         }
         #[cfg(feature = "cipher")]
-        return crate::crypt::unkeyed_error(file.raw(), e);
+        return crate::encryption::unkeyed_error(file.raw(), e);
         #[cfg(not(feature = "cipher"))]
         Error::format(path, e)
     };
@@ -115,52 +119,17 @@ pub(crate) fn open(path: &Path, opts: &LoadOptions) -> Result<Opened> {
     #[cfg(feature = "cipher")]
     if let Some(enc) = &opts.encryption {
         let bypass = opts.cache == CachePolicy::Bypass;
-        opened.crypt = Some(crate::crypt::for_read(opened.raw(), enc, opts.cancel.as_ref(), bypass)?);
+        opened.crypt = Some(crate::encryption::for_read(opened.raw(), enc, opts.cancel.as_ref(), bypass)?);
     }
     Ok(opened)
 }
 
-/// Reads only the header of a safetensors file (decrypting it when the options ask for it).
-pub fn read_header_of(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Header> {
-    read_header(&open(path.as_ref(), opts)?, opts.cache == CachePolicy::Bypass)
-}
-
-/// Reads the first `n` bytes of the plain file (decrypted when the options ask for it) and
-/// gives the plain file's length, e.g. to tell a safetensors file from a torch pickle.
-pub fn read_prefix(path: impl AsRef<Path>, n: usize, opts: &LoadOptions) -> Result<(Vec<u8>, u64)> {
-    let opened = open(path.as_ref(), opts)?;
-    let mut buf = vec![0u8; (opened.len().min(n as u64)) as usize];
-    opened.read_exact_at(0, &mut buf)?;
-    Ok((buf, opened.len()))
-}
-
-/// Reads the whole plain file into memory (decrypted when the options ask for it), e.g. an
-/// encrypted torch pickle on its way to `torch.load`.
-pub fn read_all(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Vec<u8>> {
-    let opened = open(path.as_ref(), opts)?;
-    let len = usize::try_from(opened.len()).map_err(|_| Error::Unsupported {
-        path: path.as_ref().to_owned(),
-        message: "file too large for this address space".into(),
-    })?;
-    let mut buf = vec![0u8; len];
-    opened.read(vec![ReadRequest { offset: 0, dst: &mut buf }], &io_options(opts))?;
-    Ok(buf)
-}
-
-/// Loads every tensor of a safetensors file.
-///
-/// The header is read and validated first (a few KiB); then the data section is brought into
-/// memory in one pass: mapped from the page cache, copied into an arena (with
-/// `O_DIRECT` for cold files), or staged into device memory, as [`LoadOptions`] and the file's
-/// page-cache residency decide. Nothing partial is ever returned: on any error the memory is
-/// released and the error names the file.
-pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
-    if let Some(target) = opts.dtype {
-        return crate::cast::load_cast(path.as_ref(), opts, target);
-    }
+/// Loads every tensor of a safetensors file as it is stored (no dtype conversion): plan, fill,
+/// finish.
+pub(crate) fn load_plain(path: &Path, opts: &LoadOptions) -> Result<LoadedFile> {
     let cpu = cpu_device(opts);
     let device = load_device(opts, &cpu);
-    let mut planned = plan(path.as_ref(), opts, device)?;
+    let mut planned = plan(path, opts, device)?;
     let read = planned.fill(device, opts, &io_options(opts))?;
     planned.finish(read, opts)
 }
@@ -227,21 +196,16 @@ pub(crate) fn plan(path: &Path, opts: &LoadOptions, device: &dyn Device) -> Resu
     plan_parsed(path, opts, device, &mut |opened, bypass| read_header(opened, bypass).map(Parsed::Safetensors))
 }
 
-/// [`plan`] for a torch checkpoint (`.pt` / `.bin`), indexed with `pt`.
-pub(crate) fn plan_pt(
+/// Parses what an opened file holds before any tensor byte is read (`bool`: the load bypasses
+/// the page cache).
+pub(crate) type Parse<'a> = dyn FnMut(&Opened, bool) -> Result<Parsed> + 'a;
+
+pub(crate) fn plan_parsed(
     path: &Path,
     opts: &LoadOptions,
     device: &dyn Device,
-    pt: &turboio_pt::PtOptions,
+    parse: &mut Parse<'_>,
 ) -> Result<Planned> {
-    plan_parsed(path, opts, device, &mut |opened, bypass| {
-        crate::pt::index(path, opened, bypass, pt, "load").map(|i| Parsed::Pt(Box::new(i)))
-    })
-}
-
-type Parse<'a> = dyn FnMut(&Opened, bool) -> Result<Parsed> + 'a;
-
-fn plan_parsed(path: &Path, opts: &LoadOptions, device: &dyn Device, parse: &mut Parse<'_>) -> Result<Planned> {
     let started = Instant::now();
     let opened = open(path, opts)?;
     let parsed = parse(&opened, opts.cache == CachePolicy::Bypass)?;
@@ -483,12 +447,6 @@ pub(crate) struct Done {
     pub(crate) data_start: u64,
     pub(crate) device: Option<std::sync::Arc<dyn Device>>,
     pub(crate) report: LoadReport,
-}
-
-/// Reads plain ranges of a file (decrypted when the options ask for it) into the given
-/// buffers, in parallel: `(plain_offset, destination)` pairs.
-pub fn read_into(path: impl AsRef<Path>, requests: Vec<ReadRequest<'_>>, opts: &LoadOptions) -> Result<ReadInfo> {
-    open(path.as_ref(), opts)?.read(requests, &io_options(opts))
 }
 
 /// Whether a copied or staged load keeps the page cache: as asked, or by default unless the

@@ -24,8 +24,8 @@
 //! [`crate::convert`] (`--dtype`) instead.
 
 use crate::backend::Opened;
-use crate::load::{cpu_device, io_options, load_device, open, plan_pt, Parsed, PlainReader};
 use crate::loaded::LoadReport;
+use crate::plan::{cpu_device, io_options, load_device, open, plan_parsed, Parsed, PlainReader, Planned};
 use crate::{Error, LoadOptions, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -200,6 +200,18 @@ impl LoadedPt {
             .map_err(|e| Error::Unsupported { path: self.path.clone(), message: e.to_string() })?;
         Ok(out)
     }
+}
+
+/// [`plan`](crate::plan::plan) for a torch checkpoint (`.pt` / `.bin`), indexed with `pt`.
+pub(crate) fn plan_pt(
+    path: &Path,
+    opts: &LoadOptions,
+    device: &dyn Device,
+    pt: &turboio_pt::PtOptions,
+) -> Result<Planned> {
+    plan_parsed(path, opts, device, &mut |opened, bypass| {
+        index(path, opened, bypass, pt, "load").map(|i| Parsed::Pt(Box::new(i)))
+    })
 }
 
 /// Indexes an open checkpoint (the zip directory and the pickle; no tensor byte is read);

@@ -204,8 +204,8 @@ pub(crate) fn write_source(path: &Path, plain: &dyn WriteSource, opts: &SaveOpti
     #[cfg(feature = "cipher")]
     let encrypted = match &opts.encryption {
         Some(enc) => {
-            let (cipher, prefix) = crate::crypt::for_write(path, enc, opts.cancel.as_ref())?;
-            Some(crate::crypt::EncryptingSource { prefix, inner: plain, cipher })
+            let (cipher, prefix) = crate::encryption::for_write(path, enc, opts.cancel.as_ref())?;
+            Some(crate::encryption::EncryptingSource { prefix, inner: plain, cipher })
         }
         None => None,
     };
