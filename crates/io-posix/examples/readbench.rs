@@ -22,6 +22,8 @@
 //! arena without huge pages; `-warm` prefaults the arena before the clock starts (the I/O alone).
 
 use io_uring::{opcode, types, IoUring};
+use nix::fcntl::OFlag;
+use nix::sys::mman::{madvise, MmapAdvise};
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
@@ -96,8 +98,7 @@ impl WriteSource for Gen {
 }
 
 fn drop_caches(path: &Path) {
-    // SAFETY: sync has no arguments.
-    unsafe { libc::sync() };
+    nix::unistd::sync();
     if std::fs::write("/proc/sys/vm/drop_caches", "3").is_err() {
         let f = PosixStorage::new().open_posix(path).expect("open");
         f.evict_cache().expect("fadvise");
@@ -118,7 +119,7 @@ fn warm(path: &Path) {
 fn raw_direct(path: &Path, len: u64) {
     const QD: usize = 32;
     const BLOCK: usize = 1 << 20;
-    let f = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).expect("open O_DIRECT");
+    let f = OpenOptions::new().read(true).custom_flags(OFlag::O_DIRECT.bits()).open(path).expect("open O_DIRECT");
     let mut buf = Arena::new(QD * BLOCK, true).expect("buffer");
     buf.prefault(1);
     let base = buf.as_mut_slice().as_mut_ptr();
@@ -220,9 +221,10 @@ fn run_mode(mode: &str, args: &Args, len: u64) -> f64 {
             let f = PosixStorage::with_config(cfg(ReadMethod::IoUring)).open_posix(path).expect("open");
             std::thread::scope(|s| {
                 s.spawn(move || {
+                    let addr = std::ptr::NonNull::new(addr as *mut std::ffi::c_void).expect("arena address");
                     // SAFETY: populating only faults in missing pages of our own mapping; it
                     // never changes the contents of a page that is already there.
-                    unsafe { libc::madvise(addr as *mut libc::c_void, cap, libc::MADV_POPULATE_WRITE) };
+                    let _ = unsafe { madvise(addr, cap, MmapAdvise::MADV_POPULATE_WRITE) };
                 });
                 f.read_ranges_report(
                     vec![ReadRequest { offset: 0, dst: arena.as_mut_slice() }],

@@ -5,10 +5,11 @@ use crate::plan::{aligned_size, plan_buffered, plan_direct, split_aligned, Piece
 use crate::sys::{self, AlignedBuf};
 use crate::uring::Ring;
 use crate::{io_uring_available, PosixConfig, ReadMethod, ReadReport};
+use nix::errno::Errno;
 use std::fs::File;
 use std::io;
 use std::marker::PhantomData;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -44,11 +45,7 @@ impl PosixFile {
         let file = File::open(path).map_err(|e| StorageError::io(path, "open", e))?;
         let meta = file.metadata().map_err(|e| StorageError::io(path, "stat", e))?;
         if meta.is_dir() {
-            return Err(StorageError::Io {
-                path: path.to_owned(),
-                op: "open",
-                source: io::Error::from_raw_os_error(libc::EISDIR),
-            });
+            return Err(StorageError::Io { path: path.to_owned(), op: "open", source: Errno::EISDIR.into() });
         }
         Ok(PosixFile {
             path: path.to_owned(),
@@ -95,7 +92,7 @@ impl PosixFile {
         let run = Run {
             file: self,
             opts,
-            direct_fd: direct_fd.map(AsRawFd::as_raw_fd),
+            direct_fd: direct_fd.map(AsFd::as_fd),
             refused: AtomicBool::new(false),
             read_ahead,
         };
@@ -196,7 +193,7 @@ struct Run<'f, 'o, 'h> {
     file: &'f PosixFile,
     opts: &'o IoOptions<'h>,
     /// The `O_DIRECT` descriptor when this call bypasses the cache.
-    direct_fd: Option<RawFd>,
+    direct_fd: Option<BorrowedFd<'f>>,
     /// The file system refused an `O_DIRECT` read (`EINVAL`) during this call.
     refused: AtomicBool,
     /// Buffered reads of a file mostly not in the page cache: read ahead of the readers.
@@ -204,7 +201,7 @@ struct Run<'f, 'o, 'h> {
 }
 
 impl Run<'_, '_, '_> {
-    fn bypass(&self) -> Option<RawFd> {
+    fn bypass(&self) -> Option<BorrowedFd<'_>> {
         self.direct_fd.filter(|_| !self.refused.load(Ordering::Relaxed))
     }
 
@@ -223,12 +220,12 @@ impl Run<'_, '_, '_> {
         let (_, _, file_off) = piece.target();
         let n = match result {
             Ok(n) => n,
-            Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
+            Err(e) if direct && e.raw_os_error() == Some(Errno::EINVAL as i32) => {
                 // The file system took O_DIRECT at open but will not read with it.
                 self.refused.store(true, Ordering::Relaxed);
                 return self.file.read_buffered(target, file_off);
             }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted || e.raw_os_error() == Some(libc::EAGAIN) => {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted || e.raw_os_error() == Some(Errno::EAGAIN as i32) => {
                 return self.file.read_buffered(target, file_off);
             }
             Err(e) => return Err(StorageError::io(&self.file.path, "read", e)),
@@ -367,24 +364,19 @@ impl Run<'_, '_, '_> {
 }
 
 /// A borrowed `O_DIRECT` descriptor (owned by the [`PosixFile`], which outlives every use).
-struct DirectFd(RawFd);
+struct DirectFd<'f>(BorrowedFd<'f>);
 
-impl DirectFd {
+impl DirectFd<'_> {
     /// One `pread`, retried when interrupted.
     fn pread(&self, dst: &mut [u8], offset: u64) -> io::Result<usize> {
-        let Ok(off) = libc::off_t::try_from(offset) else {
-            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        // `off_t`, whatever its width on the target.
+        let Ok(off) = offset.try_into() else {
+            return Err(Errno::EINVAL.into());
         };
         loop {
-            // SAFETY: `dst` is a live, exclusively borrowed buffer of `dst.len()` bytes; the
-            // descriptor is open for as long as the `PosixFile` lives, which outlives `self`.
-            let ret = unsafe { libc::pread(self.0, dst.as_mut_ptr().cast(), dst.len(), off) };
-            if ret >= 0 {
-                return Ok(ret as usize);
-            }
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(e);
+            match nix::sys::uio::pread(self.0, dst, off) {
+                Err(Errno::EINTR) => continue,
+                r => return r.map_err(io::Error::from),
             }
         }
     }
@@ -454,7 +446,7 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
     /// Starts a chunk: plans its pieces.
     fn activate(&mut self, chunk: Chunk<'c>) -> usize {
         let (fd, direct) = match self.run.bypass() {
-            Some(fd) => (fd, true),
+            Some(fd) => (fd.as_raw_fd(), true),
             None => (self.run.file.file.as_raw_fd(), false),
         };
         let (offset, len, base) = (chunk.offset, chunk.dst.len(), chunk.dst.as_mut_ptr());
@@ -511,7 +503,7 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
             }
         };
         let Ok(len32) = u32::try_from(len) else {
-            return Err(StorageError::io(&self.run.file.path, "read", io::Error::from_raw_os_error(libc::EINVAL)));
+            return Err(StorageError::io(&self.run.file.path, "read", Errno::EINVAL.into()));
         };
         // SAFETY: `buf` is either this piece's own part of the destination (disjoint from every
         // other piece, and not touched by Rust until the chunk completes: see `Active::base`),
@@ -721,17 +713,17 @@ mod tests {
         let run = Run {
             file: &f,
             opts: &opts,
-            direct_fd: Some(f.file.as_raw_fd()),
+            direct_fd: Some(f.file.as_fd()),
             refused: AtomicBool::new(false),
             read_ahead: false,
         };
         let piece = Piece::Direct { offset: 4096, dst_off: 0, len: 4096 };
         let mut target = vec![0u8; 4096];
-        let einval = Err(io::Error::from_raw_os_error(libc::EINVAL));
+        let einval = Err(Errno::EINVAL.into());
         run.finish_piece(&piece, einval, &mut target, &[], true).unwrap();
         assert_eq!(target, data[4096..8192]);
         assert!(run.refused.load(Ordering::Relaxed));
-        assert_eq!(run.bypass(), None);
+        assert!(run.bypass().is_none());
     }
 
     /// Short reads are completed with buffered reads; other errors name the file.
@@ -761,7 +753,7 @@ mod tests {
         let mut target = vec![0u8; 8192];
         let err = run.finish_piece(&piece, Ok(0), &mut target, &[], true).unwrap_err();
         assert!(matches!(err, StorageError::ShortFile { .. }), "{err:?}");
-        let eio = Err(io::Error::from_raw_os_error(libc::EIO));
+        let eio = Err(Errno::EIO.into());
         let err = run.finish_piece(&piece, eio, &mut target, &[], true).unwrap_err();
         assert!(err.to_string().contains("f.bin"), "{err}");
         assert!(!run.refused.load(Ordering::Relaxed));

@@ -1,10 +1,19 @@
-//! Raw system calls and aligned memory. Everything `unsafe` outside the ring lives here, each
-//! call checked and turned into an `io::Result`.
+//! System calls and aligned memory. Everything `unsafe` outside the ring lives here, each
+//! call checked and turned into an `io::Result`. System calls go through nix's wrappers; the
+//! few nix does not wrap (`mincore`, the lease `fcntl`s, a `flock` that outlives no guard) call
+//! libc, each saying why at the call.
 
 use crate::plan::ALIGN;
+use nix::errno::Errno;
+use nix::fcntl::{posix_fadvise, OFlag, PosixFadviseAdvice};
+use nix::sys::mman::{self, MapFlags, ProtFlags};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::{geteuid, sysconf, Pid, SysconfVar};
 use std::alloc::Layout;
+use std::ffi::c_int;
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::num::NonZeroUsize;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;
@@ -72,15 +81,15 @@ impl Drop for AlignedBuf {
 /// `Ok(None)` when the file system refuses `O_DIRECT` (`EINVAL`) or the path now names another
 /// file.
 pub(crate) fn reopen_direct(file: &File, path: &Path, write: bool) -> io::Result<Option<File>> {
-    let open = |p: &Path| OpenOptions::new().read(!write).write(write).custom_flags(libc::O_DIRECT).open(p);
+    let open = |p: &Path| OpenOptions::new().read(!write).write(write).custom_flags(OFlag::O_DIRECT.bits()).open(p);
     let via_proc = format!("/proc/self/fd/{}", file.as_raw_fd());
     let opened = match open(Path::new(&via_proc)) {
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => open(path),
+        Err(e) if e.raw_os_error() == Some(Errno::ENOENT as i32) => open(path),
         other => other,
     };
     let direct = match opened {
         Ok(f) => f,
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(Errno::EINVAL as i32) => return Ok(None),
         Err(e) => return Err(e),
     };
     let (a, b) = (file.metadata()?, direct.metadata()?);
@@ -106,21 +115,16 @@ pub(crate) fn size_for_write(file: &File, len: u64) -> io::Result<()> {
         return if len == current { Ok(()) } else { file.set_len(len) };
     }
     let grow = len - current;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
-    // SAFETY: fstatvfs writes a statvfs into the pointer we pass, which is valid for writes.
-    if unsafe { libc::fstatvfs(file.as_raw_fd(), st.as_mut_ptr()) } == 0 {
-        // SAFETY: initialised by the successful call (and zeroed before it).
-        let st = unsafe { st.assume_init() };
+    if let Ok(st) = nix::sys::statvfs::fstatvfs(file) {
         // Root may use the blocks reserved for it; everyone else what is available.
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        let blocks = if unsafe { libc::geteuid() } == 0 { st.f_bfree } else { st.f_bavail };
+        let blocks = if geteuid().is_root() { st.blocks_free() } else { st.blocks_available() };
         // The field types differ between targets (u32 on 32-bit ones).
         #[allow(clippy::unnecessary_cast)]
-        let free = (blocks as u64).saturating_mul(st.f_frsize as u64);
+        let free = (blocks as u64).saturating_mul(st.fragment_size() as u64);
         // File systems that report nothing (some FUSE ones say 0 blocks of 0 bytes) are not
         // judged by it.
-        if st.f_blocks > 0 && free < grow {
-            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        if st.blocks() > 0 && free < grow {
+            return Err(Errno::ENOSPC.into());
         }
     }
     file.set_len(len)
@@ -130,16 +134,10 @@ pub(crate) fn size_for_write(file: &File, len: u64) -> io::Result<()> {
 /// relies on (ext2/3/4, XFS, btrfs, F2FS, tmpfs): a lease there sees every opener and mapping
 /// on this kernel, and no other host can have the file open.
 pub(crate) fn is_local_fs(file: &File) -> bool {
-    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
-    // SAFETY: fstatfs writes a statfs into the pointer we pass, which is valid for writes.
-    if unsafe { libc::fstatfs(file.as_raw_fd(), st.as_mut_ptr()) } != 0 {
-        return false;
-    }
-    // SAFETY: initialised by the successful call (and zeroed before it).
-    let st = unsafe { st.assume_init() };
+    let Ok(st) = nix::sys::statfs::fstatfs(file) else { return false };
     // The field's type differs between targets.
     #[allow(clippy::unnecessary_cast)]
-    let kind = st.f_type as i64;
+    let kind = st.filesystem_type().0 as i64;
     const LOCAL: [i64; 5] = [0xEF53, 0x5846_5342, 0x9123_683E, 0xF2F5_2010, 0x0102_1994];
     LOCAL.contains(&kind)
 }
@@ -151,17 +149,20 @@ pub(crate) fn is_local_fs(file: &File) -> bool {
 /// `SIGURG`, which is ignored by default (the default `SIGIO` would end the process). Any
 /// refusal, including a file system without leases, is `false`.
 pub(crate) fn nobody_else_has_open(file: &File) -> bool {
-    // <asm-generic/fcntl.h> (the same on every Linux architecture); the libc crate lacks it.
-    const F_SETSIG: libc::c_int = 10;
+    // <asm-generic/fcntl.h> (the same on every Linux architecture); neither libc nor nix has it.
+    const F_SETSIG: c_int = 10;
     let fd = file.as_raw_fd();
     // SAFETY: fcntl on a descriptor we own, with integer arguments only.
     unsafe {
-        if libc::fcntl(fd, F_SETSIG, libc::SIGURG) != 0 {
+        // libc: nix's FcntlArg has no F_SETSIG (and no F_SETLEASE, below).
+        if libc::fcntl(fd, F_SETSIG, Signal::SIGURG as c_int) != 0 {
             return false;
         }
+        // libc: nix's FcntlArg has no F_SETLEASE.
         if libc::fcntl(fd, libc::F_SETLEASE, libc::F_WRLCK) != 0 {
             return false;
         }
+        // libc: nix's FcntlArg has no F_SETLEASE.
         libc::fcntl(fd, libc::F_SETLEASE, libc::F_UNLCK);
     }
     true
@@ -171,24 +172,19 @@ pub(crate) fn nobody_else_has_open(file: &File) -> bool {
 /// (`POSIX_FADV_WILLNEED`). It queues the reads of every page not cached yet and returns once
 /// they are submitted (it may block while the device's queue is full), without waiting for them.
 pub(crate) fn will_need(file: &File, offset: u64, len: u64) -> io::Result<()> {
-    let (Ok(off), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
-        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    // `off_t`, whatever its width on the target.
+    let (Ok(off), Ok(len)) = (offset.try_into(), len.try_into()) else {
+        return Err(Errno::EINVAL.into());
     };
-    // SAFETY: plain syscall on a descriptor we own; no memory is passed.
-    let ret = unsafe { libc::posix_fadvise(file.as_raw_fd(), off, len, libc::POSIX_FADV_WILLNEED) };
-    if ret != 0 {
-        return Err(io::Error::from_raw_os_error(ret));
-    }
-    Ok(())
+    Ok(posix_fadvise(file, off, len, PosixFadviseAdvice::POSIX_FADV_WILLNEED)?)
 }
 
 /// True if a process with this id exists (`kill(pid, 0)`: permission denied still means it
 /// exists).
 pub(crate) fn process_exists(pid: u32) -> bool {
-    let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
-    // SAFETY: signal 0 sends nothing; it only checks that the process exists.
-    let ret = unsafe { libc::kill(pid, 0) };
-    ret == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+    let Ok(pid) = i32::try_from(pid) else { return false };
+    // No signal: nothing is sent; it only checks that the process exists.
+    matches!(kill(Pid::from_raw(pid), None), Ok(()) | Err(Errno::EPERM))
 }
 
 /// An exclusive `flock` on `file`: waiting for it when `wait`, else `EWOULDBLOCK` if another
@@ -196,10 +192,16 @@ pub(crate) fn process_exists(pid: u32) -> bool {
 /// (or the process dies: the kernel drops it). Works across processes and PID namespaces on
 /// one kernel, and across hosts on NFS (Linux emulates it with POSIX locks there); file
 /// systems without locks say `ENOLCK`, `EOPNOTSUPP` or `ENOSYS`.
+///
+/// Raw `flock`: nix's `Flock` takes the `File` and unlocks when dropped (panicking if that
+/// fails), while these locks last as long as the caller's `File` (a save's temporary file keeps
+/// its lock while it is written); nix's plain `flock` function is deprecated.
 pub(crate) fn lock_exclusive(file: &File, wait: bool) -> io::Result<()> {
+    // libc: LOCK_* for the raw flock below (nix's FlockArg serves only its Flock guard).
     let op = if wait { libc::LOCK_EX } else { libc::LOCK_EX | libc::LOCK_NB };
     loop {
         // SAFETY: plain syscall on a descriptor we own; no memory is passed.
+        // libc: nix's Flock guard cannot express a lock that lives as long as `file` (see above).
         if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
             return Ok(());
         }
@@ -212,17 +214,11 @@ pub(crate) fn lock_exclusive(file: &File, wait: bool) -> io::Result<()> {
 
 /// Tells the kernel to drop the clean cached pages of `file` (`POSIX_FADV_DONTNEED`).
 pub(crate) fn drop_cache(file: &File) -> io::Result<()> {
-    // SAFETY: plain syscall on a descriptor we own; no memory is passed.
-    let ret = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-    if ret != 0 {
-        return Err(io::Error::from_raw_os_error(ret));
-    }
-    Ok(())
+    Ok(posix_fadvise(file, 0, 0, PosixFadviseAdvice::POSIX_FADV_DONTNEED)?)
 }
 
 fn page_size() -> u64 {
-    // SAFETY: sysconf has no memory arguments.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    let p = sysconf(SysconfVar::PAGE_SIZE).ok().flatten().unwrap_or(0);
     u64::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
 }
 
@@ -266,10 +262,8 @@ fn mincore_sample(file: &File, len: u64, page: u64, spans: &[(u64, u64)]) -> Opt
     // SAFETY: a fresh shared read-only mapping of our descriptor, at an address the kernel
     // picks; nothing is read through it, and it is unmapped below on every path.
     let addr =
-        unsafe { libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0) };
-    if addr == libc::MAP_FAILED {
-        return None;
-    }
+        unsafe { mman::mmap(None, NonZeroUsize::new(map_len)?, ProtFlags::PROT_READ, MapFlags::MAP_SHARED, file, 0) }
+            .ok()?;
     let mut vec = vec![0u8; spans.iter().map(|s| s.1).max().unwrap_or(0) as usize];
     let mut resident = Some(0u64);
     for &(first, n) in spans {
@@ -282,7 +276,8 @@ fn mincore_sample(file: &File, len: u64, page: u64, spans: &[(u64, u64)]) -> Opt
         // SAFETY: `[addr + off, addr + off + bytes)` lies inside the mapping (spans cover only
         // pages of the file, and the mapping covers them all); `vec` has room for `n` bytes,
         // one per page.
-        let ret = unsafe { libc::mincore(addr.cast::<u8>().add(off).cast(), bytes, vec.as_mut_ptr()) };
+        // libc: nix has no wrapper for mincore(2).
+        let ret = unsafe { libc::mincore(addr.as_ptr().cast::<u8>().add(off).cast(), bytes, vec.as_mut_ptr()) };
         if ret != 0 {
             resident = None;
             break;
@@ -290,7 +285,7 @@ fn mincore_sample(file: &File, len: u64, page: u64, spans: &[(u64, u64)]) -> Opt
         resident = resident.map(|r| r + vec[..n].iter().filter(|&&b| b & 1 == 1).count() as u64);
     }
     // SAFETY: unmaps exactly the mapping made above, which nothing references any more.
-    unsafe { libc::munmap(addr, map_len) };
+    let _ = unsafe { mman::munmap(addr, map_len) };
     resident
 }
 

@@ -25,6 +25,7 @@
 //! any time ([`abandoned_temp`] says yes to it at once).
 
 use crate::sys;
+use nix::fcntl::OFlag;
 use std::collections::hash_map::RandomState;
 use std::ffi::{OsStr, OsString};
 use std::fs::{self, OpenOptions};
@@ -160,7 +161,9 @@ pub fn abandoned_temp(path: &Path) -> bool {
     }
     let Some((_, pid, tag)) = parse(file_name) else { return false };
     // O_NONBLOCK: a FIFO given a temporary name must not block the open.
-    let Ok(file) = OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path) else {
+    let Ok(file) =
+        OpenOptions::new().read(true).custom_flags((OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK).bits()).open(path)
+    else {
         return false;
     };
     let Ok(meta) = file.metadata() else { return false };

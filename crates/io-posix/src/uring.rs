@@ -2,6 +2,7 @@
 //! (or of the memory the kernel writes into) while anything is.
 
 use io_uring::{opcode, types, IoUring};
+use nix::errno::Errno;
 use std::io;
 use std::os::fd::RawFd;
 use std::sync::OnceLock;
@@ -105,10 +106,12 @@ impl Ring {
         loop {
             match self.ring.submit_and_wait(want) {
                 Ok(_) => return Ok(()),
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) if e.raw_os_error() == Some(Errno::EINTR as i32) => continue,
                 // Completions must be reaped first (EBUSY) or the kernel is short of memory
                 // for a moment (EAGAIN): the caller reaps and calls again.
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY | libc::EAGAIN)) => return Ok(()),
+                Err(e) if matches!(e.raw_os_error().map(Errno::from_raw), Some(Errno::EBUSY | Errno::EAGAIN)) => {
+                    return Ok(())
+                }
                 Err(e) => return Err(e),
             }
         }

@@ -9,6 +9,9 @@ use crate::sys::{self, AlignedBuf};
 use crate::temp::{remove_abandoned, retired_name, spare_name, temp_name};
 use crate::uring::Ring;
 use crate::PosixConfig;
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::unistd::{fchown, Gid, Uid};
 use std::ffi::OsStr;
 use std::fs::{self, File, Metadata, OpenOptions};
 use std::io;
@@ -63,7 +66,7 @@ impl Drop for TempGuard {
 fn take_spare(dir: &Path, name: &OsStr) -> Option<(PathBuf, File)> {
     use std::os::unix::fs::MetadataExt;
     let spare = spare_name(dir, name);
-    let file = OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOFOLLOW).open(&spare).ok()?;
+    let file = OpenOptions::new().read(true).write(true).custom_flags(OFlag::O_NOFOLLOW.bits()).open(&spare).ok()?;
     let meta = file.metadata().ok()?;
     if !meta.is_file() || meta.nlink() != 1 || !sys::is_local_fs(&file) {
         return None;
@@ -129,7 +132,7 @@ fn resolve_target(path: &Path) -> Result<PathBuf, StorageError> {
             Err(e) => return Err(io_err(path, "stat", e)),
         }
     }
-    Err(io_err(path, "resolve", io::Error::from_raw_os_error(libc::ELOOP)))
+    Err(io_err(path, "resolve", io::Error::from(Errno::ELOOP)))
 }
 
 /// The kernel's `fs.protected_symlinks` rule, applied to the links this writer follows itself
@@ -209,11 +212,9 @@ fn match_old_file(file: &File, old: &Metadata, path: &Path) -> Result<(), Storag
     if new.uid() != old.uid() || new.gid() != old.gid() {
         // Owner first (chown clears set-id bits, chmod restores them). Only root may give a
         // file away; a member of the old file's group may still keep the group.
-        let fd = file.as_raw_fd();
-        // SAFETY: plain syscalls on a descriptor we own; no memory is passed.
-        if unsafe { libc::fchown(fd, old.uid(), old.gid()) } != 0 {
-            // SAFETY: as above.
-            unsafe { libc::fchown(fd, u32::MAX, old.gid()) };
+        let (uid, gid) = (Uid::from_raw(old.uid()), Gid::from_raw(old.gid()));
+        if fchown(file, Some(uid), Some(gid)).is_err() {
+            let _ = fchown(file, None, Some(gid));
         }
     }
     file.set_permissions(fs::Permissions::from_mode(old.mode() & 0o7777)).map_err(|e| io_err(path, "chmod", e))
@@ -297,7 +298,7 @@ pub(crate) fn replace_with(
         _ => Path::new("."),
     };
     let existing = match fs::metadata(&target) {
-        Ok(m) if m.is_dir() => return Err(io_err(path, "write", io::Error::from_raw_os_error(libc::EISDIR))),
+        Ok(m) if m.is_dir() => return Err(io_err(path, "write", io::Error::from(Errno::EISDIR))),
         Ok(m) if !m.is_file() => return Err(not_a_regular_file(path, &m)),
         Ok(m) => Some(m),
         Err(e) if e.kind() == io::ErrorKind::NotFound => None,
@@ -492,7 +493,7 @@ impl Writer<'_, '_> {
                 self.cfg.faults.check_write(offset, aligned).map_err(|e| io_err(self.path, "write", e))?;
                 match d.write_all_at(&data[..aligned], offset) {
                     Ok(()) => done = aligned,
-                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    Err(e) if e.raw_os_error() == Some(Errno::EINVAL as i32) => {
                         self.direct_failed.store(true, Ordering::Relaxed)
                     }
                     Err(e) => return Err(io_err(self.path, "write", e)),
@@ -586,8 +587,7 @@ impl<'w, 'a, 'o> UringWriter<'w, 'a, 'o> {
             return Ok(());
         };
         self.w.cfg.faults.check_write(offset, aligned).map_err(|e| io_err(self.w.path, "write", e))?;
-        let n = u32::try_from(aligned)
-            .map_err(|_| io_err(self.w.path, "write", io::Error::from_raw_os_error(libc::EINVAL)))?;
+        let n = u32::try_from(aligned).map_err(|_| io_err(self.w.path, "write", io::Error::from(Errno::EINVAL)))?;
         let ptr = self.bufs[b].as_mut_ptr();
         // SAFETY: buffer `b` is off the free list, so nothing else reads or writes it until its
         // completion is reaped (`finish` puts it back); `self` owns it and drains the ring
@@ -608,7 +608,7 @@ impl<'w, 'a, 'o> UringWriter<'w, 'a, 'o> {
         let data = &self.bufs[p.buf].as_slice()[..p.aligned];
         let written = match usize::try_from(res) {
             Ok(n) => n.min(p.aligned),
-            Err(_) if -res == libc::EINVAL => {
+            Err(_) if -res == Errno::EINVAL as i32 => {
                 self.w.direct_failed.store(true, Ordering::Relaxed);
                 0
             }

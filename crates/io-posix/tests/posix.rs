@@ -2,9 +2,10 @@
 //! expected result, on the local disk, on tmpfs and (when we may mount it) on ramfs, which
 //! refuses `O_DIRECT`.
 
-use std::ffi::CString;
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg, OFlag};
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use std::fs::OpenOptions;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,13 +25,8 @@ impl Mount {
             .prefix(&format!("mnt-{fstype}-"))
             .tempdir_in(local_dir())
             .map_err(|e| e.to_string())?;
-        let target = CString::new(dir.path().as_os_str().as_bytes()).map_err(|e| e.to_string())?;
-        let fs = CString::new(fstype).map_err(|e| e.to_string())?;
-        let data = CString::new(data).map_err(|e| e.to_string())?;
-        // SAFETY: all arguments are NUL-terminated strings that outlive the call.
-        let ret = unsafe { libc::mount(fs.as_ptr(), target.as_ptr(), fs.as_ptr(), 0, data.as_ptr().cast()) };
-        if ret != 0 {
-            return Err(format!("mount -t {fstype} failed: {}", std::io::Error::last_os_error()));
+        if let Err(e) = mount(Some(fstype), dir.path(), Some(fstype), MsFlags::empty(), Some(data)) {
+            return Err(format!("mount -t {fstype} failed: {}", std::io::Error::from(e)));
         }
         Ok(Mount { dir })
     }
@@ -42,10 +38,7 @@ impl Mount {
 
 impl Drop for Mount {
     fn drop(&mut self) {
-        if let Ok(target) = CString::new(self.dir.path().as_os_str().as_bytes()) {
-            // SAFETY: a NUL-terminated path that outlives the call.
-            unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-        }
+        let _ = umount2(self.dir.path(), MntFlags::MNT_DETACH);
     }
 }
 
@@ -62,19 +55,16 @@ fn scratch_in(dir: &Path) -> tempfile::TempDir {
 fn accepts_o_direct(dir: &Path) -> bool {
     let p = dir.join(".odirect-probe");
     std::fs::write(&p, [0u8; 4096]).expect("probe file");
-    let ok = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&p).is_ok();
+    let ok = OpenOptions::new().read(true).custom_flags(OFlag::O_DIRECT.bits()).open(&p).is_ok();
     let _ = std::fs::remove_file(&p);
     ok
 }
 
+// The field's type differs between targets.
+#[allow(clippy::unnecessary_cast)]
 fn fs_type(dir: &Path) -> i64 {
-    let c = CString::new(dir.as_os_str().as_bytes()).expect("path");
-    // SAFETY: statfs is plain old data; zeroed is a valid value to be overwritten.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: valid path and output pointer for the duration of the call.
-    let ret = unsafe { libc::statfs(c.as_ptr(), &mut st) };
-    assert_eq!(ret, 0, "statfs {}", dir.display());
-    st.f_type as i64
+    let st = nix::sys::statfs::statfs(dir).unwrap_or_else(|e| panic!("statfs {}: {e}", dir.display()));
+    st.filesystem_type().0 as i64
 }
 
 const EXT4_MAGIC: i64 = 0xEF53;
@@ -340,7 +330,7 @@ fn disk_full_save_fails_cleanly() {
         let err = st.write_file(&path, &BytesSource(&big), &IoOptions::default()).unwrap_err();
         match &err {
             StorageError::Io { source, .. } => {
-                assert_eq!(source.raw_os_error(), Some(libc::ENOSPC), "{err}")
+                assert_eq!(source.raw_os_error(), Some(Errno::ENOSPC as i32), "{err}")
             }
             e => panic!("a full disk gave {e:?}"),
         }
@@ -653,7 +643,7 @@ fn injected_os_errors_leave_the_old_file_intact() {
     let old = pattern(5 << 20, 1);
     PosixStorage::new().write_file(&path, &BytesSource(&old), &IoOptions::default()).unwrap();
     let new = pattern((9 << 20) + 123, 2);
-    for errno in [libc::ENOSPC, libc::EIO, libc::EDQUOT] {
+    for errno in [Errno::ENOSPC, Errno::EIO, Errno::EDQUOT].map(|e| e as i32) {
         let cases: Vec<(&str, Faults)> = vec![
             ("write", Faults { write: Some((0, errno)), ..Default::default() }),
             ("write", Faults { write: Some((8 << 20, errno)), ..Default::default() }),
@@ -715,9 +705,9 @@ fn abandoned_temporaries_are_removed_by_the_next_save() {
         hours_ago(p, 2);
     }
     // A writer on another host holds its lock (NFS shares it); its pid means nothing here.
-    let held = std::fs::File::open(&foreign_locked).unwrap();
-    // SAFETY: flock on a descriptor we own; no memory is passed.
-    assert_eq!(unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&held), libc::LOCK_EX) }, 0);
+    let held = Flock::lock(std::fs::File::open(&foreign_locked).unwrap(), FlockArg::LockExclusive)
+        .map_err(|(_, e)| e)
+        .unwrap();
     PosixStorage::new().write_file(&path, &BytesSource(b"complete"), &IoOptions::default()).unwrap();
     assert!(!dead_here.exists(), "a dead writer of this host's temporary file is removed at once");
     assert!(live_here.exists(), "a live process's temporary file is left");
