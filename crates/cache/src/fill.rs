@@ -63,7 +63,7 @@ impl Filling {
         };
         crate::filling_here(&slot.key, true);
         use std::os::unix::fs::OpenOptionsExt;
-        let direct = File::options().write(true).custom_flags(libc::O_DIRECT).open(&part_path).ok();
+        let direct = File::options().write(true).custom_flags(nix::fcntl::OFlag::O_DIRECT.bits()).open(&part_path).ok();
         let f = Filling {
             inner,
             url,

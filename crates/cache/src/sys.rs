@@ -12,6 +12,7 @@ pub(crate) fn start_writeback(file: &File, offset: u64, len: u64) {
     // SAFETY: sync_file_range only reads its integer arguments; the descriptor is valid for the
     // duration of the call (borrowed from `file`), and the call touches no memory of ours.
     unsafe {
+        // libc: nix has no wrapper for sync_file_range(2).
         libc::sync_file_range(file.as_raw_fd(), offset, len, libc::SYNC_FILE_RANGE_WRITE);
     }
 }
