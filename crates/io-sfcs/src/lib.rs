@@ -78,6 +78,7 @@ pub use ffi::sys::SYMBOLS;
 pub use session::{conf_path, refresh_at, CONF_ENV};
 
 use ffi::{CfsError, Fs, Library};
+use nix::errno::Errno;
 use session::{Session, SessionError};
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -114,9 +115,9 @@ fn setup(path: &Path, message: impl Into<String>) -> StorageError {
 
 /// A libcloudfs failure as a storage error of `path`.
 pub(crate) fn cfs_err(path: &Path, op: &'static str, e: CfsError) -> StorageError {
-    match e.errno {
-        libc::ENOENT => StorageError::NotFound { path: path.to_owned() },
-        libc::EACCES | libc::EPERM => StorageError::PermissionDenied { path: path.to_owned() },
+    match Errno::from_raw(e.errno) {
+        Errno::ENOENT => StorageError::NotFound { path: path.to_owned() },
+        Errno::EACCES | Errno::EPERM => StorageError::PermissionDenied { path: path.to_owned() },
         _ => StorageError::Io { path: path.to_owned(), op, source: e.into_io() },
     }
 }
@@ -250,11 +251,7 @@ impl SfcsStorage {
         let r = self.session(path, cancel)?;
         let info = r.fs.path_info(&r.c_path).map_err(|e| cfs_err(path, "stat", e))?;
         if info.is_dir {
-            return Err(StorageError::Io {
-                path: path.to_owned(),
-                op: "open",
-                source: io::Error::from_raw_os_error(libc::EISDIR),
-            });
+            return Err(StorageError::Io { path: path.to_owned(), op: "open", source: io::Error::from(Errno::EISDIR) });
         }
         Ok(SfcsFile {
             path: path.to_owned(),
@@ -424,7 +421,7 @@ impl Reader<'_> {
                     got += n;
                     eintr = 0;
                 }
-                Err(e) if e.errno == libc::EINTR && eintr < MAX_EINTR => eintr += 1,
+                Err(e) if e.errno == Errno::EINTR as i32 && eintr < MAX_EINTR => eintr += 1,
                 Err(e) => return Err(cfs_err(path, "read", e)),
             }
         }

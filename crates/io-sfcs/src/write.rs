@@ -2,6 +2,7 @@
 
 use crate::ffi::{CfsError, Fs};
 use crate::{cfs_err, Resolved};
+use nix::errno::Errno;
 use std::ffi::CString;
 use std::io;
 use std::path::Path;
@@ -32,8 +33,8 @@ fn c(path: &Path, s: String) -> Result<CString, StorageError> {
     CString::new(s).map_err(|_| StorageError::Setup { path: path.to_owned(), message: "the path contains NUL".into() })
 }
 
-fn io_err(path: &Path, op: &'static str, errno: i32) -> StorageError {
-    StorageError::Io { path: path.to_owned(), op, source: io::Error::from_raw_os_error(errno) }
+fn io_err(path: &Path, op: &'static str, errno: Errno) -> StorageError {
+    StorageError::Io { path: path.to_owned(), op, source: io::Error::from(errno) }
 }
 
 fn random_u64() -> u64 {
@@ -70,17 +71,17 @@ pub(crate) fn write_file(
         None => ("/", r.mapped.as_str()),
     };
     if name.is_empty() {
-        return Err(io_err(path, "write", libc::EISDIR));
+        return Err(io_err(path, "write", Errno::EISDIR));
     }
     match fs.path_info(&c(path, parent.to_string())?) {
         Ok(i) if i.is_dir => {}
-        Ok(_) => return Err(io_err(path, "write", libc::ENOTDIR)),
+        Ok(_) => return Err(io_err(path, "write", Errno::ENOTDIR)),
         Err(e) => return Err(cfs_err(path, "stat directory", e)),
     }
     match fs.path_info(&r.c_path) {
-        Ok(i) if i.is_dir => return Err(io_err(path, "write", libc::EISDIR)),
+        Ok(i) if i.is_dir => return Err(io_err(path, "write", Errno::EISDIR)),
         Ok(_) => {}
-        Err(e) if e.errno == libc::ENOENT => {}
+        Err(e) if e.errno == Errno::ENOENT as i32 => {}
         Err(e) => return Err(cfs_err(path, "stat", e)),
     }
     opts.check_cancel()?;
@@ -142,7 +143,7 @@ fn write_part(
         while written < n {
             let w = file.write(&data[written..]).map_err(|e| temp_err(path, "write", e))?;
             if w == 0 {
-                return Err(temp_err(path, "write", CfsError::ours("cfsWrite", libc::EIO, "wrote nothing")));
+                return Err(temp_err(path, "write", CfsError::ours("cfsWrite", Errno::EIO as i32, "wrote nothing")));
             }
             written += w;
         }

@@ -27,6 +27,9 @@
 //! When set, one line per call is appended to that file: `<function> <thread id> <details>`.
 #![allow(clippy::missing_safety_doc)]
 
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sys::stat::mode_t;
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::fs::{File, OpenOptions};
@@ -50,14 +53,18 @@ fn log(call: &str, details: &str) {
     }
 }
 
-fn fail(errno: c_int, message: String) {
+fn fail(errno: Errno, message: String) {
+    fail_raw(errno as c_int, message)
+}
+
+/// Sets this thread's `errno` (any value, also one nix has no name for) and error text.
+fn fail_raw(errno: c_int, message: String) {
     LAST_ERROR.with(|e| *e.borrow_mut() = CString::new(message.replace('\0', " ")).unwrap_or_default());
-    // SAFETY: __errno_location returns this thread's errno slot.
-    unsafe { *libc::__errno_location() = errno };
+    Errno::set_raw(errno);
 }
 
 fn fail_io(e: &std::io::Error, what: &str) {
-    fail(e.raw_os_error().unwrap_or(libc::EIO), format!("fake cfs: {what}: {e}"));
+    fail_raw(e.raw_os_error().unwrap_or(Errno::EIO as c_int), format!("fake cfs: {what}: {e}"));
 }
 
 #[derive(Default, Debug)]
@@ -154,12 +161,12 @@ impl Fs {
     fn local(&self, path: *const c_char) -> Option<(String, PathBuf)> {
         // SAFETY: callers pass NUL-terminated strings (cfs.h).
         let Some(p) = (unsafe { cstr(path) }) else {
-            fail(libc::EINVAL, "fake cfs: path is NULL or not UTF-8".into());
+            fail(Errno::EINVAL, "fake cfs: path is NULL or not UTF-8".into());
             return None;
         };
         let rel = Path::new(p);
         if rel.components().any(|c| matches!(c, Component::ParentDir)) {
-            fail(libc::EINVAL, format!("fake cfs: {p}: `..` is not allowed"));
+            fail(Errno::EINVAL, format!("fake cfs: {p}: `..` is not allowed"));
             return None;
         }
         Some((p.to_string(), self.root.join(p.trim_start_matches('/'))))
@@ -204,7 +211,7 @@ pub unsafe extern "C" fn cfsBuilderSetUserName(bld: *mut Builder, user: *const c
 #[no_mangle]
 pub unsafe extern "C" fn cfsBuilderConnect(bld: *mut Builder, _user: *const c_char) -> *mut Fs {
     if bld.is_null() {
-        fail(libc::EINVAL, "fake cfs: NULL builder".into());
+        fail(Errno::EINVAL, "fake cfs: NULL builder".into());
         return std::ptr::null_mut();
     }
     // cfs.h: the builder is freed whether or not the connection is made.
@@ -222,21 +229,21 @@ pub unsafe extern "C" fn cfsBuilderConnect(bld: *mut Builder, _user: *const c_ch
     log("cfsBuilderConnect", &format!("nn={:?} user={:?} conf={conf} ak={ak} token={token}", b.name_node, b.user));
     let faults = Faults::from_env();
     if faults.fail_connect {
-        fail(libc::EIO, "fake cfs: injected connect failure".into());
+        fail(Errno::EIO, "fake cfs: injected connect failure".into());
         return std::ptr::null_mut();
     }
     if b.name_node.as_deref() != Some("default") {
-        fail(libc::EINVAL, "fake cfs: the name node must be \"default\"".into());
+        fail(Errno::EINVAL, "fake cfs: the name node must be \"default\"".into());
         return std::ptr::null_mut();
     }
     let Some(root) =
         xml_value(&xml, "cfs.filesystem.ufs-path").and_then(|u| u.strip_prefix("file://").map(PathBuf::from))
     else {
-        fail(libc::EINVAL, format!("fake cfs: {conf}: cfs.filesystem.ufs-path is not file:///a/local/dir"));
+        fail(Errno::EINVAL, format!("fake cfs: {conf}: cfs.filesystem.ufs-path is not file:///a/local/dir"));
         return std::ptr::null_mut();
     };
     if !root.is_dir() {
-        fail(libc::ENOENT, format!("fake cfs: root {} is not a directory", root.display()));
+        fail(Errno::ENOENT, format!("fake cfs: root {} is not a directory", root.display()));
         return std::ptr::null_mut();
     }
     Box::into_raw(Box::new(Fs { root, faults, reads: AtomicU64::new(0), writes: AtomicU64::new(0) }))
@@ -306,12 +313,12 @@ pub unsafe extern "C" fn cfsOpenFile(
     let Some(fs) = fs.as_ref() else { return std::ptr::null_mut() };
     let Some((p, local)) = fs.local(path) else { return std::ptr::null_mut() };
     log("cfsOpenFile", &format!("{p} flags={flags}"));
-    if flags & libc::O_ACCMODE != libc::O_RDONLY {
-        fail(libc::ENOTSUP, "fake cfs: cfsOpenFile is only used to read".into());
+    if flags & OFlag::O_ACCMODE.bits() != OFlag::O_RDONLY.bits() {
+        fail(Errno::ENOTSUP, "fake cfs: cfsOpenFile is only used to read".into());
         return std::ptr::null_mut();
     }
     if local.is_dir() {
-        fail(libc::EISDIR, format!("fake cfs: {p} is a directory"));
+        fail(Errno::EISDIR, format!("fake cfs: {p} is a directory"));
         return std::ptr::null_mut();
     }
     match File::open(&local) {
@@ -328,15 +335,15 @@ pub unsafe extern "C" fn cfsOpenFileAcc(
     fs: *mut Fs,
     path: *const c_char,
     flags: c_int,
-    mode: libc::mode_t,
+    mode: mode_t,
     create_parent: c_int,
     appendable: c_int,
 ) -> *mut FakeFile {
     let Some(fs) = fs.as_ref() else { return std::ptr::null_mut() };
     let Some((p, local)) = fs.local(path) else { return std::ptr::null_mut() };
     log("cfsOpenFileAcc", &format!("{p} flags={flags} mode={mode:o} parents={create_parent} appendable={appendable}"));
-    if flags & libc::O_ACCMODE != libc::O_WRONLY {
-        fail(libc::ENOTSUP, "fake cfs: cfsOpenFileAcc is only used to write".into());
+    if flags & OFlag::O_ACCMODE.bits() != OFlag::O_WRONLY.bits() {
+        fail(Errno::ENOTSUP, "fake cfs: cfsOpenFileAcc is only used to write".into());
         return std::ptr::null_mut();
     }
     if create_parent != 0 {
@@ -357,7 +364,7 @@ pub unsafe extern "C" fn cfsOpenFileAcc(
 #[no_mangle]
 pub unsafe extern "C" fn cfsCloseFile(_fs: *mut Fs, file: *mut FakeFile) -> c_int {
     if file.is_null() {
-        fail(libc::EBADF, "fake cfs: NULL file".into());
+        fail(Errno::EBADF, "fake cfs: NULL file".into());
         return -1;
     }
     let f = Box::from_raw(file);
@@ -371,7 +378,7 @@ pub unsafe extern "C" fn cfsSeek(_fs: *mut Fs, file: *mut FakeFile, pos: i64) ->
     let len = f.file.metadata().map(|m| m.len()).unwrap_or(0);
     log("cfsSeek", &format!("{} {pos}", f.path));
     if pos < 0 || pos as u64 > len {
-        fail(libc::EINVAL, format!("fake cfs: {}: seek to {pos} past the end ({len})", f.path));
+        fail(Errno::EINVAL, format!("fake cfs: {}: seek to {pos} past the end ({len})", f.path));
         return -1;
     }
     f.pos = pos as u64;
@@ -387,12 +394,12 @@ pub unsafe extern "C" fn cfsRead(fs: *mut Fs, file: *mut FakeFile, buf: *mut c_v
         std::thread::sleep(std::time::Duration::from_millis(fs.faults.slow_read_ms));
     }
     if fs.faults.eio_read == Some(n) {
-        fail(libc::EIO, format!("fake cfs: injected I/O error on read #{n} of {}", f.path));
+        fail(Errno::EIO, format!("fake cfs: injected I/O error on read #{n} of {}", f.path));
         return -1;
     }
     if f.eintr_next {
         f.eintr_next = false;
-        fail(libc::EINTR, "fake cfs: data temporarily unavailable".into());
+        fail(Errno::EINTR, "fake cfs: data temporarily unavailable".into());
         return -1;
     }
     f.eintr_next = fs.faults.eintr_reads;
@@ -420,7 +427,7 @@ pub unsafe extern "C" fn cfsWrite(fs: *mut Fs, file: *mut FakeFile, buf: *const 
     let n = fs.writes.fetch_add(1, Ordering::Relaxed) + 1;
     log("cfsWrite", &format!("{} {} {len}", f.path, f.pos));
     if fs.faults.fail_write == Some(n) {
-        fail(libc::ENOSPC, format!("fake cfs: injected write failure #{n} on {}", f.path));
+        fail(Errno::ENOSPC, format!("fake cfs: injected write failure #{n} on {}", f.path));
         return -1;
     }
     // SAFETY: the caller gives `len` readable bytes (cfs.h).
@@ -466,7 +473,7 @@ pub unsafe extern "C" fn cfsCreateDirectory(fs: *mut Fs, path: *const c_char) ->
     let Some((p, local)) = fs.local(path) else { return -1 };
     log("cfsCreateDirectory", &p);
     if fs.faults.fail_mkdir {
-        fail(libc::EIO, format!("fake cfs: injected mkdir failure on {p}"));
+        fail(Errno::EIO, format!("fake cfs: injected mkdir failure on {p}"));
         return -1;
     }
     match std::fs::create_dir_all(&local) {
@@ -491,7 +498,7 @@ pub unsafe extern "C" fn cfsConcat(fs: *mut Fs, target: *const c_char, srcs: *co
     let names: Vec<&str> = sources.iter().map(|(p, _)| p.as_str()).collect();
     log("cfsConcat", &format!("{t} <- {}", names.join(" ")));
     if fs.faults.fail_concat {
-        fail(libc::EIO, format!("fake cfs: injected concat failure on {t}"));
+        fail(Errno::EIO, format!("fake cfs: injected concat failure on {t}"));
         return -1;
     }
     let r = (|| -> std::io::Result<()> {
@@ -521,7 +528,7 @@ pub unsafe extern "C" fn cfsRename2(fs: *mut Fs, old: *const c_char, new: *const
     let Some((n, nlocal)) = fs.local(new) else { return -1 };
     log("cfsRename2", &format!("{o} -> {n}"));
     if fs.faults.fail_rename {
-        fail(libc::EIO, format!("fake cfs: injected rename failure {o} -> {n}"));
+        fail(Errno::EIO, format!("fake cfs: injected rename failure {o} -> {n}"));
         return -1;
     }
     match std::fs::rename(&olocal, &nlocal) {

@@ -11,6 +11,5 @@ pub use safe::{Fs, Library};
 
 /// The effective user id.
 pub fn euid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
+    nix::unistd::geteuid().as_raw()
 }

@@ -3,6 +3,8 @@
 
 use super::result::{check, CfsError};
 use super::sys::{self, Api, CfsFile, CfsFs};
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::path::Path;
 use std::ptr::NonNull;
@@ -93,7 +95,7 @@ impl Fs {
     pub fn open_read(&self, path: &CStr) -> Result<File<'_>, CfsError> {
         let api = &*self.api;
         // SAFETY: a live connection, a NUL-terminated path; zeros mean "configured defaults".
-        let f = unsafe { (api.open_file)(self.raw(), path.as_ptr(), libc::O_RDONLY, 0, 0, 0) };
+        let f = unsafe { (api.open_file)(self.raw(), path.as_ptr(), OFlag::O_RDONLY.bits(), 0, 0, 0) };
         let raw = NonNull::new(f).ok_or_else(|| CfsError::last(api, "cfsOpenFile"))?;
         Ok(File { fs: self, raw: Some(raw) })
     }
@@ -103,7 +105,9 @@ impl Fs {
     pub fn open_write(&self, path: &CStr) -> Result<File<'_>, CfsError> {
         let api = &*self.api;
         // SAFETY: a live connection and a NUL-terminated path.
-        let f = unsafe { (api.open_file_acc)(self.raw(), path.as_ptr(), libc::O_WRONLY | libc::O_ASYNC, 0o644, 0, 0) };
+        let f = unsafe {
+            (api.open_file_acc)(self.raw(), path.as_ptr(), (OFlag::O_WRONLY | OFlag::O_ASYNC).bits(), 0o644, 0, 0)
+        };
         let raw = NonNull::new(f).ok_or_else(|| CfsError::last(api, "cfsOpenFileAcc"))?;
         Ok(File { fs: self, raw: Some(raw) })
     }
@@ -128,7 +132,8 @@ impl Fs {
     pub fn concat(&self, target: &CStr, sources: &[CString]) -> Result<(), CfsError> {
         let api = &*self.api;
         let mut ptrs: Vec<*const c_char> = sources.iter().map(|s| s.as_ptr()).collect();
-        let n = c_int::try_from(ptrs.len()).map_err(|_| CfsError::ours("cfsConcat", libc::E2BIG, "too many parts"))?;
+        let n = c_int::try_from(ptrs.len())
+            .map_err(|_| CfsError::ours("cfsConcat", Errno::E2BIG as i32, "too many parts"))?;
         // SAFETY: a live connection; `ptrs` holds `n` pointers to NUL-terminated strings owned
         // by `sources`, all alive for the call (the C signature takes `const char **`).
         let r = unsafe { (api.concat)(self.raw(), target.as_ptr(), ptrs.as_mut_ptr(), n) };
@@ -180,7 +185,8 @@ impl File<'_> {
     /// `cfsSeek`.
     pub fn seek(&mut self, offset: u64) -> Result<(), CfsError> {
         let api = &*self.fs.api;
-        let off = i64::try_from(offset).map_err(|_| CfsError::ours("cfsSeek", libc::EINVAL, "offset too large"))?;
+        let off =
+            i64::try_from(offset).map_err(|_| CfsError::ours("cfsSeek", Errno::EINVAL as i32, "offset too large"))?;
         // SAFETY: a live connection and a file it opened.
         let r = unsafe { (api.seek)(self.fs.raw(), self.raw(), off) };
         check(api, "cfsSeek", r, |&r| r == 0).map(drop)
@@ -194,7 +200,7 @@ impl File<'_> {
         let r = unsafe { (api.read)(self.fs.raw(), self.raw(), buf.as_mut_ptr().cast(), buf.len() as u64) };
         let n = check(api, "cfsRead", r, |&r| r >= 0)?;
         usize::try_from(n).ok().filter(|&n| n <= buf.len()).ok_or_else(|| {
-            CfsError::ours("cfsRead", libc::EIO, format!("returned {n} for a {}-byte buffer", buf.len()))
+            CfsError::ours("cfsRead", Errno::EIO as i32, format!("returned {n} for a {}-byte buffer", buf.len()))
         })
     }
 
@@ -205,7 +211,7 @@ impl File<'_> {
         let r = unsafe { (api.write)(self.fs.raw(), self.raw(), buf.as_ptr().cast(), buf.len() as u64) };
         let n = check(api, "cfsWrite", r, |&r| r >= 0)?;
         usize::try_from(n).ok().filter(|&n| n <= buf.len()).ok_or_else(|| {
-            CfsError::ours("cfsWrite", libc::EIO, format!("returned {n} for a {}-byte buffer", buf.len()))
+            CfsError::ours("cfsWrite", Errno::EIO as i32, format!("returned {n} for a {}-byte buffer", buf.len()))
         })
     }
 

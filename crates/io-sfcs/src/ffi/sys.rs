@@ -6,6 +6,7 @@
 //! these). `cfsFreeBuilder` is deliberately absent: `cfsBuilderConnect` frees the builder
 //! whether or not it connects (cfs.h), so turboio never frees it itself.
 
+use nix::sys::stat::mode_t;
 use std::ffi::{c_char, c_int, c_void};
 use std::path::Path;
 
@@ -77,7 +78,7 @@ pub struct Api {
     pub get_path_info: unsafe extern "C" fn(CfsFs, *const c_char) -> *mut CfsFileInfo,
     pub free_file_info: unsafe extern "C" fn(*mut CfsFileInfo, c_int),
     pub open_file: unsafe extern "C" fn(CfsFs, *const c_char, c_int, c_int, i16, TOffset) -> CfsFile,
-    pub open_file_acc: unsafe extern "C" fn(CfsFs, *const c_char, c_int, libc::mode_t, c_int, c_int) -> CfsFile,
+    pub open_file_acc: unsafe extern "C" fn(CfsFs, *const c_char, c_int, mode_t, c_int, c_int) -> CfsFile,
     pub close_file: unsafe extern "C" fn(CfsFs, CfsFile) -> c_int,
     pub seek: unsafe extern "C" fn(CfsFs, CfsFile, TOffset) -> c_int,
     pub read: unsafe extern "C" fn(CfsFs, CfsFile, *mut c_void, u64) -> i64,
@@ -124,6 +125,7 @@ pub const SYMBOLS: [&str; 19] = [
 impl Api {
     /// Opens the library at `path` and resolves every symbol of [`SYMBOLS`].
     pub fn load(path: &Path) -> Result<Api, String> {
+        // libc: nix has no dlopen, and libloading exports no RTLD_NODELETE.
         use libc::RTLD_NODELETE;
         use libloading::os::unix::{RTLD_LOCAL, RTLD_NOW};
         // SAFETY: opening a shared library runs its initialisers. The library is the vendor's
