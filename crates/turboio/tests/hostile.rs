@@ -13,6 +13,9 @@ mod common;
 mod pt_files;
 
 use common::scratch;
+use nix::sys::signal::{kill, Signal};
+use nix::sys::wait::WaitStatus;
+use nix::unistd::Pid;
 use pt_files::hostile;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -43,7 +46,7 @@ fn run(args: &[&str]) -> Run {
         .stderr(Stdio::piped())
         .spawn()
         .expect("run turboio");
-    let pid = child.id() as libc::pid_t;
+    let pid = Pid::from_raw(child.id() as i32);
     let mut err_pipe = child.stderr.take().unwrap();
     let reader = std::thread::spawn(move || {
         let mut s = String::new();
@@ -53,23 +56,31 @@ fn run(args: &[&str]) -> Run {
     let (done, finished) = mpsc::channel::<()>();
     let watchdog = std::thread::spawn(move || {
         if finished.recv_timeout(DEADLINE).is_err() {
-            // SAFETY: kill(2) on our own child, which has not been reaped yet (the main
-            // thread reaps it only after this thread is told, or after this kill).
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+            // Our own child, which has not been reaped yet (the main thread reaps it only after
+            // this thread is told, or after this kill).
+            let _ = kill(pid, Signal::SIGKILL);
         }
     });
+    // The child's own peak RSS needs wait4, which nix does not wrap: waitpid gives no rusage,
+    // and getrusage(RUSAGE_CHILDREN) is the largest of every child this test process has
+    // reaped, so one run could not be told from another.
     let mut status = 0;
     // SAFETY: a zeroed rusage is a valid value for wait4 to overwrite.
+    // libc: the rusage wait4 fills (nix has no wrapper for wait4(2), above).
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: waits for our own child; `status` and `usage` are valid for writes.
-    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-    assert_eq!(r, pid, "wait4: {}", std::io::Error::last_os_error());
+    // libc: nix has no wrapper for wait4(2) (above).
+    let r = unsafe { libc::wait4(pid.as_raw(), &mut status, 0, &mut usage) };
+    assert_eq!(r, pid.as_raw(), "wait4: {}", std::io::Error::last_os_error());
     let elapsed = start.elapsed();
     let _ = done.send(());
     watchdog.join().unwrap();
     // The child is reaped: std must not wait for it again (it would find nothing).
     std::mem::forget(child);
-    let code = if libc::WIFEXITED(status) { Some(libc::WEXITSTATUS(status)) } else { None };
+    let code = match WaitStatus::from_raw(pid, status) {
+        Ok(WaitStatus::Exited(_, code)) => Some(code),
+        _ => None,
+    };
     Run { code, stderr: reader.join().unwrap(), peak_rss: usage.ru_maxrss as u64 * 1024, elapsed }
 }
 

@@ -2,21 +2,25 @@
 //! touched (see the README's "Mapped loads and the one hazard"). The CLI turns that into its
 //! usual one-line error and exit status 1 instead of dying by the signal.
 
+use nix::sys::signal::{signal, SigHandler, Signal};
+use std::ffi::c_int;
+use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::OnceLock;
 
 /// The line written when `SIGBUS` arrives, prepared before any file is mapped.
 static MESSAGE: OnceLock<Vec<u8>> = OnceLock::new();
 
-extern "C" fn on_sigbus(_signal: libc::c_int) {
+extern "C" fn on_sigbus(_signal: c_int) {
     if let Some(m) = MESSAGE.get() {
-        // SAFETY: write(2) and _exit(2) are async-signal-safe; `m` is an initialized,
-        // never-mutated buffer (OnceLock::get is a plain atomic load, no lock or allocation).
-        unsafe {
-            libc::write(2, m.as_ptr().cast(), m.len());
-        }
+        // Async-signal-safe: nix's write is write(2) and nothing else; `m` is an initialized,
+        // never-mutated buffer (OnceLock::get is a plain atomic load, no lock or allocation);
+        // `stderr().as_fd()` names descriptor 2 without locking or allocating.
+        let _ = nix::unistd::write(std::io::stderr().as_fd(), m);
     }
-    // SAFETY: see above; the process ends here without running anything else.
+    // SAFETY: _exit(2) is async-signal-safe; the process ends here without running anything else
+    // (std::process::exit would run exit handlers, which is not async-signal-safe).
+    // libc: nix has no wrapper for _exit(2).
     unsafe { libc::_exit(1) }
 }
 
@@ -30,8 +34,6 @@ pub fn report_for(file: &Path) {
     );
     if MESSAGE.set(line.into_bytes()).is_ok() {
         // SAFETY: installs a handler that only calls async-signal-safe functions (above).
-        unsafe {
-            libc::signal(libc::SIGBUS, on_sigbus as extern "C" fn(libc::c_int) as libc::sighandler_t);
-        }
+        let _ = unsafe { signal(Signal::SIGBUS, SigHandler::Handler(on_sigbus)) };
     }
 }
