@@ -5,11 +5,14 @@
 //!   `--model`, only the whole-model rows (sharded directories, 2-rank gloo); with `--pt`, only
 //!   the `.pt` rows (loads, converting loads, conversions); with `--object`, only the
 //!   object-storage rows (S3 on a local s3s-fs, against Run:ai Model Streamer and boto3).
+//! - `cargo xtask bindgen [--check]`: io-gds's cuFile declarations generated from cufile.h
+//!   (`--check`: fail if the committed file differs from a fresh generation).
 //! - `cargo xtask test`: everything CI runs (fmt, clippy, tests in every feature set, docs,
 //!   Python interop in a venv it creates, a bench smoke run).
 
 mod bench;
 mod benchkit;
+mod bindgen;
 mod cachebench;
 mod ceiling;
 mod gpubench;
@@ -36,12 +39,15 @@ enum Command {
     Bench(bench::Args),
     /// Run every check CI runs.
     Test(test::Args),
+    /// Generate io-gds's cuFile declarations from cufile.h (`--check`: compare instead).
+    Bindgen(bindgen::Args),
 }
 
 fn main() -> std::process::ExitCode {
     let result = match Cli::parse().command {
         Command::Bench(a) => bench::run(a),
         Command::Test(a) => test::run(a),
+        Command::Bindgen(a) => bindgen::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -212,6 +212,42 @@ pub fn ensure_debian_package(package: &str, what: &str, paths: &[&str]) -> bool 
     present()
 }
 
+/// libclang's shared library, where Debian's `libclang-dev` (any LLVM version) puts it.
+fn libclang() -> Option<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("llvm-")))
+        .map(|p| p.join("lib"))
+        .collect();
+    dirs.sort();
+    dirs.into_iter().map(|d| d.join("libclang.so")).find(|p| p.exists())
+}
+
+/// io-gds's generated cuFile declarations against a fresh generation from the venv's cufile.h
+/// (`cargo xtask bindgen --check`), with libclang installed first where it is missing; says
+/// "skipped" and why where the header or libclang cannot be had.
+fn cufile_declarations() -> Result<()> {
+    eprintln!("\n==> cuFile declarations: {} is what cufile.h generates", crate::bindgen::OUTPUT);
+    let header = crate::bindgen::find_header(None);
+    if let Some(why) = crate::bindgen::unavailable(header.as_deref()) {
+        eprintln!("skipped: {why}");
+        return Ok(());
+    }
+    if libclang().is_none() {
+        ensure_debian_package("libclang-dev", "the cuFile declarations check", &[]);
+    }
+    if libclang().is_none() {
+        eprintln!("skipped: no libclang (Debian's libclang-dev) and it could not be installed");
+        return Ok(());
+    }
+    crate::bindgen::check(&header.unwrap_or_default())?;
+    eprintln!("ok");
+    Ok(())
+}
+
 pub fn run(args: Args) -> Result<()> {
     let start = std::time::Instant::now();
     check_rust_versions()?;
@@ -232,6 +268,7 @@ pub fn run(args: Args) -> Result<()> {
         )?;
     }
     let python = venv(&["tests/requirements.txt", "crates/py/requirements-test.txt"])?;
+    cufile_declarations()?;
     install_wheel(&python)?;
     let mut tests = cargo();
     tests

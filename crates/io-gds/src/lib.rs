@@ -300,7 +300,7 @@ fn register(driver: &Arc<Driver>, path: &Path, write: bool) -> Result<Handle, St
         o.read(true);
     }
     let file = o
-        .custom_flags(libc::O_DIRECT)
+        .custom_flags(nix::fcntl::OFlag::O_DIRECT.bits())
         .open(path)
         .map_err(|e| format!("cannot open {} with O_DIRECT: {e}", path.display()))?;
     let fd: OwnedFd = file.into();

@@ -1,7 +1,8 @@
 //! Checked cuFile calls: every return value examined, every failure a [`CuFileError`]. All of
 //! this crate's calls into libcufile go through here.
 
-use crate::sys::{self, Api, CUfileDescr, CUfileDescrHandle, CUfileDrvProps, CUfileError, CUfileHandle};
+use crate::sys::{self, off_t, Api, CUfileDescr, CUfileDescrHandle, CUfileDrvProps, CUfileError, CUfileHandle};
+use nix::errno::Errno;
 use std::ffi::{c_int, c_void};
 use std::fmt;
 
@@ -30,7 +31,7 @@ impl fmt::Display for CuFileError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
             CuFileError::Op { call, code, cu_err } => match sys::error_name(code) {
-                Some(name) if code == sys::CU_FILE_CUDA_DRIVER_ERROR => {
+                Some(name) if code == sys::CU_FILE_CUDA_DRIVER_ERROR as c_int => {
                     write!(f, "{call} failed: {name} (CUresult {cu_err})")
                 }
                 Some(name) => write!(f, "{call} failed: {name} ({code})"),
@@ -49,7 +50,8 @@ fn check(call: &'static str, e: CUfileError) -> Result<(), CuFileError> {
     if e.err == sys::CU_FILE_SUCCESS {
         Ok(())
     } else {
-        Err(CuFileError::Op { call, code: e.err, cu_err: e.cu_err })
+        // Both are C enums (`CUfileOpError`, `CUresult`): small values that fit an int.
+        Err(CuFileError::Op { call, code: e.err as c_int, cu_err: e.cu_err as c_int })
     }
 }
 
@@ -57,16 +59,20 @@ fn check(call: &'static str, e: CUfileError) -> Result<(), CuFileError> {
 pub fn version(api: &Api) -> Result<i32, CuFileError> {
     let mut v: c_int = 0;
     // SAFETY: `v` is a valid out-pointer; the call needs no driver state.
-    check("cuFileGetVersion", unsafe { (api.get_version)(&mut v) })?;
+    check("cuFileGetVersion", unsafe { api.lib.cuFileGetVersion(&mut v) })?;
     Ok(v)
 }
 
 /// `cuFileSetParameterBool(ALLOW_COMPAT_MODE, on)` where the library has it (before the driver
 /// is opened). Returns false if the library is too old to set it.
 pub fn allow_compat_mode(api: &Api, on: bool) -> Result<bool, CuFileError> {
-    let Some(f) = api.set_parameter_bool else { return Ok(false) };
-    // SAFETY: a plain value call; allowed before the driver is opened.
-    check("cuFileSetParameterBool", unsafe { f(sys::CUFILE_PARAM_PROPERTIES_ALLOW_COMPAT_MODE, on) })?;
+    if !api.has_set_parameter_bool() {
+        return Ok(false);
+    }
+    // SAFETY: a plain value call (the symbol was checked just above); allowed before the driver
+    // is opened.
+    let e = unsafe { api.lib.cuFileSetParameterBool(sys::CUFILE_PARAM_PROPERTIES_ALLOW_COMPAT_MODE, on) };
+    check("cuFileSetParameterBool", e)?;
     Ok(true)
 }
 
@@ -74,7 +80,7 @@ pub fn allow_compat_mode(api: &Api, on: bool) -> Result<bool, CuFileError> {
 /// without a GPU some releases hang in it. "Already open" counts as success.
 pub fn driver_open(api: &Api) -> Result<(), CuFileError> {
     // SAFETY: no arguments; the caller checked that a GPU is present.
-    let e = unsafe { (api.driver_open)() };
+    let e = unsafe { api.lib.cuFileDriverOpen() };
     if e.err == sys::CU_FILE_DRIVER_ALREADY_OPEN {
         return Ok(());
     }
@@ -85,7 +91,7 @@ pub fn driver_open(api: &Api) -> Result<(), CuFileError> {
 pub fn properties(api: &Api) -> Result<CUfileDrvProps, CuFileError> {
     let mut p = CUfileDrvProps::default();
     // SAFETY: `p` is a valid out-pointer of the header's layout.
-    check("cuFileDriverGetProperties", unsafe { (api.get_properties)(&mut p) })?;
+    check("cuFileDriverGetProperties", unsafe { api.lib.cuFileDriverGetProperties(&mut p) })?;
     Ok(p)
 }
 
@@ -99,7 +105,7 @@ pub fn handle_register(api: &Api, fd: c_int) -> Result<CUfileHandle, CuFileError
     descr.handle.fd = fd;
     let mut h: CUfileHandle = std::ptr::null_mut();
     // SAFETY: both pointers are valid for the call; the descriptor is read, not kept.
-    check("cuFileHandleRegister", unsafe { (api.handle_register)(&mut h, &mut descr) })?;
+    check("cuFileHandleRegister", unsafe { api.lib.cuFileHandleRegister(&mut h, &mut descr) })?;
     Ok(h)
 }
 
@@ -109,7 +115,7 @@ pub fn handle_register(api: &Api, fd: c_int) -> Result<CUfileHandle, CuFileError
 /// `h` came from [`handle_register`] and is deregistered once, after its last I/O.
 pub unsafe fn handle_deregister(api: &Api, h: CUfileHandle) {
     // SAFETY: guaranteed by the caller.
-    unsafe { (api.handle_deregister)(h) }
+    unsafe { api.lib.cuFileHandleDeregister(h) }
 }
 
 /// `cuFileBufRegister` of device memory.
@@ -119,7 +125,7 @@ pub unsafe fn handle_deregister(api: &Api, h: CUfileHandle) {
 /// [`buf_deregister`].
 pub unsafe fn buf_register(api: &Api, ptr: u64, len: usize) -> Result<(), CuFileError> {
     // SAFETY: guaranteed by the caller.
-    check("cuFileBufRegister", unsafe { (api.buf_register)(ptr as *const c_void, len, 0) })
+    check("cuFileBufRegister", unsafe { api.lib.cuFileBufRegister(ptr as *const c_void, len, 0) })
 }
 
 /// `cuFileBufDeregister`.
@@ -128,14 +134,17 @@ pub unsafe fn buf_register(api: &Api, ptr: u64, len: usize) -> Result<(), CuFile
 /// `ptr` was registered with [`buf_register`] and no I/O on it is running.
 pub unsafe fn buf_deregister(api: &Api, ptr: u64) {
     // SAFETY: guaranteed by the caller.
-    let _ = unsafe { (api.buf_deregister)(ptr as *const c_void) };
+    let _ = unsafe { api.lib.cuFileBufDeregister(ptr as *const c_void) };
 }
 
 fn io_result(call: &'static str, n: isize) -> Result<usize, CuFileError> {
     if n >= 0 {
         Ok(n as usize)
     } else if n == -1 {
-        Err(CuFileError::Os { call, errno: std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO) })
+        Err(CuFileError::Os {
+            call,
+            errno: std::io::Error::last_os_error().raw_os_error().unwrap_or(Errno::EIO as i32),
+        })
     } else {
         Err(CuFileError::Op { call, code: (-n) as c_int, cu_err: 0 })
     }
@@ -156,7 +165,7 @@ pub unsafe fn read(
     buf_offset: u64,
 ) -> Result<usize, CuFileError> {
     // SAFETY: guaranteed by the caller.
-    let n = unsafe { (api.read)(h, base as *mut c_void, size, file_offset as libc::off_t, buf_offset as libc::off_t) };
+    let n = unsafe { api.lib.cuFileRead(h, base as *mut c_void, size, file_offset as off_t, buf_offset as off_t) };
     io_result("cuFileRead", n)
 }
 
@@ -174,8 +183,7 @@ pub unsafe fn write(
     buf_offset: u64,
 ) -> Result<usize, CuFileError> {
     // SAFETY: guaranteed by the caller.
-    let n =
-        unsafe { (api.write)(h, base as *const c_void, size, file_offset as libc::off_t, buf_offset as libc::off_t) };
+    let n = unsafe { api.lib.cuFileWrite(h, base as *const c_void, size, file_offset as off_t, buf_offset as off_t) };
     io_result("cuFileWrite", n)
 }
 

@@ -147,7 +147,7 @@ fn the_real_library_loads_with_every_symbol_and_a_version() {
     let v = turboio_io_gds::result::version(&api).unwrap();
     assert!((1000..3000).contains(&v), "cuFileGetVersion gave {v}");
     eprintln!("{}: cuFile version {}.{}", path.display(), v / 1000, v % 1000 / 10);
-    assert!(api.set_parameter_bool.is_some(), "cuFile >= 1.14 has cuFileSetParameterBool");
+    assert!(api.has_set_parameter_bool(), "cuFile >= 1.14 has cuFileSetParameterBool");
     // SAFETY: loading the library for a symbol lookup; no function is called.
     let lib = unsafe { libloading::Library::new(&path) }.unwrap();
     for name in sys::REQUIRED_SYMBOLS {
