@@ -78,6 +78,17 @@
 //! answers with a clear "not compiled in" error; one compiled in but missing at run time (no
 //! driver, no GPU, no libcufile) answers with an error naming what is missing, or, for GDS, a
 //! fallback line. Saves of tensors in device memory: [`save_from_device`].
+//!
+//! # Inside
+//!
+//! The orchestrator's modules form no cycle. `backend` picks the [`storage::Storage`] of a path
+//! (the one given, the scheme's, else the local file system: every open file is a
+//! `Box<dyn StorageFile>`, and a mapping is asked for through its `local_file` capability, never
+//! by matching on a backend). `encryption` is the cipher layer (keys, the decrypting layer of an
+//! open file, the encrypting write source); [`crypt`] is its public face. `plan` is the load
+//! pipeline (open, parse, plan, fill, finish); `cast` is dtype conversion, a stage after it;
+//! [`pt`] plugs the `.pt` parser into it; `load` holds the entry points that compose them.
+//! `to_device`, [`model`], `save`, `background` and [`convert`] build on those.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
