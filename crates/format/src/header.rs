@@ -209,6 +209,29 @@ impl Header {
         names
     }
 
+    /// A header describing some of this one's tensors at new places: each pick is a position in
+    /// [`tensors`](Self::tensors) and the tensor's `[BEGIN, END)` in a data section of
+    /// `data_len` bytes (a load of a subset lays out only what it reads). Metadata and the header
+    /// length are kept, so aliases whose target is picked still resolve. `None` if a pick is out
+    /// of range, changes a tensor's length or ends past `data_len`; the picks need not cover the
+    /// data section (that is the point), so this is not a file's header.
+    pub fn select(&self, picks: &[(usize, (usize, usize))], data_len: u64) -> Option<Header> {
+        let mut tensors = Vec::with_capacity(picks.len());
+        for &(i, (begin, end)) in picks {
+            let t = self.tensors.get(i)?;
+            if end.checked_sub(begin)? != t.len() || end as u64 > data_len {
+                return None;
+            }
+            tensors.push(TensorInfo { data_offsets: (begin, end), ..t.clone() });
+        }
+        tensors.sort_by(|a, b| a.data_offsets.cmp(&b.data_offsets).then_with(|| a.name.cmp(&b.name)));
+        let index: HashMap<String, usize> = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        if index.len() != tensors.len() {
+            return None;
+        }
+        Some(Header { header_len: self.header_len, metadata: self.metadata.clone(), tensors, index, data_len })
+    }
+
     /// Aliases recorded in `__metadata__`, as veTurboIO and `safetensors.torch.save_model` write them:
     /// every metadata entry whose value names a tensor of this file (and whose key does not)
     /// means "the tensor `key` is the same tensor as `value`". Returned sorted by alias.

@@ -314,3 +314,30 @@ fn written_files_read_back() {
     assert_eq!(h.file_len(), bytes.len() as u64);
     assert_eq!(h.header_len() % 8, 0);
 }
+
+#[test]
+fn a_selected_header_keeps_the_picked_tensors_at_their_new_places() {
+    let specs = [
+        TensorSpec { name: "a", dtype: Dtype::F32, shape: &[4], data_len: 16 },
+        TensorSpec { name: "b", dtype: Dtype::F16, shape: &[2, 2], data_len: 8 },
+        TensorSpec { name: "c", dtype: Dtype::U8, shape: &[3], data_len: 3 },
+    ];
+    let meta = BTreeMap::from([("tied".to_owned(), "c".to_owned())]);
+    let layout = plan(&specs, Some(&meta)).unwrap();
+    let h = Header::parse(&layout.header, layout.file_len()).unwrap();
+    let (b, c) = (h.position("b").unwrap(), h.position("c").unwrap());
+    let s = h.select(&[(c, (0, 3)), (b, (8, 16))], 16).unwrap();
+    assert_eq!(s.len(), 2);
+    assert!(s.get("a").is_none());
+    assert_eq!(s.get("c").unwrap().data_offsets, (0, 3));
+    assert_eq!(s.get("b").unwrap().data_offsets, (8, 16));
+    assert_eq!(s.get("b").unwrap().shape, vec![2, 2]);
+    assert_eq!(s.tensors()[0].name, "c", "in offset order");
+    assert_eq!(s.aliases(), vec![("tied", "c")]);
+    assert_eq!(s.data_len(), 16);
+    // A length that changes, a place past the end, a position out of range, a name twice.
+    assert!(h.select(&[(b, (0, 9))], 16).is_none());
+    assert!(h.select(&[(b, (10, 18))], 16).is_none());
+    assert!(h.select(&[(7, (0, 1))], 16).is_none());
+    assert!(h.select(&[(b, (0, 8)), (b, (8, 16))], 16).is_none());
+}

@@ -60,6 +60,27 @@ pub enum Error {
         /// Where the key came from.
         key_source: String,
     },
+    /// A name or pattern of [`LoadOptions::tensors`](crate::LoadOptions::tensors) matches no
+    /// tensor of the file (or of the model); nothing was read.
+    #[error("{}: no tensor matches `{pattern}`{}", path.display(), closest(close))]
+    NoMatch {
+        /// The file, or the model's index or first shard.
+        path: PathBuf,
+        /// The name or pattern.
+        pattern: String,
+        /// The closest names, best first (at most five).
+        close: Vec<String>,
+    },
+    /// The load does not fit in the memory available (or the budget given); it failed before
+    /// allocating anything. The message says what was needed, what is available and what would
+    /// fit.
+    #[error("{}: {message}", path.display())]
+    WontFit {
+        /// The file, or the model's index or first shard.
+        path: PathBuf,
+        /// Needed vs available, and the options that would fit.
+        message: String,
+    },
     /// The operation was cancelled.
     #[error("{}: cancelled", path.display())]
     Cancelled {
@@ -92,3 +113,12 @@ impl Error {
 
 /// Result of turboio operations.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// "; closest: `a`, `b`" for a non-empty list.
+fn closest(names: &[String]) -> String {
+    if names.is_empty() {
+        return String::new();
+    }
+    let list: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+    format!("; closest: {}", list.join(", "))
+}

@@ -110,6 +110,7 @@ mod plan;
 pub mod pt;
 pub mod sample;
 mod save;
+pub mod select;
 mod to_device;
 
 #[cfg(feature = "cache")]
@@ -123,6 +124,7 @@ pub use model::{load_model, save_model_dir, LoadedModel, ModelFiles, ModelReport
 pub use options::{parse_direct, CachePolicy, DirectIo, LoadMode, LoadOptions, SaveOptions};
 pub use pt::{load_pt, LoadedPt, PtView};
 pub use save::{save, save_from_device, save_with, write_bytes, DeviceTensor, SaveReport, SaveTensor, TensorData};
+pub use select::Selection;
 
 pub use turboio_device as device;
 pub use turboio_format as format;

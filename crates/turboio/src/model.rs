@@ -45,7 +45,7 @@
 //! every save.
 
 use crate::backend::Place;
-use crate::plan::{cpu_device, load_device, plan, Planned};
+use crate::plan::{cpu_device, load_device, plan_shard, Planned};
 use crate::{Error, LoadOptions, LoadReport, LoadedFile, Result, SaveOptions, SaveTensor, TensorView};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -85,8 +85,23 @@ impl ModelFiles {
     /// [`resolve`](Self::resolve) through `storage` (the one a load or save is given, else the
     /// one of the path's scheme, else the local file system).
     pub fn resolve_in(path: impl AsRef<Path>, storage: Option<&Arc<dyn Storage>>) -> Result<ModelFiles> {
-        let path = path.as_ref();
+        let (files, local) = Self::resolve_unchecked(path.as_ref(), storage)?;
+        if local {
+            files.check_shards_exist()?;
+        }
+        Ok(files)
+    }
+
+    /// [`resolve_in`](Self::resolve_in) without looking up the local shards an index names
+    /// (a load of some tensors opens only the shards holding them); true if the files are
+    /// local.
+    pub(crate) fn resolve_unchecked(path: &Path, storage: Option<&Arc<dyn Storage>>) -> Result<(ModelFiles, bool)> {
         let place = Place::of(storage, path)?;
+        let local = matches!(place, Place::Local);
+        Self::resolve_place(path, place).map(|f| (f, local))
+    }
+
+    fn resolve_place(path: &Path, place: Place) -> Result<ModelFiles> {
         let Place::Remote(remote) = &place else { return Self::resolve_local(path) };
         let text = path.to_string_lossy();
         if text.ends_with(".json") {
@@ -182,22 +197,42 @@ impl ModelFiles {
         if shards.is_empty() {
             return Err(model_error(index, "the index's weight_map is empty"));
         }
-        // (Remote shards are not looked up here: opening one that is missing fails naming it.)
-        for s in shards.iter().filter(|_| matches!(place, Place::Local)) {
-            if !s.is_file() {
-                return Err(model_error(
-                    index,
-                    format!(
-                        "shard {} named by the index does not exist",
-                        s.file_name().unwrap_or_default().to_string_lossy()
-                    ),
-                ));
-            }
-        }
         Ok(ModelFiles { index: Some(index.to_owned()), shards, weight_map: Some(weight_map), metadata })
     }
 
+    /// Every shard the index names exists (local files only: a remote shard that is missing
+    /// fails naming it when opened).
+    fn check_shards_exist(&self) -> Result<()> {
+        let Some(index) = &self.index else { return Ok(()) };
+        match self.shards.iter().find(|s| !s.is_file()) {
+            Some(s) => Err(model_error(
+                index,
+                format!(
+                    "shard {} named by the index does not exist",
+                    s.file_name().unwrap_or_default().to_string_lossy()
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Where errors about the model as a whole point: the index, else the first shard.
+    /// These files with only the shards `keep` says (the index's names of the others dropped).
+    fn keep_shards(self, keep: &[bool]) -> ModelFiles {
+        let mut position = Vec::with_capacity(self.shards.len());
+        let mut shards = Vec::new();
+        for (i, s) in self.shards.into_iter().enumerate() {
+            position.push(keep.get(i).copied().unwrap_or(true).then_some(shards.len()));
+            if position[i].is_some() {
+                shards.push(s);
+            }
+        }
+        let weight_map = self
+            .weight_map
+            .map(|m| m.into_iter().filter_map(|(n, i)| position.get(i).copied().flatten().map(|j| (n, j))).collect());
+        ModelFiles { index: self.index, shards, weight_map, metadata: self.metadata }
+    }
+
     fn origin(&self) -> &Path {
         self.index.as_deref().unwrap_or(&self.shards[0])
     }
@@ -358,7 +393,18 @@ impl LoadedModel {
 /// [module docs](self).
 pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedModel> {
     let started = Instant::now();
-    let files = ModelFiles::resolve_in(path, opts.storage.as_ref())?;
+    let (mut files, local) = ModelFiles::resolve_unchecked(path.as_ref(), opts.storage.as_ref())?;
+    // A selection with an index: the names are known before any shard is opened, and shards
+    // holding none of the selected tensors are not opened at all (nor need they exist).
+    if let (Some(selection), Some(map)) = (&opts.tensors, &files.weight_map) {
+        selection.check(map.keys().map(String::as_str), files.origin())?;
+        let keep: Vec<bool> =
+            (0..files.shards.len()).map(|i| map.iter().any(|(n, &j)| j == i && selection.matches(n))).collect();
+        files = files.keep_shards(&keep);
+    }
+    if local {
+        files.check_shards_exist()?;
+    }
     let cpu = cpu_device(opts);
     // Converting loads read each shard into host memory and convert it there (see `cast`).
     let host;
@@ -374,14 +420,27 @@ pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedMo
     // Open, validate and allocate every shard before reading any tensor byte; several at once
     // (opening a remote shard is a request: a model of many shards would otherwise pay one
     // round trip per shard in turn).
-    let planned = plan_all(&files.shards, opts, device)?;
+    let mut planned = plan_all(&files.shards, opts, device)?;
     let names: Vec<Vec<&str>> = planned
         .iter()
         .map(|p| p.header().map(|h| h.tensors().iter().map(|t| t.name.as_str()).collect()).unwrap_or_default())
         .collect();
-    let owner: HashMap<String, usize> =
-        files.check(&names)?.into_iter().map(|(name, i)| (name.to_owned(), i)).collect();
+    files.check(&names)?;
     drop(names);
+    if let Some(selection) = &opts.tensors {
+        // Without an index, the names are checked against every shard's (aliases included),
+        // and shards holding nothing selected are dropped before any byte is read.
+        if files.weight_map.is_none() {
+            let headers: Vec<&turboio_format::Header> = planned.iter().filter_map(|p| p.header()).collect();
+            let aliases: Vec<(&str, &str)> = headers.iter().flat_map(|h| h.aliases()).collect();
+            let names = headers.iter().flat_map(|h| h.tensors().iter().map(|t| t.name.as_str()));
+            selection.check(names.chain(aliases.iter().map(|a| a.0)), files.origin())?;
+        }
+        let keep: Vec<bool> = planned.iter().map(|p| p.selected_tensors() != Some(0)).collect();
+        files = files.keep_shards(&keep);
+        let mut keep = keep.into_iter();
+        planned.retain(|_| keep.next().unwrap_or(true));
+    }
 
     // Fill every shard in one pipeline: `workers` fills at a time, largest first, sharing the
     // cores; cold mapped shards are all asked for from the disk first.
@@ -446,6 +505,11 @@ pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedMo
             .map(|s| crate::cast::cast_loaded(s, t, asked, &cpu, false))
             .collect::<Result<Vec<_>>>()?;
     }
+    let owner: HashMap<String, usize> = shards
+        .iter()
+        .enumerate()
+        .flat_map(|(i, s)| s.header.tensors().iter().map(move |t| (t.name.clone(), i)))
+        .collect();
     let report =
         ModelReport { files: shards.len(), bytes, elapsed: started.elapsed(), workers, threads_per_fill: per_fill };
     Ok(LoadedModel { files, shards, owner, report })
@@ -465,7 +529,7 @@ fn plan_all(shards: &[PathBuf], opts: &LoadOptions, device: &dyn turboio_device:
                 if i >= shards.len() || failed.load(Ordering::Relaxed) {
                     break;
                 }
-                let r = plan(&shards[i], opts, device);
+                let r = plan_shard(&shards[i], opts, device);
                 failed.fetch_or(r.is_err(), Ordering::Relaxed);
                 *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
             });

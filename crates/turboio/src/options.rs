@@ -153,6 +153,10 @@ pub struct LoadOptions {
     /// the way in, bit-identical to torch's `.to()` ([`turboio_format::cast()`]); other tensors
     /// pass through. `None` (the default): tensors keep their dtype.
     pub dtype: Option<turboio_format::Dtype>,
+    /// Load only these tensors ([`Selection`](crate::Selection): names, glob patterns or a
+    /// predicate): only their bytes are read, and a name or pattern that matches nothing is an
+    /// error listing the closest names. `None` (the default): every tensor.
+    pub tensors: Option<crate::Selection>,
 }
 
 impl fmt::Debug for LoadOptions {
@@ -166,6 +170,7 @@ impl fmt::Debug for LoadOptions {
             .field("device", &self.device.as_ref().map(|d| d.id()))
             .field("storage", &self.storage.as_ref().map(|s| s.name()))
             .field("dtype", &self.dtype)
+            .field("tensors", &self.tensors)
             .finish_non_exhaustive()
     }
 }

@@ -7,6 +7,7 @@
 use crate::backend::{Opened, ReadInfo};
 use crate::loaded::{CacheUse, Held, LoadReport, LoadedFile};
 use crate::options::{CachePolicy, DirectIo, LoadMode, LoadOptions};
+use crate::select::Run;
 use crate::{Error, Result};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -185,15 +186,66 @@ pub(crate) struct Planned {
     cached_fraction: Option<f64>,
     cache: CacheUse,
     arena_reused: bool,
+    /// Only some tensors are loaded ([`LoadOptions::tensors`]): what to read and where.
+    selected: Option<Selected>,
     /// Why faster device paths were not taken (set by `fill`).
     fallbacks: Vec<String>,
     started: Instant,
 }
 
+/// The layout of a load of some of a file's tensors (see [`crate::select`]).
+struct Selected {
+    /// What to read, and where it goes in the load's memory (copied and staged loads) or which
+    /// pages to populate (mapped loads: `mem_offset` unused).
+    runs: Vec<Run>,
+    /// Bytes of memory the runs fill.
+    mem_len: usize,
+    /// The selected tensors at their places in the file's data section (mapped loads).
+    in_place: Header,
+    /// The selected tensors at their places in the load's memory (copied and staged loads).
+    packed: Header,
+}
+
+impl Selected {
+    fn of(path: &Path, selection: &crate::Selection, header: &Header, check: bool) -> Result<Selected> {
+        if check {
+            let names = header.tensors().iter().map(|t| t.name.as_str());
+            let aliases = header.aliases();
+            selection.check(names.chain(aliases.iter().map(|a| a.0)), path)?;
+        }
+        let positions = selection.positions(header);
+        let (runs, mem_len, packed) =
+            crate::select::layout(header, &positions, header.data_start(), header.file_len(), ALIGN);
+        let in_place: Vec<(usize, (usize, usize))> =
+            positions.iter().map(|&i| (i, header.tensors()[i].data_offsets)).collect();
+        let bad =
+            || Error::Unsupported { path: path.to_owned(), message: "internal: a selected layout is invalid".into() };
+        Ok(Selected {
+            in_place: header.select(&in_place, header.data_len()).ok_or_else(bad)?,
+            packed: header.select(&packed, mem_len as u64).ok_or_else(bad)?,
+            runs,
+            mem_len,
+        })
+    }
+
+    /// The file ranges to bring in, as `(offset, len)` pairs.
+    fn ranges(&self) -> Vec<(usize, usize)> {
+        self.runs.iter().map(|r| (r.file_offset as usize, r.len)).collect()
+    }
+}
+
 /// Opens, validates and allocates a load of the safetensors file `path` onto `device` (see
-/// [`Planned`]).
+/// [`Planned`]). With [`LoadOptions::tensors`], every name and pattern must match a tensor of
+/// this file.
 pub(crate) fn plan(path: &Path, opts: &LoadOptions, device: &dyn Device) -> Result<Planned> {
-    plan_parsed(path, opts, device, &mut |opened, bypass| read_header(opened, bypass).map(Parsed::Safetensors))
+    plan_parsed(path, opts, device, &mut |opened, bypass| read_header(opened, bypass).map(Parsed::Safetensors), true)
+}
+
+/// [`plan`] of one shard of a model: the selection's names and patterns are checked against
+/// the whole model by the caller, so a shard may hold none of them (it is then planned with
+/// nothing to read).
+pub(crate) fn plan_shard(path: &Path, opts: &LoadOptions, device: &dyn Device) -> Result<Planned> {
+    plan_parsed(path, opts, device, &mut |opened, bypass| read_header(opened, bypass).map(Parsed::Safetensors), false)
 }
 
 /// Parses what an opened file holds before any tensor byte is read (`bool`: the load bypasses
@@ -205,10 +257,15 @@ pub(crate) fn plan_parsed(
     opts: &LoadOptions,
     device: &dyn Device,
     parse: &mut Parse<'_>,
+    check_selection: bool,
 ) -> Result<Planned> {
     let started = Instant::now();
     let opened = open(path, opts)?;
     let parsed = parse(&opened, opts.cache == CachePolicy::Bypass)?;
+    let selected = match (&opts.tensors, &parsed) {
+        (Some(selection), Parsed::Safetensors(h)) => Some(Selected::of(path, selection, h, check_selection)?),
+        _ => None,
+    };
     let file_len = opened.len();
     let data_start = parsed.data_start(file_len);
     let on_cpu = device.id().kind == DeviceKind::Cpu;
@@ -262,10 +319,13 @@ pub(crate) fn plan_parsed(
             (Fill::Mapped { mapping, lazy, cold }, CacheUse { kept: true, reason }, false)
         }
         None => {
+            // A selection reads its runs into memory laid out as they come.
+            let span = selected.as_ref().map_or(span, |s| s.mem_len);
+            let read = selected.as_ref().map_or(file_len, |s| s.runs.iter().map(|r| r.len as u64).sum());
             let dest = if on_cpu { span as u64 } else { 0 };
-            let cache = copy_cache_use(opts.cache, file_len, cached_fraction, dest, turboio_device::available_memory());
+            let cache = copy_cache_use(opts.cache, read, cached_fraction, dest, turboio_device::available_memory());
             let pool_before = opts.arenas.as_ref().map(|p| p.free_arenas()).unwrap_or(0);
-            let mut memory = device.alloc(span + shift).map_err(|e| Error::device(path, e))?;
+            let mut memory = device.alloc((span + shift).max(1)).map_err(|e| Error::device(path, e))?;
             let reused =
                 on_cpu && opts.device.is_none() && opts.arenas.as_ref().is_some_and(|p| p.free_arenas() < pool_before);
             let fill = if memory.host_mut().is_some() { Fill::Host { memory } } else { Fill::Staged { memory } };
@@ -283,6 +343,7 @@ pub(crate) fn plan_parsed(
         cached_fraction,
         cache,
         arena_reused,
+        selected,
         fallbacks: Vec::new(),
         started,
     })
@@ -305,6 +366,12 @@ impl Planned {
         }
     }
 
+    /// Tensors a selected load keeps (`None` without a selection; `Some(0)`: nothing of this
+    /// file is selected).
+    pub(crate) fn selected_tensors(&self) -> Option<usize> {
+        self.selected.as_ref().map(|s| s.packed.len())
+    }
+
     /// The requests in flight one fill of this file keeps (see
     /// `StorageFile::requests_in_flight`).
     pub(crate) fn requests_in_flight(&self) -> usize {
@@ -315,7 +382,10 @@ impl Planned {
     /// model load asks for every shard before it fills any).
     pub(crate) fn read_ahead(&self) {
         if let Fill::Mapped { mapping, lazy: false, cold: true } = &self.fill {
-            mapping.will_need();
+            match &self.selected {
+                Some(s) => mapping.will_need_ranges(&s.ranges()),
+                None => mapping.will_need(),
+            }
         }
     }
 
@@ -324,7 +394,10 @@ impl Planned {
     /// arrives. True if it did.
     pub(crate) fn defer_cold_populate(&mut self) -> bool {
         if let Fill::Mapped { mapping, lazy: lazy @ false, cold: true } = &mut self.fill {
-            mapping.will_need();
+            match &self.selected {
+                Some(s) => mapping.will_need_ranges(&s.ranges()),
+                None => mapping.will_need(),
+            }
             *lazy = true;
             return true;
         }
@@ -333,10 +406,12 @@ impl Planned {
 
     /// Bytes this load brings into memory when filled.
     pub(crate) fn bytes(&self) -> u64 {
-        match &self.fill {
-            Fill::Mapped { lazy: true, .. } => 0,
-            Fill::Mapped { .. } => self.opened.len(),
-            Fill::Host { .. } | Fill::Staged { .. } => self.span as u64,
+        match (&self.fill, &self.selected) {
+            (Fill::Mapped { lazy: true, .. }, _) => 0,
+            (Fill::Mapped { .. }, Some(s)) => s.runs.iter().map(|r| r.len as u64).sum(),
+            (Fill::Mapped { .. }, None) => self.opened.len(),
+            (Fill::Host { .. } | Fill::Staged { .. }, Some(s)) => s.mem_len as u64,
+            (Fill::Host { .. } | Fill::Staged { .. }, None) => self.span as u64,
         }
     }
 
@@ -350,9 +425,20 @@ impl Planned {
         let info = match &mut self.fill {
             Fill::Mapped { mapping, lazy, cold } => {
                 if !*lazy {
-                    if *cold { mapping.populate_cold(threads) } else { mapping.populate(threads) }
-                        .map_err(|e| Error::device(&path, e))?;
-                    io.add_progress(self.opened.len());
+                    let bytes = match &self.selected {
+                        Some(s) => {
+                            mapping
+                                .populate_ranges(&s.ranges(), threads, *cold)
+                                .map_err(|e| Error::device(&path, e))?;
+                            s.runs.iter().map(|r| r.len as u64).sum()
+                        }
+                        None => {
+                            if *cold { mapping.populate_cold(threads) } else { mapping.populate(threads) }
+                                .map_err(|e| Error::device(&path, e))?;
+                            self.opened.len()
+                        }
+                    };
+                    io.add_progress(bytes);
                 }
                 ReadInfo { method: if *lazy { "mmap, lazy" } else { "mmap" }, direct: false, direct_refused: false }
             }
@@ -361,7 +447,34 @@ impl Planned {
                     path: path.clone(),
                     message: "host memory went away".into(),
                 })?;
-                self.opened.read(vec![ReadRequest { offset: self.file_start, dst }], &io)?
+                match &self.selected {
+                    Some(s) => self.opened.read(run_requests(&s.runs, dst), &io)?,
+                    None => self.opened.read(vec![ReadRequest { offset: self.file_start, dst }], &io)?,
+                }
+            }
+            Fill::Staged { memory } if self.selected.is_some() => {
+                let runs = self.selected.as_ref().map(|s| s.runs.clone()).unwrap_or_default();
+                let mut info = ReadInfo { method: "storage", direct: false, direct_refused: false };
+                for r in runs {
+                    let filled = crate::to_device::fill(
+                        &self.opened,
+                        device,
+                        memory.as_ref(),
+                        r.file_offset,
+                        r.len,
+                        self.shift + r.mem_offset,
+                        self.cached_fraction,
+                        opts,
+                        &io,
+                    )?;
+                    for f in filled.fallbacks {
+                        if !self.fallbacks.contains(&f) {
+                            self.fallbacks.push(f);
+                        }
+                    }
+                    info = filled.read;
+                }
+                info
             }
             Fill::Staged { memory } => {
                 let filled = crate::to_device::fill(
@@ -406,18 +519,25 @@ impl Planned {
     pub(crate) fn done(self, read: ReadInfo, opts: &LoadOptions) -> Done {
         let bytes = self.bytes();
         let data_start = self.parsed.data_start(self.opened.len());
+        // A selected load's header places its tensors relative to the start of its memory
+        // (after the device shift), else the file's data section lands after `file_start`.
+        let base = |shift: usize| match &self.selected {
+            Some(_) => shift,
+            None => shift + (data_start - self.file_start) as usize,
+        };
         let (held, memory, data_base, device): (_, Box<dyn Allocation>, _, _) = match self.fill {
             Fill::Mapped { mapping, .. } => (Held::Mapped, Box::new(mapping), data_start as usize, None),
-            Fill::Host { memory } => {
-                (Held::Copied, memory, self.shift + (data_start - self.file_start) as usize, opts.device.clone())
-            }
-            Fill::Staged { memory } => {
-                (Held::Staged, memory, self.shift + (data_start - self.file_start) as usize, opts.device.clone())
-            }
+            Fill::Host { memory } => (Held::Copied, memory, base(self.shift), opts.device.clone()),
+            Fill::Staged { memory } => (Held::Staged, memory, base(self.shift), opts.device.clone()),
+        };
+        let parsed = match (self.selected, self.parsed) {
+            (Some(s), Parsed::Safetensors(_)) if held == Held::Mapped => Parsed::Safetensors(s.in_place),
+            (Some(s), Parsed::Safetensors(_)) => Parsed::Safetensors(s.packed),
+            (_, parsed) => parsed,
         };
         Done {
             path: self.path,
-            parsed: self.parsed,
+            parsed,
             memory,
             data_base,
             data_start,
@@ -447,6 +567,22 @@ pub(crate) struct Done {
     pub(crate) data_start: u64,
     pub(crate) device: Option<std::sync::Arc<dyn Device>>,
     pub(crate) report: LoadReport,
+}
+
+/// One request per run of a selected load, each into its part of `dst` (runs in memory order,
+/// back to back).
+fn run_requests<'a>(runs: &[Run], mut dst: &'a mut [u8]) -> Vec<ReadRequest<'a>> {
+    let mut requests = Vec::with_capacity(runs.len());
+    let mut at = 0;
+    for r in runs {
+        let rest = std::mem::take(&mut dst);
+        let (_, rest) = rest.split_at_mut(r.mem_offset - at);
+        let (mine, rest) = rest.split_at_mut(r.len);
+        requests.push(ReadRequest { offset: r.file_offset, dst: mine });
+        dst = rest;
+        at = r.mem_offset + r.len;
+    }
+    requests
 }
 
 /// Whether a copied or staged load keeps the page cache: as asked, or by default unless the

@@ -209,9 +209,13 @@ pub(crate) fn plan_pt(
     device: &dyn Device,
     pt: &turboio_pt::PtOptions,
 ) -> Result<Planned> {
-    plan_parsed(path, opts, device, &mut |opened, bypass| {
-        index(path, opened, bypass, pt, "load").map(|i| Parsed::Pt(Box::new(i)))
-    })
+    plan_parsed(
+        path,
+        opts,
+        device,
+        &mut |opened, bypass| index(path, opened, bypass, pt, "load").map(|i| Parsed::Pt(Box::new(i))),
+        true,
+    )
 }
 
 /// Indexes an open checkpoint (the zip directory and the pickle; no tensor byte is read);

@@ -47,10 +47,64 @@ impl FileMapping {
         self.populate_with(threads, true)
     }
 
+    /// [`populate`](Self::populate) (or, with `cold`, [`populate_cold`](Self::populate_cold))
+    /// of some byte ranges `(offset, len)` of the mapping only: a load of a few of a file's
+    /// tensors reads their pages and nothing else. The ranges are cut into pieces that
+    /// `threads` threads take in turn; a cold populate asks for every range first.
+    pub fn populate_ranges(&self, ranges: &[(usize, usize)], threads: usize, cold: bool) -> Result<()> {
+        const PIECE: usize = 8 << 20;
+        let len = self.map.len();
+        let pieces: Vec<(usize, usize)> = ranges
+            .iter()
+            .map(|&(at, n)| (at.min(len), at.saturating_add(n).min(len)))
+            .flat_map(|(start, end)| (start..end).step_by(PIECE).map(move |at| (at, PIECE.min(end - at))))
+            .collect();
+        if cold {
+            for &(at, n) in ranges {
+                // Advisory: a kernel that ignores it only loses the speed-up.
+                let _ = self.map.advise(at, n, MmapAdvise::MADV_WILLNEED);
+            }
+        }
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let map = &self.map;
+        let work = || -> std::io::Result<()> {
+            while let Some(&(at, n)) = pieces.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                match map.advise(at, n, MmapAdvise::MADV_POPULATE_READ) {
+                    Ok(()) if !cold => {}
+                    // Kernels before 5.14 (and cold pieces, see populate_and_touch): read a
+                    // byte of every page.
+                    Ok(()) => touch_pages(&map.as_slice()[at..at + n]),
+                    Err(e) if e.raw_os_error() == Some(Errno::EINVAL as i32) => {
+                        touch_pages(&map.as_slice()[at..at + n])
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(())
+        };
+        let parts = threads.clamp(1, pieces.len().max(1));
+        let result = std::thread::scope(|s| {
+            let handles: Vec<_> = (1..parts).map(|_| s.spawn(work)).collect();
+            let first = work();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(std::io::Error::other("populate thread panicked"))))
+                .fold(first, |acc, r| acc.and(r))
+        });
+        result.map_err(|source| DeviceError::Map { op: "madvise(MADV_POPULATE_READ)", source })
+    }
+
     /// Asks the kernel to read the whole file into the page cache, without waiting for it
     /// (`MADV_WILLNEED`; advisory: a kernel that ignores it only loses the speed-up).
     pub fn will_need(&self) {
         let _ = self.map.advise(0, self.map.len(), MmapAdvise::MADV_WILLNEED);
+    }
+
+    /// [`will_need`](Self::will_need) of some byte ranges `(offset, len)` only.
+    pub fn will_need_ranges(&self, ranges: &[(usize, usize)]) {
+        for &(at, n) in ranges {
+            let _ = self.map.advise(at, n, MmapAdvise::MADV_WILLNEED);
+        }
     }
 
     fn populate_with(&self, threads: usize, read_ahead: bool) -> Result<()> {

@@ -135,6 +135,12 @@ enum Command {
         /// `.to()`; other tensors pass through.
         #[arg(long, value_parser = parse_dtype)]
         dtype: Option<turboio::Dtype>,
+        /// Load only the tensors this name or glob pattern matches (`*` any run of characters,
+        /// `?` one, `[a-z]` a class; quote it from the shell); repeatable. Only their bytes are
+        /// read (a model's shards that hold none are not opened); a pattern that matches nothing
+        /// is an error naming the closest tensors.
+        #[arg(long = "tensors", value_name = "PATTERN")]
+        tensors: Vec<String>,
         #[command(flatten)]
         cipher: cipher::ReadCipherArgs,
         #[command(flatten)]
@@ -303,13 +309,24 @@ fn main() -> ExitCode {
             reuse_arena,
             check,
             dtype,
+            tensors,
             cipher,
             gpu,
         } => cipher.encryption().map_err(Into::into).and_then(|encryption| {
             let cache = direct.map_or(cache, CachePolicy::from);
             let storage = storage_for(&file, &object);
-            let opts =
-                LoadOptions { threads, cache, mode, huge_pages, encryption, dtype, storage, ..Default::default() };
+            let tensors = if tensors.is_empty() { None } else { Some(turboio::Selection::patterns(tensors)?) };
+            let opts = LoadOptions {
+                threads,
+                cache,
+                mode,
+                huge_pages,
+                encryption,
+                dtype,
+                storage,
+                tensors,
+                ..Default::default()
+            };
             gpu.apply(opts).and_then(|opts| {
                 if !is_model(&file) && pt::is_pt(&file, &opts) {
                     pt::load(&file, opts, repeat, check, top_level_key.as_deref())
@@ -475,8 +492,10 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
             (Some(d), n) if n > 0 => format!(", {n} tensors converted to {d}"),
             _ => String::new(),
         };
+        let selected =
+            if opts.tensors.is_some() { format!(" selected, {} read of", gb(r.bytes)) } else { String::new() };
         outln!(
-            "run {run}: {} tensors, {} in {:.3} s = {:.2} GB/s ({}, {}{}{}{}{converted}; {})",
+            "run {run}: {} tensors{selected}, {} in {:.3} s = {:.2} GB/s ({}, {}{}{}{}{converted}; {})",
             loaded.len(),
             gb(file_len),
             r.elapsed.as_secs_f64(),
@@ -522,7 +541,7 @@ fn check_against_plain_read(loaded: &LoadedFile, opts: &LoadOptions) -> CliResul
     // The plain read must be of the file that was loaded: same length, same header bytes. A
     // file rewritten in between is reported as such, never sliced by the old header's offsets.
     let changed = |why: String| format!("{path}: the file changed during the check ({why}); nothing was compared");
-    if opts.dtype.is_none() && plain.len() as u64 != header.file_len() {
+    if opts.dtype.is_none() && opts.tensors.is_none() && plain.len() as u64 != header.file_len() {
         return Err(changed(format!(
             "it had {} bytes when loaded and {} when read again",
             header.file_len(),
@@ -532,6 +551,17 @@ fn check_against_plain_read(loaded: &LoadedFile, opts: &LoadOptions) -> CliResul
     }
     let again = match turboio::Header::parse(&plain, plain.len() as u64) {
         Ok(again) if again == *header || (opts.dtype.is_some() && again.sorted_names() == header.sorted_names()) => {
+            again
+        }
+        // A selected load holds some of the file's tensors, each as the file describes it.
+        Ok(again)
+            if opts.tensors.is_some()
+                && header.tensors().iter().all(|t| {
+                    again
+                        .get(&t.name)
+                        .is_some_and(|o| o.shape == t.shape && (o.dtype == t.dtype || opts.dtype.is_some()))
+                }) =>
+        {
             again
         }
         _ => return Err(changed("its header is not the one that was loaded".into()).into()),

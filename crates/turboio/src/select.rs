@@ -1,0 +1,304 @@
+//! Loading some of a checkpoint's tensors ([`LoadOptions::tensors`](crate::LoadOptions::tensors)).
+//!
+//! A [`Selection`] is a list of names and glob patterns (`*`, `?`, `[...]`, as the `glob`
+//! crate reads them; a pattern without those characters is a plain name), or a predicate. A
+//! load with one reads only the selected tensors' bytes: their ranges, coalesced where the gap
+//! between two is small ([`COALESCE_GAP`]), are read into one allocation laid out as they come
+//! (or, for a mapped load, only their pages are populated). Every name and pattern must match
+//! at least one tensor of the file (of the model, for [`load_model`](crate::load_model)):
+//! one that matches nothing is an error that lists the closest names. An alias in
+//! `__metadata__` selects its target.
+
+use crate::{Error, Result};
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+use turboio_format::Header;
+
+/// Two selected byte ranges closer than this are read as one (the bytes between are read and
+/// ignored): one request of a few more bytes costs less than two (a local read is a system
+/// call and a disk seek; a remote one a round trip). 1 MiB is about a millisecond of a
+/// local NVMe read and far less than a round trip to an object store.
+pub const COALESCE_GAP: u64 = 1 << 20;
+
+/// One name or pattern of a [`Selection`].
+#[derive(Clone, Debug)]
+enum Pattern {
+    /// A plain name.
+    Exact(String),
+    /// A glob pattern (its text kept for messages).
+    Glob(glob::Pattern, String),
+}
+
+impl Pattern {
+    fn matches(&self, name: &str) -> bool {
+        match self {
+            Pattern::Exact(n) => n == name,
+            Pattern::Glob(g, _) => g.matches(name),
+        }
+    }
+
+    fn text(&self) -> &str {
+        match self {
+            Pattern::Exact(n) | Pattern::Glob(_, n) => n,
+        }
+    }
+}
+
+/// The predicate of a [`Selection`].
+pub type Predicate = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
+/// Which tensors a load keeps: names and glob patterns, or a predicate (see the [module
+/// docs](self)).
+#[derive(Clone)]
+pub struct Selection {
+    patterns: Vec<Pattern>,
+    predicate: Option<Predicate>,
+}
+
+impl fmt::Debug for Selection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Selection");
+        d.field("patterns", &self.patterns.iter().map(Pattern::text).collect::<Vec<_>>());
+        if self.predicate.is_some() {
+            d.field("predicate", &"<fn>");
+        }
+        d.finish()
+    }
+}
+
+impl Selection {
+    /// These exact names (no pattern characters are interpreted).
+    pub fn names<I: IntoIterator<Item = S>, S: Into<String>>(names: I) -> Selection {
+        Selection { patterns: names.into_iter().map(|n| Pattern::Exact(n.into())).collect(), predicate: None }
+    }
+
+    /// Names and glob patterns: `*` (any run of characters, dots and slashes included), `?`
+    /// (one character), `[abc]` / `[a-z]` / `[!abc]` (a character class). A pattern without
+    /// any of `*?[` is a plain name. A malformed pattern is an error naming it.
+    pub fn patterns<I: IntoIterator<Item = S>, S: Into<String>>(patterns: I) -> std::result::Result<Selection, String> {
+        let mut out = Vec::new();
+        for p in patterns {
+            let p: String = p.into();
+            if p.contains(['*', '?', '[']) {
+                let g = glob::Pattern::new(&p).map_err(|e| format!("bad tensor pattern `{p}`: {e}"))?;
+                out.push(Pattern::Glob(g, p));
+            } else {
+                out.push(Pattern::Exact(p));
+            }
+        }
+        Ok(Selection { patterns: out, predicate: None })
+    }
+
+    /// The tensors whose name `keep` accepts.
+    pub fn predicate(keep: impl Fn(&str) -> bool + Send + Sync + 'static) -> Selection {
+        Selection { patterns: Vec::new(), predicate: Some(Arc::new(keep)) }
+    }
+
+    /// True if the tensor `name` is selected.
+    pub fn matches(&self, name: &str) -> bool {
+        self.patterns.iter().any(|p| p.matches(name)) || self.predicate.as_ref().is_some_and(|f| f(name))
+    }
+
+    /// The selected tensors of `header`, by position, with the targets of selected aliases.
+    pub(crate) fn positions(&self, header: &Header) -> Vec<usize> {
+        let mut keep: Vec<bool> = header.tensors().iter().map(|t| self.matches(&t.name)).collect();
+        for (alias, target) in header.aliases() {
+            if self.matches(alias) {
+                if let Some(i) = header.position(target) {
+                    keep[i] = true;
+                }
+            }
+        }
+        keep.iter().enumerate().filter(|(_, &k)| k).map(|(i, _)| i).collect()
+    }
+
+    /// Checks that every name and pattern matches at least one of `names` (a file's or a
+    /// model's tensors and aliases), and that the selection keeps something; the error names
+    /// `origin`, the first pattern that matches nothing and the names closest to it.
+    pub(crate) fn check<'a>(&self, names: impl Iterator<Item = &'a str> + Clone, origin: &Path) -> Result<()> {
+        for p in &self.patterns {
+            if !names.clone().any(|n| p.matches(n)) {
+                return Err(Error::NoMatch {
+                    path: origin.to_owned(),
+                    pattern: p.text().to_owned(),
+                    close: close(p.text(), names),
+                });
+            }
+        }
+        if !names.clone().any(|n| self.matches(n)) {
+            return Err(Error::NoMatch {
+                path: origin.to_owned(),
+                pattern: "the selection".to_owned(),
+                close: Vec::new(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Up to five of `names` closest to `wanted` (Jaro-Winkler similarity over 0.7, best first;
+/// a name that contains `wanted`, or that `wanted` contains, counts as close).
+fn close<'a>(wanted: &str, names: impl Iterator<Item = &'a str>) -> Vec<String> {
+    let plain: String = wanted.chars().filter(|c| !"*?[]!".contains(*c)).collect();
+    let mut scored: Vec<(f64, &str)> = names
+        .map(|n| {
+            let score = if !plain.is_empty() && (n.contains(&plain) || plain.contains(n)) {
+                1.0
+            } else {
+                strsim::jaro_winkler(&plain, n)
+            };
+            (score, n)
+        })
+        .filter(|(s, _)| *s > 0.7)
+        .collect();
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(b.1)));
+    scored.dedup_by(|a, b| a.1 == b.1);
+    scored.into_iter().take(5).map(|(_, n)| n.to_owned()).collect()
+}
+
+/// One contiguous read of a selected load: `len` file bytes at `file_offset` go to `mem_offset`
+/// of the load's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Run {
+    pub file_offset: u64,
+    pub len: usize,
+    pub mem_offset: usize,
+}
+
+/// Selected tensors by position in a header, each with its `[BEGIN, END)` in a load's memory.
+pub(crate) type Picks = Vec<(usize, (usize, usize))>;
+
+/// The layout of a selected load of a safetensors file whose data section starts at
+/// `data_start`: the runs to read (each a coalesced group of tensors, widened to `align`
+/// boundaries so that `O_DIRECT` reads land in place, clipped to the file), the bytes of memory
+/// they fill, and for each selected tensor its `[BEGIN, END)` relative to the start of that
+/// memory.
+pub(crate) fn layout(
+    header: &Header,
+    positions: &[usize],
+    data_start: u64,
+    file_len: u64,
+    align: u64,
+) -> (Vec<Run>, usize, Picks) {
+    let tensors = header.tensors();
+    let mut order: Vec<usize> = positions.to_vec();
+    order.sort_by_key(|&i| tensors[i].data_offsets);
+    let mut runs: Vec<Run> = Vec::new();
+    let mut picks = Vec::with_capacity(order.len());
+    let mut mem = 0usize;
+    // Per run: file range [start, end).
+    let mut current: Option<(u64, u64)> = None;
+    let mut members: Vec<usize> = Vec::new();
+    let mut close_run = |range: (u64, u64), members: &mut Vec<usize>, runs: &mut Vec<Run>, mem: &mut usize| {
+        let start = range.0 - range.0 % align;
+        let end = range.1.next_multiple_of(align).min(file_len);
+        let mem_offset = *mem;
+        for &i in members.iter() {
+            let t = &tensors[i];
+            let at = mem_offset + (data_start + t.data_offsets.0 as u64 - start) as usize;
+            picks.push((i, (at, at + t.len())));
+        }
+        members.clear();
+        runs.push(Run { file_offset: start, len: (end - start) as usize, mem_offset });
+        *mem += (end - start) as usize;
+    };
+    for &i in &order {
+        let t = &tensors[i];
+        let (b, e) = (data_start + t.data_offsets.0 as u64, data_start + t.data_offsets.1 as u64);
+        match current {
+            Some((s, end)) if b <= end + COALESCE_GAP => current = Some((s, end.max(e))),
+            Some(range) => {
+                close_run(range, &mut members, &mut runs, &mut mem);
+                current = Some((b, e));
+            }
+            None => current = Some((b, e)),
+        }
+        members.push(i);
+    }
+    if let Some(range) = current {
+        close_run(range, &mut members, &mut runs, &mut mem);
+    }
+    // Runs are split only by gaps over COALESCE_GAP, so widened to the alignment they still
+    // do not overlap.
+    (runs, mem, picks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn header(tensors: &[(&str, usize)]) -> Header {
+        let specs: Vec<turboio_format::TensorSpec> = tensors
+            .iter()
+            .map(|&(name, len)| turboio_format::TensorSpec {
+                name,
+                dtype: turboio_format::Dtype::U8,
+                shape: std::slice::from_ref(&tensors.iter().find(|t| t.0 == name).unwrap().1),
+                data_len: len,
+            })
+            .collect();
+        let layout = turboio_format::plan(&specs, None).unwrap();
+        Header::parse(&layout.header, layout.file_len()).unwrap()
+    }
+
+    #[test]
+    fn patterns_names_and_predicates_select() {
+        let s = Selection::patterns(["model.layers.1.*", "lm_head.weight"]).unwrap();
+        assert!(s.matches("model.layers.1.mlp.up_proj.weight"));
+        assert!(!s.matches("model.layers.10.mlp.up_proj.weight"));
+        assert!(s.matches("lm_head.weight"));
+        let s = Selection::names(["a*"]);
+        assert!(s.matches("a*") && !s.matches("ab"), "names are not patterns");
+        let s = Selection::predicate(|n| n.ends_with(".bias"));
+        assert!(s.matches("x.bias") && !s.matches("x.weight"));
+        assert!(Selection::patterns(["[a"]).unwrap_err().contains("[a"));
+    }
+
+    #[test]
+    fn a_pattern_that_matches_nothing_names_the_closest_tensors() {
+        let names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"];
+        let s = Selection::patterns(["model.embed_token.weight"]).unwrap();
+        let e = s.check(names.iter().copied(), &PathBuf::from("m.safetensors")).unwrap_err().to_string();
+        assert!(e.starts_with("m.safetensors: no tensor matches `model.embed_token.weight`"), "{e}");
+        assert!(e.contains("model.embed_tokens.weight"), "{e}");
+        let s = Selection::predicate(|_| false);
+        let e = s.check(names.iter().copied(), &PathBuf::from("m")).unwrap_err().to_string();
+        assert!(e.contains("the selection"), "{e}");
+    }
+
+    #[test]
+    fn runs_coalesce_small_gaps_and_stay_aligned() {
+        // a: 100 B, b: 3 MiB, c: 100 B, d: 100 B.
+        let h = header(&[("a", 100), ("b", 3 << 20), ("c", 100), ("d", 100)]);
+        let all = |n: &str| h.position(n).unwrap();
+        let start = h.data_start();
+        // a and c: 3 MiB apart (not coalesced); c and d: adjacent (one run).
+        let (runs, mem, picks) = layout(&h, &[all("a"), all("c"), all("d")], start, h.file_len(), 4096);
+        assert_eq!(runs.len(), 2, "{runs:?}");
+        for r in &runs {
+            assert_eq!(r.file_offset % 4096, 0);
+            assert!(r.file_offset + r.len as u64 <= h.file_len());
+        }
+        assert_eq!(mem, runs.iter().map(|r| r.len).sum::<usize>());
+        for (i, (b, e)) in picks {
+            let t = &h.tensors()[i];
+            let run = runs.iter().find(|r| r.mem_offset <= b && e <= r.mem_offset + r.len).unwrap();
+            assert_eq!(run.file_offset + (b - run.mem_offset) as u64, start + t.data_offsets.0 as u64);
+        }
+        // Everything: one run.
+        let (runs, _, _) = layout(&h, &[0, 1, 2, 3], start, h.file_len(), 4096);
+        assert_eq!(runs.len(), 1);
+    }
+
+    #[test]
+    fn aliases_select_their_targets() {
+        let specs =
+            [turboio_format::TensorSpec { name: "w", dtype: turboio_format::Dtype::U8, shape: &[4], data_len: 4 }];
+        let meta = std::collections::BTreeMap::from([("tied".to_owned(), "w".to_owned())]);
+        let layout = turboio_format::plan(&specs, Some(&meta)).unwrap();
+        let h = Header::parse(&layout.header, layout.file_len()).unwrap();
+        assert_eq!(Selection::names(["tied"]).positions(&h), vec![0]);
+    }
+}
