@@ -18,7 +18,8 @@ mod dlpack;
 
 use dlpack::{DLDataType, Export};
 use pyo3::exceptions::{
-    PyFileNotFoundError, PyKeyboardInterrupt, PyOSError, PyPermissionError, PyRuntimeError, PyTypeError, PyValueError,
+    PyFileNotFoundError, PyKeyError, PyKeyboardInterrupt, PyMemoryError, PyOSError, PyPermissionError, PyRuntimeError,
+    PyTypeError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -65,6 +66,9 @@ fn error_to_py(e: &Error) -> PyErr {
         Error::Decrypted { path, .. } => invalid_file(path, msg[path.display().to_string().len() + 2..].to_owned()),
         Error::Unsupported { .. } => PyValueError::new_err(msg),
         Error::Cancelled { .. } => PyKeyboardInterrupt::new_err(msg),
+        // A selected name the checkpoint does not hold, as a dict lookup would say.
+        Error::NoMatch { .. } => PyKeyError::new_err(msg),
+        Error::WontFit { .. } => PyMemoryError::new_err(msg),
         _ => PyRuntimeError::new_err(msg),
     }
 }
@@ -514,6 +518,11 @@ mod exported {
                 .then(|| memory.address() as usize as *mut u8)
         }
 
+        /// Bytes of the load's memory (from [`export_address`](Self::export_address)).
+        pub fn memory_len(&self) -> usize {
+            self.0.memory().len()
+        }
+
         /// Where the memory is.
         pub fn device_id(&self) -> turboio::device::DeviceId {
             self.0.device_id()
@@ -563,6 +572,71 @@ impl PyLoaded {
     /// `[(alias, target)]` recorded in `__metadata__`.
     fn aliases(&self) -> Vec<(String, String)> {
         self.inner.aliases().into_iter().map(|(a, t)| (a.to_owned(), t.to_owned())).collect()
+    }
+
+    /// The whole load as one DLPack-exportable byte range (host or CUDA memory), and the names
+    /// of the dtypes its tensors have: the Python layer views the export as each dtype and
+    /// [`build`](Self::build)s the tensors from those views (no per-tensor export).
+    fn export(&self) -> PyResult<(PyFileBytes, Vec<&'static str>)> {
+        let addr = self.inner.export_address().ok_or_else(|| {
+            PyRuntimeError::new_err(format!("this load is on {}, which DLPack cannot export", self.inner.device_id()))
+        })?;
+        let device = match self.inner.device_id().kind {
+            DeviceKind::Cuda => (dlpack::DEVICE_CUDA, self.inner.device_id().ordinal as i32),
+            _ => (dlpack::DEVICE_CPU, 0),
+        };
+        let owner: Arc<dyn Send + Sync> = self.inner.clone();
+        let bytes = PyFileBytes { owner, addr: addr as usize, len: self.inner.memory_len(), device };
+        let mut dtypes: Vec<&'static str> = self.inner.tensors().map(|t| t.1.name()).collect();
+        dtypes.sort_unstable();
+        dtypes.dedup();
+        Ok((bytes, dtypes))
+    }
+
+    /// Builds every tensor as a view of one export: `typed` maps a dtype name to `(the export
+    /// viewed as that dtype, its element size)`; `as_strided` is `torch.as_strided`. Returns
+    /// `{name: tensor}` in file order and the names it left to the caller (dtypes not in
+    /// `typed`, offsets not a multiple of the element size), in file order. The loop runs here
+    /// rather than in Python: one call per tensor, with nothing else built.
+    fn build<'py>(
+        &self,
+        py: Python<'py>,
+        typed: &Bound<'py, PyDict>,
+        as_strided: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyDict>, Vec<String>)> {
+        // Per dtype met so far: its typed view of the export and element size, if given.
+        type Base<'py> = Option<(Bound<'py, PyAny>, usize)>;
+        let mut bases: Vec<(Dtype, Base<'py>)> = Vec::new();
+        let out = PyDict::new(py);
+        let mut left = Vec::new();
+        let mut strides: Vec<usize> = Vec::new();
+        for (name, dtype, shape, offset, _) in self.inner.tensors() {
+            let base = match bases.iter().find(|b| b.0 == dtype) {
+                Some(b) => b.1.clone(),
+                None => {
+                    let b = match typed.get_item(dtype.name())? {
+                        Some(v) => Some(v.extract::<(Bound<'py, PyAny>, usize)>()?),
+                        None => None,
+                    };
+                    bases.push((dtype, b.clone()));
+                    b
+                }
+            };
+            match base {
+                Some((base, size)) if size > 0 && offset % size == 0 => {
+                    strides.clear();
+                    strides.resize(shape.len(), 1);
+                    for i in (0..shape.len().saturating_sub(1)).rev() {
+                        strides[i] = strides[i + 1] * shape[i + 1];
+                    }
+                    let shape = pyo3::types::PyTuple::new(py, shape)?;
+                    let st = pyo3::types::PyTuple::new(py, &strides)?;
+                    out.set_item(name, as_strided.call1((base, shape, st, offset / size))?)?;
+                }
+                _ => left.push(name.to_owned()),
+            }
+        }
+        Ok((out, left))
     }
 
     /// Every tensor as a DLPack-exportable object, in file order.
@@ -633,6 +707,74 @@ impl PyArenaPool {
 }
 
 /// A `dtype=` argument: a safetensors dtype name (the Python layer maps torch dtypes to them).
+/// The first exception a selection's callable raised (it then counts as "not selected"), raised
+/// again after the load.
+type PredicateError = Arc<std::sync::Mutex<Option<PyErr>>>;
+
+/// `tensors=`: `None` (every tensor), a name or glob pattern, a list of them, a set of exact
+/// names (taken literally), or a callable taking a name and returning whether to keep it
+/// (called from the loader's thread, with the GIL taken for each call).
+fn selection_arg(tensors: Option<&Bound<'_, PyAny>>) -> PyResult<(Option<turboio::Selection>, PredicateError)> {
+    let error: PredicateError = Arc::new(std::sync::Mutex::new(None));
+    let Some(t) = tensors.filter(|t| !t.is_none()) else { return Ok((None, error)) };
+    // A set is taken literally: its names, no pattern characters interpreted.
+    if t.is_instance_of::<pyo3::types::PySet>() || t.is_instance_of::<pyo3::types::PyFrozenSet>() {
+        let names: Vec<String> =
+            t.try_iter()?.map(|n| n.and_then(|n| n.extract::<String>())).collect::<PyResult<_>>()?;
+        return Ok((Some(turboio::Selection::names(names)), error));
+    }
+    if let Ok(one) = t.extract::<String>() {
+        return turboio::Selection::patterns([one]).map(|s| (Some(s), error)).map_err(PyValueError::new_err);
+    }
+    if t.is_callable() {
+        let f: Py<PyAny> = t.clone().unbind();
+        let slot = error.clone();
+        let keep = move |name: &str| {
+            Python::attach(|py| match f.call1(py, (name,)).and_then(|r| r.is_truthy(py)) {
+                Ok(k) => k,
+                Err(e) => {
+                    let mut first = slot.lock().unwrap_or_else(|p| p.into_inner());
+                    first.get_or_insert(e);
+                    false
+                }
+            })
+        };
+        return Ok((Some(turboio::Selection::predicate(keep)), error));
+    }
+    let names: Vec<String> =
+        t.try_iter()?.map(|n| n.and_then(|n| n.extract::<String>())).collect::<PyResult<_>>().map_err(|_| {
+            PyTypeError::new_err("tensors= takes a name or glob pattern, a list of them, or a callable taking a name")
+        })?;
+    if names.is_empty() {
+        return Err(PyValueError::new_err("tensors= is an empty list: it would select nothing"));
+    }
+    turboio::Selection::patterns(names).map(|s| (Some(s), error)).map_err(PyValueError::new_err)
+}
+
+/// The names of `names` that `tensors=` selects (a name or glob pattern, a list of them, or a
+/// callable), in order; `KeyError` naming `origin` and the closest names when a name or pattern
+/// matches none of them.
+#[pyfunction]
+#[pyo3(name = "select")]
+fn select_names(tensors: Bound<'_, PyAny>, names: Vec<String>, origin: std::path::PathBuf) -> PyResult<Vec<String>> {
+    let (selection, raised) = selection_arg(Some(&tensors))?;
+    let Some(selection) = selection else { return Ok(names) };
+    let checked = selection.check_names(names.iter().map(String::as_str), &origin);
+    predicate_raised(&raised)?;
+    checked.map_err(to_py)?;
+    let kept = names.into_iter().filter(|n| selection.matches(n)).collect();
+    predicate_raised(&raised)?;
+    Ok(kept)
+}
+
+/// Raises what a selection's callable raised, if it did.
+fn predicate_raised(error: &PredicateError) -> PyResult<()> {
+    match error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
 fn parse_dtype(dtype: Option<&str>) -> PyResult<Option<Dtype>> {
     dtype.map(|d| d.parse::<Dtype>().map_err(|e| PyValueError::new_err(e.to_string()))).transpose()
 }
@@ -641,7 +783,7 @@ fn parse_dtype(dtype: Option<&str>) -> PyResult<Option<Dtype>> {
 /// CUDA device (`device="cuda:N"`; `gds` = "auto"/"on"/"off" for GPUDirect Storage; `staging`
 /// keeps pinned buffers across loads).
 #[pyfunction]
-#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", pool=None, huge_pages=None, progress=None, cipher=false, device="cpu", gds="off", staging=None, dtype=None, storage=None))]
+#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", pool=None, huge_pages=None, progress=None, cipher=false, device="cpu", gds="off", staging=None, dtype=None, storage=None, tensors=None))]
 #[allow(clippy::too_many_arguments)]
 fn load(
     py: Python<'_>,
@@ -658,8 +800,10 @@ fn load(
     staging: Option<&PyStagingPool>,
     dtype: Option<&str>,
     storage: Option<&PyObjectStorage>,
+    tensors: Option<Bound<'_, PyAny>>,
 ) -> PyResult<PyLoaded> {
     let dtype = parse_dtype(dtype)?;
+    let (tensors, raised) = selection_arg(tensors.as_ref())?;
     let cancel = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
     let target = open_target(py, device, staging)?;
@@ -684,23 +828,27 @@ fn load(
         cancel: Some(cancel.clone()),
         encryption: encryption(cipher, false),
         dtype,
+        tensors,
         ..Default::default()
     };
+    let selected = opts.tensors.is_some();
     let loaded = interruptible(py, &cancel, progress.as_ref().map(|cb| (cb, &*done)), || {
         let loaded = turboio::load(&path, &opts)?;
         // Progress counts the bytes read; the header (and, for an unaligned data section, the
-        // bytes before it) were read too: the total is the whole file.
-        done.store(loaded.header().file_len(), Ordering::Relaxed);
+        // bytes before it) were read too: the total is the whole file (or what a selection read).
+        let total = if selected { loaded.report().bytes } else { loaded.header().file_len() };
+        done.store(total, Ordering::Relaxed);
         Ok(loaded)
-    })?;
-    Ok(PyLoaded { inner: Arc::new(ExportedLoad::new(loaded)) })
+    });
+    predicate_raised(&raised)?;
+    Ok(PyLoaded { inner: Arc::new(ExportedLoad::new(loaded?)) })
 }
 
 /// Loads a whole model (a safetensors file, a directory of shards, or an index JSON) as one
 /// job into the CPU (GIL released, Ctrl-C cancels): every shard validated and the index checked
 /// first, then all shards read in one pipeline. Returns one `LoadedFile` per shard.
 #[pyfunction]
-#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", progress=None, cipher=false, dtype=None, storage=None))]
+#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", progress=None, cipher=false, dtype=None, storage=None, tensors=None))]
 #[allow(clippy::too_many_arguments)]
 fn load_model(
     py: Python<'_>,
@@ -712,8 +860,10 @@ fn load_model(
     cipher: bool,
     dtype: Option<&str>,
     storage: Option<&PyObjectStorage>,
+    tensors: Option<Bound<'_, PyAny>>,
 ) -> PyResult<Vec<PyLoaded>> {
     let dtype = parse_dtype(dtype)?;
+    let (tensors, raised) = selection_arg(tensors.as_ref())?;
     let cancel = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
     let opts = LoadOptions {
@@ -725,13 +875,21 @@ fn load_model(
         cancel: Some(cancel.clone()),
         encryption: encryption(cipher, false),
         dtype,
+        tensors,
         ..Default::default()
     };
+    let selected = opts.tensors.is_some();
     let model = interruptible(py, &cancel, progress.as_ref().map(|cb| (cb, &*done)), || {
         let model = turboio::load_model(&path, &opts)?;
-        done.store(model.shards().iter().map(|s| s.header().file_len()).sum(), Ordering::Relaxed);
+        let total = match selected {
+            true => model.shards().iter().map(|s| s.report().bytes).sum(),
+            false => model.shards().iter().map(|s| s.header().file_len()).sum(),
+        };
+        done.store(total, Ordering::Relaxed);
         Ok(model)
-    })?;
+    });
+    predicate_raised(&raised)?;
+    let model = model?;
     Ok(model.into_shards().into_iter().map(|f| PyLoaded { inner: Arc::new(ExportedLoad::new(f)) }).collect())
 }
 
@@ -791,6 +949,8 @@ struct PyFileBytes {
     owner: Arc<dyn Send + Sync>,
     addr: usize,
     len: usize,
+    /// The DLPack device: (kDLCPU, 0) or (kDLCUDA, ordinal).
+    device: (i32, i32),
 }
 
 #[pymethods]
@@ -808,10 +968,11 @@ impl PyFileBytes {
                 self.len
             )));
         }
-        Ok(PyFileBytes { owner: self.owner.clone(), addr: self.addr + offset, len })
+        Ok(PyFileBytes { owner: self.owner.clone(), addr: self.addr + offset, len, device: self.device })
     }
 
-    /// The DLPack protocol (CPU): one flat uint8 tensor of every byte of the file.
+    /// The DLPack protocol: one flat uint8 tensor of every byte held (host memory, or a CUDA
+    /// load's device memory).
     #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
     fn __dlpack__<'py>(
         &self,
@@ -826,7 +987,7 @@ impl PyFileBytes {
         let export = dlpack::Export {
             owner: self.owner.clone(),
             data: self.addr as *mut u8,
-            device: (dlpack::DEVICE_CPU, 0),
+            device: self.device,
             shape: vec![self.len as i64],
             dtype: dl_type(Dtype::U8).0,
         };
@@ -834,7 +995,7 @@ impl PyFileBytes {
     }
 
     fn __dlpack_device__(&self) -> (i32, i32) {
-        (dlpack::DEVICE_CPU, 0)
+        self.device
     }
 }
 
@@ -913,7 +1074,7 @@ fn load_pt(
     let tables = pt_tables(&loaded);
     // From here on only the address is used (see PyFileBytes).
     let (addr, len) = (loaded.memory().address() as usize, loaded.memory().len());
-    Ok((PyFileBytes { owner: Arc::new(loaded), addr, len }, tables))
+    Ok((PyFileBytes { owner: Arc::new(loaded), addr, len, device: (dlpack::DEVICE_CPU, 0) }, tables))
 }
 
 /// Converts a PyTorch checkpoint (a `.pt` / `.bin` file, a directory of them, or
@@ -1505,6 +1666,7 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_device, m)?)?;
     m.add_function(wrap_pyfunction!(_save_device, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(select_names, m)?)?;
     m.add_function(wrap_pyfunction!(load_model, m)?)?;
     m.add_function(wrap_pyfunction!(load_pt, m)?)?;
     m.add_function(wrap_pyfunction!(convert, m)?)?;

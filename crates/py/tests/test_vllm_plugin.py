@@ -44,8 +44,10 @@ def test_options_are_checked():
         "storage_options": None,
         "cache_dir": None,
         "fetch": "all",
+        "tensors": None,
     }
     assert vllm_plugin.loader_options({"num_threads": 4, "cache": "keep"})["num_threads"] == 4
+    assert vllm_plugin.loader_options({"tensors": ["model.layers.0.*"]})["tensors"] == ["model.layers.0.*"]
     for bad, msg in [
         ({"num_thread": 4}, "unknown option"),
         ({"cache": "never"}, "cache must"),
@@ -53,6 +55,9 @@ def test_options_are_checked():
         ({"storage_options": "endpoint=x"}, "storage_options must be a dict"),
         ({"cache_dir": 3}, "cache_dir must be a str"),
         ({"fetch": "twice"}, "fetch must be all or once"),
+        ({"tensors": 3}, "tensors must be a str or list"),
+        ({"tensors": []}, "tensors must be a name"),
+        ({"tensors": "x", "fetch": "once"}, "tensors cannot be combined"),
     ]:
         with pytest.raises(ValueError, match=msg):
             vllm_plugin.loader_options(bad)

@@ -113,6 +113,12 @@ impl Selection {
         keep.iter().enumerate().filter(|(_, &k)| k).map(|(i, _)| i).collect()
     }
 
+    /// [`check`](Self::check) for a caller that lists the names itself (a set of files loaded
+    /// one at a time, checked as one).
+    pub fn check_names<'a>(&self, names: impl Iterator<Item = &'a str> + Clone, origin: &Path) -> Result<()> {
+        self.check(names, origin)
+    }
+
     /// Checks that every name and pattern matches at least one of `names` (a file's or a
     /// model's tensors and aliases), and that the selection keeps something; the error names
     /// `origin`, the first pattern that matches nothing and the names closest to it.

@@ -164,6 +164,7 @@ def load(
     dtype=None,
     storage_options=None,
     cache_dir=None,
+    tensors=None,
 ):
     """Loads a safetensors or torch `.pt` file (detected by content) into a dict of tensors.
 
@@ -217,6 +218,13 @@ def load(
     extension; default `TURBOIO_CACHE_DIR`) is a node-local cache for such URLs: the first load
     of an object version writes it through to a local file there while loading it; later loads
     of that version are local loads; processes loading it at the same time fetch it once.
+
+    `tensors` (a turboio extension) loads only some tensors: a name or glob pattern (`*`, `?`,
+    `[a-z]`), a list of them, or a callable taking a name and returning whether to keep it. Only
+    the selected tensors' bytes are read (mapped pages populated, or byte ranges copied, from
+    any backend, decrypted or converted on the way); an alias selects its target; a name or
+    pattern that matches nothing raises `KeyError` naming the closest tensors, before anything
+    is read. For `.pt` files the selection is applied to the tensors after the load.
     """
     import torch
 
@@ -227,6 +235,8 @@ def load(
     dtype = _load_dtype(dtype)
     if dtype is not None and state_dict:
         raise ValueError("dtype= cannot be combined with state_dict= (the tensors given keep their dtype)")
+    if tensors is not None and state_dict:
+        raise ValueError("tensors= cannot be combined with state_dict= (the dict given says what to load)")
 
     path = _local_path(file)
     cipher = _cipher_for_load(use_cipher)
@@ -253,6 +263,9 @@ def load(
             if not unsafe_pickle_fallback:
                 raise
         else:
+            if tensors is not None:
+                keep = _turboio.select(tensors, list(sd), path)
+                sd = {k: sd[k] for k in keep}
             return sd
         # Only when asked: torch.load executes the pickle (restricted by weights_only=True).
         if cipher or _is_remote(path):
@@ -262,6 +275,8 @@ def load(
             # A file object, not the path: recent torch guesses the format from the file name.
             with open(path, "rb") as f:
                 sd = torch.load(f, map_location=device, weights_only=True)
+        if tensors is not None and isinstance(sd, dict):
+            sd = {k: sd[k] for k in _turboio.select(tensors, list(sd), path)}
         return _convert(sd, dtype) if isinstance(sd, dict) else sd
     if state_dict:
         return _load_into(path, state_dict, n, cache, cipher, helper, storage)
@@ -279,6 +294,7 @@ def load(
         staging=staging,
         dtype=dtype,
         storage=storage,
+        tensors=tensors,
     )
     return _tensors_of(loaded, aliases=enable_fast_mode)
 

@@ -21,9 +21,50 @@ def tensor_from(pt):
     return t
 
 
+# Safetensors dtype name -> (torch dtype, element size), for the dtypes whose tensors are plain
+# strided views of their bytes (not packed, not bytes-only); filled on first use.
+_VIEWABLE = {}
+
+
+def _viewable(name):
+    got = _VIEWABLE.get(name)
+    if got is None:
+        from ._dtypes import _PACKED, torch_dtype
+
+        td = None if name in _PACKED else torch_dtype(name)
+        got = (td, td.itemsize) if td is not None else (None, 0)
+        _VIEWABLE[name] = got
+    return got
+
+
 def tensors_of(loaded, aliases=True):
-    """`{name: tensor}` of a load, in file order, plus aliases from `__metadata__`."""
-    out = {pt.name: tensor_from(pt) for pt in loaded.tensors()}
+    """`{name: tensor}` of a load, in file order, plus aliases from `__metadata__`.
+
+    One DLPack export of the whole load, and each tensor a strided view of it (`as_strided`
+    of a typed view of the export: dtype, shape, strides, storage offset), so a load of
+    thousands of tensors costs one export and one small call per tensor. Every tensor's
+    storage is then the load's memory (which stays alive while any tensor does): `torch.save`
+    of one tensor alone would write all of it, so `.clone()` a tensor first to save it alone.
+    A tensor whose offset is not a multiple of its element size, and dtypes torch has not or
+    packs (F4, F6), are exported on their own (as bytes where torch has no dtype)."""
+    import torch
+
+    data, dtypes = loaded.export()
+    base = torch.from_dlpack(data)
+    # Per dtype name: (the export viewed as that dtype, element size).
+    typed = {}
+    for dtype in dtypes:
+        td, size = _viewable(dtype)
+        if td is not None:
+            n = base.numel() - base.numel() % size
+            typed[dtype] = (base[:n].view(td), size)
+    out, odd = loaded.build(typed, torch.as_strided)
+    if odd:
+        exported = {pt.name: pt for pt in loaded.tensors()}
+        for name in odd:
+            out[name] = tensor_from(exported[name])
+        order = [name for name, *_ in loaded.infos()]
+        out = {name: out[name] for name in order}
     if aliases:
         for alias, target in loaded.aliases():
             out[alias] = out[target]

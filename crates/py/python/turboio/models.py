@@ -50,6 +50,7 @@ def load_model(
     cache_dir=None,
     process_group=None,
     fetch="all",
+    tensors=None,
 ):
     """Loads a whole model into a dict of tensors: `path` is a safetensors file, a directory of
     shards (with or without `model.safetensors.index.json`), or the index JSON itself.
@@ -82,11 +83,18 @@ def load_model(
     `shard_dims` apply after the exchange. Use it when the store, not the network between the
     ranks, is the bottleneck (object storage shared by many nodes); on a local disk each rank
     reading everything is faster.
+
+    `tensors` loads only some tensors (a name or glob pattern, a list of them, or a callable;
+    see `turboio.load`): only their bytes are read, shards the index says hold none of them are
+    not opened, and a name or pattern that matches no tensor of the model raises `KeyError`
+    naming the closest. Not with `fetch="once"`.
     """
     import torch
 
     if fetch not in ("all", "once"):
         raise ValueError(f"fetch must be 'all' or 'once', not {fetch!r}")
+    if fetch == "once" and tensors is not None:
+        raise ValueError("tensors= cannot be combined with fetch='once' (the ranks exchange whole shards)")
     if fetch == "once":
         if process_group is None:
             raise ValueError("fetch='once' needs a process_group (every rank of it calls load_model)")
@@ -119,6 +127,7 @@ def load_model(
             cipher=bool(use_cipher),
             dtype=load_dtype(dtype),
             storage=storage,
+            tensors=tensors,
         )
         out = {}
         for loaded in shards:
@@ -327,17 +336,77 @@ def save_model_dir(
     return index
 
 
-def iter_weights(files_or_dir, device="cpu", *, storage_options=None, cache_dir=None):
+def iter_weights(files_or_dir, device="cpu", *, storage_options=None, cache_dir=None, tensors=None, window=None):
     """Yields `(name, tensor)` for every tensor of a model directory (or index JSON) or of a list
     of safetensors files, shard by shard, in the shape of vLLM's safetensors weight iterators.
     Each tensor owns a reference to its shard's memory, so it stays valid after the iterator
     moves on (and that memory is freed when the last tensor of the shard is dropped). Paths may
-    be object-store URLs (`storage_options` and `cache_dir` as for `turboio.load`)."""
+    be object-store URLs (`storage_options` and `cache_dir` as for `turboio.load`).
+
+    `tensors` yields only some tensors (a name or glob pattern, a list of them, or a callable;
+    see `turboio.load`), checked against every file given: only their bytes are read.
+
+    `window` (bytes, or a size string such as "512MiB") streams with bounded memory: each shard
+    is loaded in groups of consecutive tensors of at most `window` bytes (a larger tensor is a
+    group of its own), the next group read while the current one is consumed, so at most two
+    groups are held at once, not the model; each tensor owns its group's memory (never a view
+    into a reused buffer), which is freed when the group's last tensor is dropped. For engines
+    that copy each tensor into their own parameters as it comes."""
     import torch
 
     dev = torch.device(device)
-    for path in _paths(files_or_dir):
+    paths = _paths(files_or_dir)
+    move = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev))
+    if window is None and (tensors is None or len(paths) == 1):
+        for path in paths:
+            storage = _remote.storage(path, storage_options, cache_dir)
+            for loaded in _turboio.load_model(path, threads=threads(0), storage=storage, tensors=tensors):
+                for name, t in tensors_of(loaded).items():
+                    yield name, move(t)
+        return
+    # Every shard's header first (a few KiB each): the selection is checked against all of
+    # them, and a window groups each shard's tensors.
+    shards = []
+    for path in paths:
         storage = _remote.storage(path, storage_options, cache_dir)
-        for loaded in _turboio.load_model(path, threads=threads(0), storage=storage):
-            for name, t in tensors_of(loaded).items():
-                yield name, (t if dev.type == "cpu" else t.to(dev))
+        _index, files, _map = _turboio._model_files(path, storage=storage)
+        for f in files:
+            _start, _len, _meta, infos = _turboio.read_header(f, storage=storage)
+            shards.append((f, storage, [(n, e - b) for n, _d, _s, b, e in sorted(infos, key=lambda i: i[3])]))
+    if tensors is not None:
+        origin = paths[0] if len(paths) == 1 else f"{paths[0]} (and {len(paths) - 1} more)"
+        keep = set(_turboio.select(tensors, [n for _f, _s, infos in shards for n, _ in infos], origin))
+        shards = [(f, st, [(n, size) for n, size in infos if n in keep]) for f, st, infos in shards]
+    limit = None if window is None else (_turboio.parse_shard_size(window) if isinstance(window, str) else int(window))
+    if limit is not None and limit <= 0:
+        raise ValueError(f"window must be a positive number of bytes, not {window!r}")
+    groups = []
+    for f, storage, infos in shards:
+        current, size = [], 0
+        for name, n in infos:
+            if current and limit is not None and size + n > limit:
+                groups.append((f, storage, frozenset(current)))
+                current, size = [], 0
+            current.append(name)
+            size += n
+        if current:
+            groups.append((f, storage, frozenset(current)))
+    if not groups:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    def load(group):
+        f, storage, names = group
+        return _turboio.load(f, threads=threads(0), storage=storage, tensors=names)
+
+    # The next group is read (GIL released) while the current one is consumed.
+    with ThreadPoolExecutor(max_workers=1) as ahead:
+        pending = ahead.submit(load, groups[0])
+        for i in range(len(groups)):
+            loaded = pending.result()
+            pending = ahead.submit(load, groups[i + 1]) if i + 1 < len(groups) else None
+            out = tensors_of(loaded, aliases=False)
+            del loaded
+            for name in list(out):
+                yield name, move(out.pop(name))
+            del out

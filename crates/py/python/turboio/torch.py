@@ -55,24 +55,26 @@ def _check_device(device):
     return _cuda.target(device)
 
 
-def _load(filename, mode="auto", device="cpu", storage_options=None, cache_dir=None):
+def _load(filename, mode="auto", device="cpu", storage_options=None, cache_dir=None, tensors=None):
     path = os.fspath(filename)
     storage = _remote.storage(path, storage_options, cache_dir)
     try:
-        return _turboio.load(path, mode=mode, device=device, gds=_cuda.gds_setting(), storage=storage)
+        return _turboio.load(path, mode=mode, device=device, gds=_cuda.gds_setting(), storage=storage, tensors=tensors)
     except FileNotFoundError:
         raise
     except ValueError as e:
         raise _error(e, "deserializing header") from None
 
 
-def load_file(filename, device="cpu", *, storage_options=None, cache_dir=None):
+def load_file(filename, device="cpu", *, storage_options=None, cache_dir=None, tensors=None):
     """Loads a safetensors file into a dict of tensors (zero-copy views of one load), on the CPU
     or straight into a GPU (`device="cuda:N"`, or an int). `filename` may be an object-store
     URL (`s3://...`, `gs://...`, `az://...`, `https://...`; `storage_options`, a turboio
-    extension, as for `turboio.load`; `cache_dir`, the node-local cache, too)."""
+    extension, as for `turboio.load`; `cache_dir`, the node-local cache, too). `tensors` (a
+    turboio extension, as for `turboio.load`) loads only the tensors it selects."""
     dev = _check_device(device)
-    return tensors_of(_load(filename, device=dev, storage_options=storage_options, cache_dir=cache_dir), aliases=False)
+    loaded = _load(filename, device=dev, storage_options=storage_options, cache_dir=cache_dir, tensors=tensors)
+    return tensors_of(loaded, aliases=False)
 
 
 def save_file(tensors, filename, metadata=None, *, blocking=True, storage_options=None, reuse_blocks=False):
@@ -214,10 +216,13 @@ class safe_open:
     """Lazy access to a safetensors file: `with safe_open(path, framework="pt") as f: f.get_tensor(name)`.
 
     The file is mapped, not read: only the pages of the tensors you ask for are read.
-    `get_slice(name)[...]` reads just the byte ranges of the slice.
+    `get_slice(name)[...]` reads just the byte ranges of the slice. `tensors` (a turboio
+    extension, as for `turboio.load`) limits `keys()` and `get_tensor` to the selected tensors
+    (checked when opening: a name or pattern that matches nothing raises `KeyError`); for an
+    object-store URL, which is copied rather than mapped, only their bytes are read.
     """
 
-    def __init__(self, filename, framework="pt", device="cpu", *, storage_options=None, cache_dir=None):
+    def __init__(self, filename, framework="pt", device="cpu", *, storage_options=None, cache_dir=None, tensors=None):
         if framework not in _FRAMEWORKS:
             raise SafetensorError(f"framework {framework} is invalid (turboio.torch supports pt)")
         self._device = _check_device(device)
@@ -227,7 +232,9 @@ class safe_open:
             raise FileNotFoundError(f"No such file or directory: {self._path}")
         # Lazy loads map a local file; sfcs:// files and object-store URLs are copied.
         mode = "copied" if remote else "lazy"
-        self._loaded = _load(self._path, mode=mode, storage_options=storage_options, cache_dir=cache_dir)
+        self._loaded = _load(
+            self._path, mode=mode, storage_options=storage_options, cache_dir=cache_dir, tensors=tensors
+        )
         self._infos = {n: (d, s, b, e) for n, d, s, b, e in self._loaded.infos()}
         self._order = [n for n, *_ in self._loaded.infos()]
         self._tensors = None

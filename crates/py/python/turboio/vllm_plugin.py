@@ -21,8 +21,10 @@ region, credentials, concurrency, ... as `turboio.load` takes them; the environm
 `cache_dir` (the node-local cache for object-store models), `fetch` ("all", or "once": with
 tensor parallelism, the ranks of vLLM's tensor-parallel group each fetch 1/W of the model from
 storage and exchange the pieces over that group's gloo group, so `vllm serve s3://bucket/model
---load-format turboio -tp 2` fetches the model once). Unknown keys are an error, so a typo does
-not pass silently.
+--load-format turboio -tp 2` fetches the model once), `tensors` (a name or glob pattern, or a
+list of them: only those tensors are read and fed to vLLM, e.g. a draft model's layers; a
+pattern that matches nothing is an error naming the closest tensors). Unknown keys are an
+error, so a typo does not pass silently.
 
 vLLM is not a dependency of the wheel. Everything but the two vLLM classes lives in plain
 functions here (`weight_files`, `loader_options`, `weights_iterator`), tested without vLLM.
@@ -33,7 +35,15 @@ import json
 import os
 
 INDEX = "model.safetensors.index.json"
-OPTIONS = {"num_threads": int, "cache": str, "mode": str, "storage_options": dict, "cache_dir": str, "fetch": str}
+OPTIONS = {
+    "num_threads": int,
+    "cache": str,
+    "mode": str,
+    "storage_options": dict,
+    "cache_dir": str,
+    "fetch": str,
+    "tensors": (str, list),
+}
 
 
 def weight_files(model_dir):
@@ -64,7 +74,13 @@ def loader_options(extra_config):
         raise ValueError(f"turboio loader: unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
     for k, t in OPTIONS.items():
         if k in extra and not isinstance(extra[k], t):
-            raise ValueError(f"turboio loader: {k} must be a {t.__name__}, not {extra[k]!r}")
+            kind = " or ".join(x.__name__ for x in t) if isinstance(t, tuple) else t.__name__
+            raise ValueError(f"turboio loader: {k} must be a {kind}, not {extra[k]!r}")
+    tensors = extra.get("tensors")
+    if isinstance(tensors, list) and not (tensors and all(isinstance(x, str) for x in tensors)):
+        raise ValueError(f"turboio loader: tensors must be a name, a pattern or a non-empty list of them, not {tensors!r}")
+    if tensors is not None and extra.get("fetch", "all") == "once":
+        raise ValueError("turboio loader: tensors cannot be combined with fetch once")
     if extra.get("cache", "auto") not in ("auto", "keep", "bypass"):
         raise ValueError(f"turboio loader: cache must be auto, keep or bypass, not {extra['cache']!r}")
     if extra.get("fetch", "all") not in ("all", "once"):
@@ -78,6 +94,7 @@ def loader_options(extra_config):
         "storage_options": extra.get("storage_options"),
         "cache_dir": extra.get("cache_dir"),
         "fetch": extra.get("fetch", "all"),
+        "tensors": tensors,
     }
 
 
@@ -108,9 +125,23 @@ def weights_iterator(model_dir, options):
         sources = [model_dir]
     else:
         sources = weight_files(model_dir)
+    tensors = options.get("tensors")
+    if tensors is not None and len(sources) > 1:
+        # Several files without an index: the selection is checked against all of them.
+        from .models import iter_weights
+
+        yield from iter_weights(
+            sources, storage_options=options.get("storage_options"), cache_dir=options.get("cache_dir"), tensors=tensors
+        )
+        return
     for source in sources:
         for loaded in _turboio.load_model(
-            source, threads=threads(options["num_threads"]), cache=options["cache"], mode=options["mode"], storage=storage
+            source,
+            threads=threads(options["num_threads"]),
+            cache=options["cache"],
+            mode=options["mode"],
+            storage=storage,
+            tensors=tensors,
         ):
             yield from tensors_of(loaded).items()
 
