@@ -177,3 +177,30 @@ def test_tensors_are_views_of_one_export_and_outlive_the_dict(file):
     keep = got["model.layers.5.mlp.weight"]
     del got
     assert same(keep, ref["model.layers.5.mlp.weight"])
+
+
+def test_the_fastsafetensors_loaders_select_across_files(tmp):
+    from turboio.fastsafetensors import ParallelLoader, SafeTensorsFileLoader, SingleGroup, fastsafe_open
+
+    ref = sample()
+    names = list(ref)
+    a, b = tmp / "a.safetensors", tmp / "b.safetensors"
+    st.save_file({k: ref[k] for k in names[:12]}, str(a))
+    st.save_file({k: ref[k] for k in names[12:]}, str(b))
+    want = ["model.layers.1.mlp.weight", "model.layers.2.norm.weight"]
+    loader = SafeTensorsFileLoader(SingleGroup(), tensors=want)
+    loader.add_filenames({0: [str(a), str(b)]})
+    fb = loader.copy_files_to_device()
+    assert sorted(loader.get_keys()) == want
+    for k in want:
+        assert same(fb.get_tensor(k), ref[k])
+    assert list(fb._loads) == [str(a)], "a file holding nothing selected is not loaded"
+    fb.close()
+    with fastsafe_open([str(a), str(b)], tensors="lm_head.weight") as f:
+        assert f.keys() == ["lm_head.weight"] and same(f.get_tensor("lm_head.weight"), ref["lm_head.weight"])
+    got = dict(ParallelLoader(SingleGroup(), [str(a), str(b)], tensors=["*.norm.weight"]).iterate_weights())
+    assert sorted(got) == sorted(n for n in names if n.endswith("norm.weight"))
+    bad = SafeTensorsFileLoader(SingleGroup(), tensors=["model.layers.1.mlp.weights"])
+    bad.add_filenames({0: [str(a), str(b)]})
+    with pytest.raises(KeyError, match="closest: `model.layers.1.mlp.weight`"):
+        bad.copy_files_to_device()

@@ -30,7 +30,7 @@ import os
 
 from . import _cuda, _remote, _turboio
 from ._dtypes import load_dtype, torch_dtype, torch_dtype_for
-from ._torch import tensor_from, threads as _threads
+from ._torch import tensors_of, threads as _threads
 
 __all__ = ["SafeTensorsFileLoader", "FilesBufferOnDevice", "SingleGroup", "fastsafe_open", "ParallelLoader", "AutoLoader"]
 
@@ -129,12 +129,16 @@ class FilesBufferOnDevice:
                 if name in self._info:
                     raise Exception(f"FilesBufferOnDevice: key {name} must be unique among files")
                 self._info[name] = (filename, dt, list(shape), begin, end, data_start, owners[filename])
+        self._held = {}  # name -> (dtype name, shape) of this rank's loaded tensors
         for filename, loaded in loads.items():
             self._read += loaded.report()["bytes"]
-            for pt in loaded.tensors():
-                if pt.name in self._where or (pt.name in self._info and self._info[pt.name][0] != filename):
-                    raise Exception(f"FilesBufferOnDevice: key {pt.name} must be unique among files")
-                self._where[pt.name] = (filename, pt)
+            # One export per file: every tensor a view of it.
+            views = tensors_of(loaded, aliases=False)
+            for name, dt, shape, _b, _e in loaded.infos():
+                if name in self._where or (name in self._info and self._info[name][0] != filename):
+                    raise Exception(f"FilesBufferOnDevice: key {name} must be unique among files")
+                self._where[name] = (filename, views[name])
+                self._held[name] = (dt, list(shape))
 
     @property
     def bytes_read(self):
@@ -158,8 +162,8 @@ class FilesBufferOnDevice:
             return self._info[name]
         except KeyError:
             if name in self._where:
-                pt = self._where[name][1]
-                return (self._where[name][0], pt.dtype, list(pt.shape), None, None, None, self._pg.rank())
+                dt, shape = self._held[name]
+                return (self._where[name][0], dt, shape, None, None, None, self._pg.rank())
             raise ValueError(f"{name} is not found in the loaded files") from None
 
     def _finish(self, t, device, dtype):
@@ -211,7 +215,7 @@ class FilesBufferOnDevice:
 
         filename, dt, shape, *_rest, owner = self._meta(name)
         if self._pg.rank() == owner:
-            t = tensor_from(self._get(name)).to(self._comm).contiguous()
+            t = self._get(name).to(self._comm).contiguous()
         else:
             t = torch.empty(shape, dtype=torch_dtype_for(dt, shape) or torch.uint8, device=self._comm)
         dist.broadcast(t, src=_global_rank(self._pg, owner), group=self._pg)
@@ -219,7 +223,7 @@ class FilesBufferOnDevice:
 
     def get_tensor(self, tensor_name, device=None, dtype=None):
         if not _distributed(self._pg) and self._mode != "direct":
-            return self._finish(tensor_from(self._get(tensor_name)), device, dtype)
+            return self._finish(self._get(tensor_name), device, dtype)
         if self._mode == "direct":
             return self._finish(self._read_rows(tensor_name, None, 0, 0), device, dtype)
         return self._finish(self._collective_full(tensor_name), device, dtype)
@@ -249,7 +253,7 @@ class FilesBufferOnDevice:
         recv = torch.empty(recv_shape, dtype=td, device=self._comm)
         scatter = None
         if rank == owner:
-            t = tensor_from(self._get(tensor_name)).to(self._comm)
+            t = self._get(tensor_name).to(self._comm)
             scatter = []
             for r in range(world):
                 s, n = _block_range(shape[dim], world, r)
@@ -270,9 +274,9 @@ class FilesBufferOnDevice:
             return self.get_tensor(tensor_name, device, dtype) if rank == dst_rank else None
         filename, dt, shape, *_rest, owner = self._meta(tensor_name)
         if owner == dst_rank:
-            return self._finish(tensor_from(self._get(tensor_name)), device, dtype) if rank == dst_rank else None
+            return self._finish(self._get(tensor_name), device, dtype) if rank == dst_rank else None
         if rank == owner:
-            t = tensor_from(self._get(tensor_name)).to(self._comm).contiguous()
+            t = self._get(tensor_name).to(self._comm).contiguous()
             dist.send(t, dst=_global_rank(self._pg, dst_rank), group=self._pg)
             return None
         if rank == dst_rank:
@@ -319,13 +323,18 @@ class SafeTensorsFileLoader:
         shard_mode="collectives",
         storage_options=None,
         cache_dir=None,
+        tensors=None,
         **kwargs,
     ):
         """`storage_options` (a turboio extension) configures the object-store backend for
         `s3://`, `gs://`, `az://` and `https://` files (as for `turboio.load`); without it the
         environment does. Direct mode then fetches only this rank's byte ranges. `cache_dir`
         (default `TURBOIO_CACHE_DIR`) is the node-local cache, as for `turboio.load`: files this
-        loader reads whole are kept there."""
+        loader reads whole are kept there. `tensors` (a turboio extension: a name or glob
+        pattern, a list of them, or a callable, as for `turboio.load`) keeps only the tensors it
+        selects among every file added, checked when the files are copied (`KeyError` naming the
+        closest names for one that matches nothing): only their bytes are read, and files
+        holding none are not loaded."""
         if shard_mode not in ("collectives", "direct"):
             raise ValueError(f"shard_mode must be 'collectives' or 'direct', not {shard_mode!r}")
         self.shard_mode = shard_mode
@@ -341,6 +350,8 @@ class SafeTensorsFileLoader:
         self._storage_options = storage_options
         self._cache_dir = cache_dir
         self._storage = {}  # filename -> object-store backend (URLs with storage_options)
+        self._selection = tensors
+        self._selected = None  # filename -> frozenset of selected names, once checked
 
     def add_filenames(self, filenames):
         for rank, files in filenames.items():
@@ -353,7 +364,22 @@ class SafeTensorsFileLoader:
                 self.meta[path] = (metadata, rank)
                 self._headers[path] = (data_start, infos)
 
+    def _select(self):
+        """Applies `tensors=` to every file added (once): each file's header keeps only the
+        selected tensors."""
+        if self._selection is None or self._selected is not None:
+            return
+        names = [name for _, infos in self._headers.values() for name, *_ in infos]
+        origin = next(iter(self._headers), "the added files")
+        keep = set(_turboio.select(self._selection, names, origin))
+        self._selected = {}
+        for path, (data_start, infos) in list(self._headers.items()):
+            kept = [i for i in infos if i[0] in keep]
+            self._headers[path] = (data_start, kept)
+            self._selected[path] = frozenset(i[0] for i in kept)
+
     def get_keys(self):
+        self._select()
         return [name for _, infos in self._headers.values() for name, *_ in infos]
 
     def get_shape(self, tensor_name):
@@ -370,6 +396,7 @@ class SafeTensorsFileLoader:
         out converted to it (bit for bit as `.to()`), others as stored; unlike fastsafetensors,
         widening conversions are allowed too."""
         name = load_dtype(dtype)  # a clear error now for a dtype nothing converts to
+        self._select()
         dtype = torch_dtype(name) if name is not None else None
         loads = {}
         device = "cpu" if self.device.type == "cpu" else str(self.device)
@@ -388,6 +415,9 @@ class SafeTensorsFileLoader:
                 continue
             if not distributed and self.shard_mode == "direct":
                 continue
+            selected = None if self._selected is None else self._selected.get(path, frozenset())
+            if selected is not None and not selected:
+                continue  # nothing of this file is selected
             loads[path] = _turboio.load(
                 path,
                 threads=_threads(self.max_threads),
@@ -398,6 +428,7 @@ class SafeTensorsFileLoader:
                 # several, every rank converts what it receives (the owners send stored dtypes).
                 dtype=None if distributed else name,
                 storage=self._storage.get(path),
+                tensors=selected,
             )
         owners = {path: rank for path, (_, rank) in self.meta.items()}
         return FilesBufferOnDevice(
@@ -416,6 +447,7 @@ class SafeTensorsFileLoader:
         self.meta = {}
         self._headers = {}
         self._storage = {}
+        self._selected = None
 
     def close(self):
         self.reset()
@@ -433,12 +465,15 @@ class fastsafe_open:
         nogds=False,
         debug_log=False,
         max_copy_block_size=16 * 1024**3,
+        tensors=None,
     ):
         if isinstance(filenames, (str, os.PathLike)):
             filenames = {0: [filenames]}
         elif isinstance(filenames, list):
             filenames = {0: filenames}
-        self._loader = SafeTensorsFileLoader(pg, device=device, nogds=nogds, debug_log=debug_log, framework=framework)
+        self._loader = SafeTensorsFileLoader(
+            pg, device=device, nogds=nogds, debug_log=debug_log, framework=framework, tensors=tensors
+        )
         self._loader.add_filenames(filenames)
         self._fb = self._loader.copy_files_to_device(max_copy_block_size=max_copy_block_size)
 
@@ -492,16 +527,39 @@ class ParallelLoader:
             raise ValueError("max_concurrent_producers must be 1")
         self.pg = _check_pg(pg)
         self.files = [os.fspath(f) for f in hf_weights_files]
+        # `tensors` (a turboio extension) is checked against every file, then each batch
+        # loads the selected names it holds.
+        self._selection = kwargs.pop("tensors", None)
         self._loader_args = dict(device=device, max_threads=max_threads, nogds=nogds, framework=framework, **kwargs)
         self._closed = False
 
+    def _kept(self):
+        """`{file: selected names}` (`tensors=`, checked against every file), or None."""
+        if self._selection is None:
+            return None
+        storage = self._loader_args.get("storage_options")
+        names = {}
+        for f in self.files:
+            st = _remote.storage(f, storage, self._loader_args.get("cache_dir"))
+            names[f] = [n for n, *_ in _turboio.read_header(f, storage=st)[3]]
+        everything = [n for ns in names.values() for n in ns]
+        keep = set(_turboio.select(self._selection, everything, self.files[0] if self.files else "no files"))
+        return {f: frozenset(n for n in ns if n in keep) for f, ns in names.items()}
+
     def iterate_weights(self):
         world = self.pg.size()
+        kept = self._kept()
         for i in range(0, len(self.files), world):
             if self._closed:
                 return
             batch = self.files[i : i + world]
-            loader = SafeTensorsFileLoader(self.pg, **self._loader_args)
+            args = self._loader_args
+            if kept is not None:
+                chosen = frozenset().union(*(kept[f] for f in batch))
+                if not chosen:
+                    continue  # every rank skips it alike
+                args = dict(args, tensors=chosen)
+            loader = SafeTensorsFileLoader(self.pg, **args)
             loader.add_filenames({r: [f] for r, f in enumerate(batch)})
             fb = loader.copy_files_to_device()
             try:
