@@ -229,3 +229,79 @@ fn models_without_an_index_check_names_across_every_shard() {
     let e = turboio::load_model(dir.path(), &selected(&["layers.15.b", "nope"])).unwrap_err();
     assert!(matches!(e, Error::NoMatch { .. }), "{e:?}");
 }
+
+// The memory plan: what a load will hold, checked before anything is allocated.
+
+#[test]
+fn a_copy_over_the_host_budget_fails_before_reading_with_the_numbers() {
+    let dir = disk_dir();
+    let path = dir.path().join("m.safetensors");
+    let t = tensors();
+    write(&path, &t, None);
+    let progress = Arc::new(AtomicU64::new(0));
+    let opts = LoadOptions {
+        mode: LoadMode::Copied,
+        max_host_memory: Some(4 << 20),
+        progress: Some(progress.clone()),
+        ..Default::default()
+    };
+    let e = turboio::load(&path, &opts).unwrap_err();
+    assert!(matches!(e, Error::WontFit { .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("needs") && msg.contains("of host memory") && msg.contains("max_host_memory is 4.2 MB"),
+        "{msg}"
+    );
+    assert!(msg.contains("a mapped load") && msg.contains("fewer tensors"), "{msg}");
+    assert_eq!(progress.load(Ordering::Relaxed), 0, "nothing read");
+    // What would fit does: a mapped load holds no copy, a selection a smaller one.
+    let mapped = LoadOptions { mode: LoadMode::Mapped, max_host_memory: Some(4 << 20), ..Default::default() };
+    assert_eq!(turboio::load(&path, &mapped).unwrap().len(), t.len());
+    let few = LoadOptions { max_host_memory: Some(4 << 20), mode: LoadMode::Copied, ..selected(&["layers.3.w"]) };
+    assert_holds(&turboio::load(&path, &few).unwrap(), &t, &["layers.3.w"], "selected under the budget");
+    // A converting load counts its converted arena.
+    let convert = LoadOptions { dtype: Some(Dtype::BF16), max_host_memory: Some(4 << 20), ..Default::default() };
+    assert!(matches!(turboio::load(&path, &convert), Err(Error::WontFit { .. })));
+}
+
+#[test]
+fn a_device_load_that_does_not_fit_allocates_nothing() {
+    let dir = disk_dir();
+    let path = dir.path().join("m.safetensors");
+    let t = tensors();
+    write(&path, &t, None);
+    let dev = Arc::new(OpaqueDevice::new(0).with_capacity(8 << 20));
+    let opts =
+        LoadOptions { device: Some(dev.clone() as Arc<dyn Device>), staging_chunk: 1 << 20, ..Default::default() };
+    let e = turboio::load(&path, &opts).unwrap_err().to_string();
+    assert!(e.contains("memory but") && e.contains("free") && e.contains("fewer tensors"), "{e}");
+    assert_eq!(dev.allocated_bytes(), 0);
+    let budget = LoadOptions { max_device_memory: Some(1 << 20), ..opts.clone() };
+    let e = turboio::load(&path, &LoadOptions { tensors: None, ..budget }).unwrap_err().to_string();
+    assert!(e.contains("max_device_memory is"), "{e}");
+    // A selection that fits loads.
+    let f = turboio::load(&path, &LoadOptions { ..selected(&["layers.0.w", "layers.1.b"]) }).unwrap();
+    assert_eq!(f.len(), 2);
+    let on_dev = turboio::load(&path, &LoadOptions { tensors: selected(&["layers.0.w"]).tensors, ..opts }).unwrap();
+    assert_holds(&on_dev, &t, &["layers.0.w"], "fits on the device");
+}
+
+#[test]
+fn a_model_is_planned_whole_before_any_shard_is_allocated() {
+    let dir = disk_dir();
+    let t = tensors();
+    turboio::save_model_dir(dir.path(), &views(&t), None, 2 << 20, &SaveOptions::default()).unwrap();
+    let total: u64 = t.iter().map(|x| x.2.len() as u64).sum();
+    // Room for a few shards, not the model: nothing may be allocated.
+    let dev = Arc::new(OpaqueDevice::new(0).with_capacity(total / 2));
+    let opts =
+        LoadOptions { device: Some(dev.clone() as Arc<dyn Device>), staging_chunk: 1 << 20, ..Default::default() };
+    let e = turboio::load_model(dir.path(), &opts).unwrap_err();
+    assert!(matches!(e, Error::WontFit { .. }), "{e:?}");
+    assert!(e.to_string().contains(INDEX_NAME), "{e}");
+    assert_eq!(dev.allocated_bytes(), 0);
+    let host = LoadOptions { mode: LoadMode::Copied, max_host_memory: Some(total / 2), ..Default::default() };
+    assert!(matches!(turboio::load_model(dir.path(), &host), Err(Error::WontFit { .. })));
+    let host = LoadOptions { mode: LoadMode::Copied, max_host_memory: Some(total * 2), ..Default::default() };
+    assert_eq!(turboio::load_model(dir.path(), &host).unwrap().len(), t.len());
+}

@@ -371,6 +371,13 @@ pub trait Device: Send + Sync + fmt::Debug {
         Err(unsupported(self.id(), "decrypting in device memory"))
     }
 
+    /// Bytes of memory this device can still allocate (CUDA: the driver's free memory), or
+    /// `None` when it cannot tell (the CPU device: host memory is checked by the caller). A load
+    /// compares what it will allocate with this before allocating anything.
+    fn free_memory(&self) -> Option<u64> {
+        None
+    }
+
     /// True if the device converts element types in its own memory ([`cast`](Self::cast); it
     /// may still fail, e.g. when its compiler is missing, and the caller then converts on the
     /// host).

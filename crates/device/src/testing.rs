@@ -102,6 +102,9 @@ pub struct OpaqueDevice {
     key_failure: Option<String>,
     pool: Option<StagingPool>,
     host_upload_refused: AtomicBool,
+    /// Bytes of memory the device has (`None`: unlimited, and [`Device::free_memory`] says
+    /// nothing).
+    capacity: Option<u64>,
 }
 
 impl fmt::Debug for OpaqueDevice {
@@ -194,7 +197,20 @@ impl OpaqueDevice {
             key_failure: None,
             pool: None,
             host_upload_refused: AtomicBool::new(false),
+            capacity: None,
         }
+    }
+
+    /// A device with `bytes` of memory: [`Device::free_memory`] says what is left, and an
+    /// allocation past it fails as a full device's does.
+    pub fn with_capacity(mut self, bytes: u64) -> Self {
+        self.capacity = Some(bytes);
+        self
+    }
+
+    /// Bytes of device memory allocated and not freed.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.memory.lock().unwrap_or_else(|p| p.into_inner()).values().map(|v| v.len() as u64).sum()
     }
 
     /// Decrypts after upload (see the module docs).
@@ -368,7 +384,18 @@ impl Device for OpaqueDevice {
         DeviceId { kind: DeviceKind::Test, ordinal: self.ordinal }
     }
 
+    fn free_memory(&self) -> Option<u64> {
+        self.capacity.map(|c| c.saturating_sub(self.allocated_bytes()))
+    }
+
     fn alloc(&self, len: usize) -> Result<Box<dyn Allocation>> {
+        if self.free_memory().is_some_and(|free| len as u64 > free) {
+            return Err(DeviceError::OutOfMemory {
+                device: self.id(),
+                len,
+                source: std::io::Error::other("the test device's capacity is used up"),
+            });
+        }
         let handle = self.next_handle.fetch_add(1, Ordering::SeqCst);
         self.memory.lock().unwrap_or_else(|p| p.into_inner()).insert(handle, vec![0xEE; len]);
         Ok(Box::new(OpaqueAllocation {

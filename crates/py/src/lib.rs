@@ -767,6 +767,18 @@ fn select_names(tensors: Bound<'_, PyAny>, names: Vec<String>, origin: std::path
     Ok(kept)
 }
 
+/// A memory budget: `None`, a byte count, or a size string ("8GiB", "500MB").
+fn budget_arg(what: &str, v: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+    let Some(v) = v.filter(|v| !v.is_none()) else { return Ok(None) };
+    if let Ok(n) = v.extract::<u64>() {
+        return Ok(Some(n));
+    }
+    match v.extract::<String>() {
+        Ok(s) => parse_shard_size(&s).map(Some),
+        Err(_) => Err(PyTypeError::new_err(format!("{what} takes a byte count or a size such as \"8GiB\""))),
+    }
+}
+
 /// Raises what a selection's callable raised, if it did.
 fn predicate_raised(error: &PredicateError) -> PyResult<()> {
     match error.lock().unwrap_or_else(|p| p.into_inner()).take() {
@@ -783,7 +795,7 @@ fn parse_dtype(dtype: Option<&str>) -> PyResult<Option<Dtype>> {
 /// CUDA device (`device="cuda:N"`; `gds` = "auto"/"on"/"off" for GPUDirect Storage; `staging`
 /// keeps pinned buffers across loads).
 #[pyfunction]
-#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", pool=None, huge_pages=None, progress=None, cipher=false, device="cpu", gds="off", staging=None, dtype=None, storage=None, tensors=None))]
+#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", pool=None, huge_pages=None, progress=None, cipher=false, device="cpu", gds="off", staging=None, dtype=None, storage=None, tensors=None, max_host_memory=None, max_device_memory=None))]
 #[allow(clippy::too_many_arguments)]
 fn load(
     py: Python<'_>,
@@ -801,6 +813,8 @@ fn load(
     dtype: Option<&str>,
     storage: Option<&PyObjectStorage>,
     tensors: Option<Bound<'_, PyAny>>,
+    max_host_memory: Option<Bound<'_, PyAny>>,
+    max_device_memory: Option<Bound<'_, PyAny>>,
 ) -> PyResult<PyLoaded> {
     let dtype = parse_dtype(dtype)?;
     let (tensors, raised) = selection_arg(tensors.as_ref())?;
@@ -829,6 +843,8 @@ fn load(
         encryption: encryption(cipher, false),
         dtype,
         tensors,
+        max_host_memory: budget_arg("max_host_memory", max_host_memory.as_ref())?,
+        max_device_memory: budget_arg("max_device_memory", max_device_memory.as_ref())?,
         ..Default::default()
     };
     let selected = opts.tensors.is_some();
@@ -848,7 +864,7 @@ fn load(
 /// job into the CPU (GIL released, Ctrl-C cancels): every shard validated and the index checked
 /// first, then all shards read in one pipeline. Returns one `LoadedFile` per shard.
 #[pyfunction]
-#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", progress=None, cipher=false, dtype=None, storage=None, tensors=None))]
+#[pyo3(signature = (path, threads=0, cache="auto", mode="auto", progress=None, cipher=false, dtype=None, storage=None, tensors=None, max_host_memory=None))]
 #[allow(clippy::too_many_arguments)]
 fn load_model(
     py: Python<'_>,
@@ -861,6 +877,7 @@ fn load_model(
     dtype: Option<&str>,
     storage: Option<&PyObjectStorage>,
     tensors: Option<Bound<'_, PyAny>>,
+    max_host_memory: Option<Bound<'_, PyAny>>,
 ) -> PyResult<Vec<PyLoaded>> {
     let dtype = parse_dtype(dtype)?;
     let (tensors, raised) = selection_arg(tensors.as_ref())?;
@@ -876,6 +893,7 @@ fn load_model(
         encryption: encryption(cipher, false),
         dtype,
         tensors,
+        max_host_memory: budget_arg("max_host_memory", max_host_memory.as_ref())?,
         ..Default::default()
     };
     let selected = opts.tensors.is_some();

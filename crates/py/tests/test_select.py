@@ -204,3 +204,20 @@ def test_the_fastsafetensors_loaders_select_across_files(tmp):
     bad.add_filenames({0: [str(a), str(b)]})
     with pytest.raises(KeyError, match="closest: `model.layers.1.mlp.weight`"):
         bad.copy_files_to_device()
+
+
+def test_a_load_over_its_memory_budget_raises_memory_error_before_reading(file, tmp):
+    seen = []
+    with pytest.raises(MemoryError, match="this load needs .* of host memory .* max_host_memory is 0.3 MB"):
+        turboio.load(str(file), cache="bypass", max_host_memory="256KiB", progress=seen.append)
+    assert not seen or seen[-1] == 0, seen
+    # A mapped load holds no copy; a selection fits.
+    assert len(turboio.load(str(file), max_host_memory="256KiB")) == len(sample())
+    got = turboio.load(str(file), cache="bypass", max_host_memory=256 << 10, tensors=["lm_head.weight"])
+    assert list(got) == ["lm_head.weight"]
+    with pytest.raises(TypeError, match="max_host_memory takes"):
+        turboio.load(str(file), max_host_memory=[1])
+    d = tmp / "model"
+    turboio.save_model_dir(sample(), str(d), max_shard_size="40KB")
+    with pytest.raises(MemoryError, match="model.safetensors.index.json: this load needs"):
+        turboio.load_model(str(d), cache="bypass", max_host_memory="64KiB")

@@ -24,7 +24,7 @@
 
 use crate::loaded::{Held, LoadedFile};
 use crate::options::LoadOptions;
-use crate::plan::{cpu_device, io_options, load_plain, plan};
+use crate::plan::{cpu_device, io_options, load_plain, plan_unallocated};
 use crate::{Error, Result};
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -79,7 +79,26 @@ pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Resul
     }
     let cpu = cpu_device(opts);
     let host = LoadOptions { device: None, dtype: None, ..opts.clone() };
-    let mut planned = plan(path, &host, &cpu)?;
+    let mut planned = plan_unallocated(path, &host, &cpu)?;
+    // The memory plan: the source (a copy, unless mapped) and the converted arena.
+    let mut needs = planned.needs(&host);
+    if let Some(h) = planned.header() {
+        let keep = |t: &TensorInfo| opts.tensors.as_ref().is_none_or(|s| s.matches(&t.name));
+        needs.host += h
+            .tensors()
+            .iter()
+            .filter(|t| keep(t))
+            .map(|t| {
+                if converts(t, target) {
+                    turboio_format::cast_len(t.len(), t.dtype, target).unwrap_or(usize::MAX) as u64
+                } else {
+                    t.len() as u64
+                }
+            })
+            .fold(0u64, u64::saturating_add);
+    }
+    crate::memory::check(path, &needs, &host, &cpu)?;
+    planned.allocate(&cpu, &host)?;
     if !planned.header().is_some_and(|h| h.tensors().iter().any(|t| converts(t, target))) {
         // Nothing to convert: the plain load, onto the asked-for device (the CPU one is planned).
         if opts.device.as_ref().is_some_and(|d| d.id().kind != DeviceKind::Cpu) {

@@ -104,6 +104,7 @@ mod error;
 pub mod inspect;
 mod load;
 mod loaded;
+pub mod memory;
 pub mod model;
 mod options;
 mod plan;

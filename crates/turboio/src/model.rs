@@ -442,6 +442,21 @@ pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedMo
         planned.retain(|_| keep.next().unwrap_or(true));
     }
 
+    // The memory plan of the whole model, before any shard's memory is allocated.
+    let mut needs = crate::memory::Needs::default();
+    for p in &planned {
+        needs += p.needs(opts);
+    }
+    if target.is_some() {
+        // Each shard converted into a new arena: at most as large again as the copies (F32 to
+        // F64), usually smaller; counted as the bytes held.
+        needs.host += planned.iter().map(Planned::bytes).sum::<u64>();
+    }
+    crate::memory::check(files.origin(), &needs, opts, device)?;
+    for p in &mut planned {
+        p.allocate(device, opts)?;
+    }
+
     // Fill every shard in one pipeline: `workers` fills at a time, largest first, sharing the
     // cores; cold mapped shards are all asked for from the disk first.
     // A remote backend keeps many requests in flight per file: fill that many shards at once, so

@@ -157,6 +157,15 @@ pub struct LoadOptions {
     /// predicate): only their bytes are read, and a name or pattern that matches nothing is an
     /// error listing the closest names. `None` (the default): every tensor.
     pub tensors: Option<crate::Selection>,
+    /// A budget of host memory (bytes) for what the load allocates (copies, converted arenas,
+    /// pinned staging): a load that would need more fails before allocating anything
+    /// ([`Error::WontFit`](crate::Error::WontFit)), and a load into a device shrinks its staging
+    /// chunk to fit. Without it, the limit is the memory available (`MemAvailable`, or less in
+    /// a cgroup with a `memory.max`). See [`crate::memory`].
+    pub max_host_memory: Option<u64>,
+    /// A budget of device memory (bytes) for a load into a device; without it, the limit is
+    /// what the device has free.
+    pub max_device_memory: Option<u64>,
 }
 
 impl fmt::Debug for LoadOptions {
@@ -171,6 +180,8 @@ impl fmt::Debug for LoadOptions {
             .field("storage", &self.storage.as_ref().map(|s| s.name()))
             .field("dtype", &self.dtype)
             .field("tensors", &self.tensors)
+            .field("max_host_memory", &self.max_host_memory)
+            .field("max_device_memory", &self.max_device_memory)
             .finish_non_exhaustive()
     }
 }

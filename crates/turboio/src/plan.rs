@@ -164,6 +164,8 @@ enum Fill {
     /// Fill device memory (through host staging buffers, from the page-cache mapping, or by
     /// GPUDirect Storage; see `to_device`).
     Staged { memory: Box<dyn Allocation> },
+    /// Host or Staged, once `len` bytes are allocated ([`Planned::allocate`]).
+    Pending { len: usize },
 }
 
 /// A load decided and allocated but not read yet: the file is open, its header validated, the
@@ -188,6 +190,8 @@ pub(crate) struct Planned {
     arena_reused: bool,
     /// Only some tensors are loaded ([`LoadOptions::tensors`]): what to read and where.
     selected: Option<Selected>,
+    /// The load goes to host memory (the CPU device).
+    on_cpu: bool,
     /// Why faster device paths were not taken (set by `fill`).
     fallbacks: Vec<String>,
     started: Instant,
@@ -235,15 +239,24 @@ impl Selected {
 }
 
 /// Opens, validates and allocates a load of the safetensors file `path` onto `device` (see
-/// [`Planned`]). With [`LoadOptions::tensors`], every name and pattern must match a tensor of
-/// this file.
+/// [`Planned`]), once the memory plan says it fits ([`crate::memory`]). With
+/// [`LoadOptions::tensors`], every name and pattern must match a tensor of this file.
 pub(crate) fn plan(path: &Path, opts: &LoadOptions, device: &dyn Device) -> Result<Planned> {
+    let mut planned = plan_unallocated(path, opts, device)?;
+    crate::memory::check(path, &planned.needs(opts), opts, device)?;
+    planned.allocate(device, opts)?;
+    Ok(planned)
+}
+
+/// [`plan`] without the memory check and the allocation (the caller adds what it will hold
+/// besides, checks, then [`allocate`](Planned::allocate)s).
+pub(crate) fn plan_unallocated(path: &Path, opts: &LoadOptions, device: &dyn Device) -> Result<Planned> {
     plan_parsed(path, opts, device, &mut |opened, bypass| read_header(opened, bypass).map(Parsed::Safetensors), true)
 }
 
-/// [`plan`] of one shard of a model: the selection's names and patterns are checked against
-/// the whole model by the caller, so a shard may hold none of them (it is then planned with
-/// nothing to read).
+/// [`plan_unallocated`] of one shard of a model: the selection's names and patterns are
+/// checked against the whole model by the caller, so a shard may hold none of them (it is then
+/// planned with nothing to read); the caller checks the model's memory plan and allocates.
 pub(crate) fn plan_shard(path: &Path, opts: &LoadOptions, device: &dyn Device) -> Result<Planned> {
     plan_parsed(path, opts, device, &mut |opened, bypass| read_header(opened, bypass).map(Parsed::Safetensors), false)
 }
@@ -324,12 +337,8 @@ pub(crate) fn plan_parsed(
             let read = selected.as_ref().map_or(file_len, |s| s.runs.iter().map(|r| r.len as u64).sum());
             let dest = if on_cpu { span as u64 } else { 0 };
             let cache = copy_cache_use(opts.cache, read, cached_fraction, dest, turboio_device::available_memory());
-            let pool_before = opts.arenas.as_ref().map(|p| p.free_arenas()).unwrap_or(0);
-            let mut memory = device.alloc((span + shift).max(1)).map_err(|e| Error::device(path, e))?;
-            let reused =
-                on_cpu && opts.device.is_none() && opts.arenas.as_ref().is_some_and(|p| p.free_arenas() < pool_before);
-            let fill = if memory.host_mut().is_some() { Fill::Host { memory } } else { Fill::Staged { memory } };
-            (fill, cache, reused)
+            // Allocated by `allocate`, once the memory plan says it fits.
+            (Fill::Pending { len: (span + shift).max(1) }, cache, false)
         }
     };
     Ok(Planned {
@@ -344,6 +353,7 @@ pub(crate) fn plan_parsed(
         cache,
         arena_reused,
         selected,
+        on_cpu,
         fallbacks: Vec::new(),
         started,
     })
@@ -410,14 +420,53 @@ impl Planned {
             (Fill::Mapped { lazy: true, .. }, _) => 0,
             (Fill::Mapped { .. }, Some(s)) => s.runs.iter().map(|r| r.len as u64).sum(),
             (Fill::Mapped { .. }, None) => self.opened.len(),
-            (Fill::Host { .. } | Fill::Staged { .. }, Some(s)) => s.mem_len as u64,
-            (Fill::Host { .. } | Fill::Staged { .. }, None) => self.span as u64,
+            (Fill::Host { .. } | Fill::Staged { .. } | Fill::Pending { .. }, Some(s)) => s.mem_len as u64,
+            (Fill::Host { .. } | Fill::Staged { .. } | Fill::Pending { .. }, None) => self.span as u64,
         }
+    }
+
+    /// What this load will allocate once planned ([`crate::memory`]): host memory for a copy
+    /// (none when a free pooled arena holds it), or device memory and pinned staging buffers;
+    /// nothing for a mapped load.
+    pub(crate) fn needs(&self, opts: &LoadOptions) -> crate::memory::Needs {
+        let Fill::Pending { len } = self.fill else { return Default::default() };
+        let len = len as u64;
+        if self.on_cpu {
+            let pooled = opts.arenas.as_ref().is_some_and(|p| p.free_bytes() as u64 >= len);
+            let host = if pooled { 0 } else { len };
+            let mappable = if self.opened.local_file().is_some() { host } else { 0 };
+            crate::memory::Needs { host, mappable, ..Default::default() }
+        } else {
+            let threads = if opts.threads == 0 { turboio_storage::default_threads() } else { opts.threads };
+            let pinned = (threads as u64 + 2) * staging_chunk(opts) as u64;
+            crate::memory::Needs { device: len, pinned: pinned.min(len), ..Default::default() }
+        }
+    }
+
+    /// Allocates the memory of a copied or staged load (after the memory plan).
+    pub(crate) fn allocate(&mut self, device: &dyn Device, opts: &LoadOptions) -> Result<()> {
+        let Fill::Pending { len } = self.fill else { return Ok(()) };
+        let pool_before = opts.arenas.as_ref().map(|p| p.free_arenas()).unwrap_or(0);
+        let mut memory = device.alloc(len).map_err(|e| Error::device(&self.path, e))?;
+        self.arena_reused =
+            self.on_cpu && opts.device.is_none() && opts.arenas.as_ref().is_some_and(|p| p.free_arenas() < pool_before);
+        self.fill = if memory.host_mut().is_some() { Fill::Host { memory } } else { Fill::Staged { memory } };
+        Ok(())
     }
 
     /// Brings the bytes in, with `io`'s threads, progress and cancellation (the cache choice
     /// made when planning decides `O_DIRECT`).
     pub(crate) fn fill(&mut self, device: &dyn Device, opts: &LoadOptions, io: &IoOptions<'_>) -> Result<ReadInfo> {
+        self.allocate(device, opts)?;
+        // A host budget bounds the staging buffers too.
+        let budgeted;
+        let opts = match opts.max_host_memory {
+            Some(budget) if !self.on_cpu => {
+                budgeted = LoadOptions { staging_chunk: budget_chunk(opts, budget), ..opts.clone() };
+                &budgeted
+            }
+            _ => opts,
+        };
         let threads = if io.threads == 0 { turboio_storage::default_threads() } else { io.threads };
         let direct = if self.cache.kept { DirectIo::Off } else { DirectIo::On };
         let io = IoOptions { threads, direct, ..*io };
@@ -476,6 +525,12 @@ impl Planned {
                 }
                 info
             }
+            Fill::Pending { .. } => {
+                return Err(Error::Unsupported {
+                    path,
+                    message: "internal: a load was filled before it was allocated".into(),
+                })
+            }
             Fill::Staged { memory } => {
                 let filled = crate::to_device::fill(
                     &self.opened,
@@ -499,7 +554,7 @@ impl Planned {
     /// The loaded safetensors file (call after [`fill`](Self::fill)).
     pub(crate) fn finish(self, read: ReadInfo, opts: &LoadOptions) -> Result<LoadedFile> {
         let path = self.path.clone();
-        let done = self.done(read, opts);
+        let done = self.done(read, opts)?;
         match done.parsed {
             Parsed::Safetensors(header) => Ok(LoadedFile {
                 path: done.path,
@@ -516,7 +571,7 @@ impl Planned {
     }
 
     /// What a filled load holds (call after [`fill`](Self::fill)).
-    pub(crate) fn done(self, read: ReadInfo, opts: &LoadOptions) -> Done {
+    pub(crate) fn done(self, read: ReadInfo, opts: &LoadOptions) -> Result<Done> {
         let bytes = self.bytes();
         let data_start = self.parsed.data_start(self.opened.len());
         // A selected load's header places its tensors relative to the start of its memory
@@ -529,13 +584,20 @@ impl Planned {
             Fill::Mapped { mapping, .. } => (Held::Mapped, Box::new(mapping), data_start as usize, None),
             Fill::Host { memory } => (Held::Copied, memory, base(self.shift), opts.device.clone()),
             Fill::Staged { memory } => (Held::Staged, memory, base(self.shift), opts.device.clone()),
+            // `fill` allocates first: an unfilled load is never finished.
+            Fill::Pending { .. } => {
+                return Err(Error::Unsupported {
+                    path: self.path,
+                    message: "internal: a load was finished before it was filled".into(),
+                })
+            }
         };
         let parsed = match (self.selected, self.parsed) {
             (Some(s), Parsed::Safetensors(_)) if held == Held::Mapped => Parsed::Safetensors(s.in_place),
             (Some(s), Parsed::Safetensors(_)) => Parsed::Safetensors(s.packed),
             (_, parsed) => parsed,
         };
-        Done {
+        Ok(Done {
             path: self.path,
             parsed,
             memory,
@@ -553,7 +615,7 @@ impl Planned {
                 converted: 0,
                 elapsed: self.started.elapsed(),
             },
-        }
+        })
     }
 }
 
@@ -567,6 +629,23 @@ pub(crate) struct Done {
     pub(crate) data_start: u64,
     pub(crate) device: Option<std::sync::Arc<dyn Device>>,
     pub(crate) report: LoadReport,
+}
+
+/// The staging chunk a load into a device uses (16 MiB unless asked otherwise).
+fn staging_chunk(opts: &LoadOptions) -> usize {
+    if opts.staging_chunk == 0 {
+        16 << 20
+    } else {
+        opts.staging_chunk
+    }
+}
+
+/// The staging chunk under a host budget: the buffers of every reader (and two more in flight)
+/// within half the budget, at least 1 MiB.
+fn budget_chunk(opts: &LoadOptions, budget: u64) -> usize {
+    let threads = if opts.threads == 0 { turboio_storage::default_threads() } else { opts.threads };
+    let fit = (budget / 2 / (threads as u64 + 2)) as usize;
+    staging_chunk(opts).min(fit.max(1 << 20) / ALIGN as usize * ALIGN as usize)
 }
 
 /// One request per run of a selected load, each into its part of `dst` (runs in memory order,

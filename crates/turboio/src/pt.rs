@@ -249,8 +249,9 @@ pub fn load_pt(path: impl AsRef<Path>, opts: &LoadOptions, pt: &PtOptions) -> Re
     let cpu = cpu_device(opts);
     let device = load_device(opts, &cpu);
     let mut planned = plan_pt(path, opts, device, pt)?;
+    crate::memory::check(path, &planned.needs(opts), opts, device)?;
     let read = planned.fill(device, opts, &io_options(opts))?;
-    let done = planned.done(read, opts);
+    let done = planned.done(read, opts)?;
     match done.parsed {
         Parsed::Pt(index) => Ok(LoadedPt {
             path: done.path,

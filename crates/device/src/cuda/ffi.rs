@@ -64,6 +64,12 @@ pub(crate) fn bind(ctx: &CudaContext) -> Result<Restore, DriverError> {
     Ok(saved)
 }
 
+/// `(free, total)` bytes of the device of `ctx` (`cuMemGetInfo` with `ctx` current).
+pub(crate) fn mem_get_info(ctx: &CudaContext) -> Result<(usize, usize), DriverError> {
+    let _restore = bind(ctx)?;
+    result::mem_get_info()
+}
+
 /// The CUDA driver: loaded and initialised once per process. `Err` says why it cannot be used,
 /// in words for the user (which library is missing, or that no device is visible).
 pub(crate) fn driver() -> Result<(), String> {

@@ -487,6 +487,10 @@ impl Device for CudaDevice {
         self.shared.id
     }
 
+    fn free_memory(&self) -> Option<u64> {
+        ffi::mem_get_info(&self.shared.ctx).ok().map(|(free, _total)| free as u64)
+    }
+
     fn alloc(&self, len: usize) -> Result<Box<dyn Allocation>> {
         let ptr = ffi::mem_alloc(&self.shared.ctx, len).map_err(|e| DeviceError::OutOfMemory {
             device: self.shared.id,

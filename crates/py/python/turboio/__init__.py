@@ -165,6 +165,8 @@ def load(
     storage_options=None,
     cache_dir=None,
     tensors=None,
+    max_host_memory=None,
+    max_device_memory=None,
 ):
     """Loads a safetensors or torch `.pt` file (detected by content) into a dict of tensors.
 
@@ -225,6 +227,15 @@ def load(
     any backend, decrypted or converted on the way); an alias selects its target; a name or
     pattern that matches nothing raises `KeyError` naming the closest tensors, before anything
     is read. For `.pt` files the selection is applied to the tensors after the load.
+
+    Before allocating anything, a load compares what it will hold (a copy's host memory, a
+    GPU load's device memory and pinned staging buffers, a converted arena; a mapped load holds
+    only page cache, which the kernel can reclaim) with what is available: host memory
+    (`MemAvailable`, or less in a memory cgroup with a limit) and the GPU's free memory, or the
+    budgets `max_host_memory` / `max_device_memory` (a turboio extension: bytes, or "8GiB").
+    A load that does not fit raises `MemoryError` saying what it needs, what is available and
+    what would fit (a mapped load, fewer tensors, a smaller staging chunk), instead of failing
+    halfway or being killed; a budget also shrinks a GPU load's staging buffers to fit.
     """
     import torch
 
@@ -295,6 +306,8 @@ def load(
         dtype=dtype,
         storage=storage,
         tensors=tensors,
+        max_host_memory=max_host_memory,
+        max_device_memory=max_device_memory,
     )
     return _tensors_of(loaded, aliases=enable_fast_mode)
 

@@ -51,6 +51,7 @@ def load_model(
     process_group=None,
     fetch="all",
     tensors=None,
+    max_host_memory=None,
 ):
     """Loads a whole model into a dict of tensors: `path` is a safetensors file, a directory of
     shards (with or without `model.safetensors.index.json`), or the index JSON itself.
@@ -87,7 +88,9 @@ def load_model(
     `tensors` loads only some tensors (a name or glob pattern, a list of them, or a callable;
     see `turboio.load`): only their bytes are read, shards the index says hold none of them are
     not opened, and a name or pattern that matches no tensor of the model raises `KeyError`
-    naming the closest. Not with `fetch="once"`.
+    naming the closest. Not with `fetch="once"`. The memory plan covers the whole model before
+    any shard is allocated (`MemoryError` with the numbers; `max_host_memory` a budget), as for
+    `turboio.load`.
     """
     import torch
 
@@ -128,6 +131,7 @@ def load_model(
             dtype=load_dtype(dtype),
             storage=storage,
             tensors=tensors,
+            max_host_memory=max_host_memory,
         )
         out = {}
         for loaded in shards:

@@ -141,6 +141,15 @@ enum Command {
         /// is an error naming the closest tensors.
         #[arg(long = "tensors", value_name = "PATTERN")]
         tensors: Vec<String>,
+        /// A budget of host memory (e.g. 8GiB) for what the load allocates (copies, converted
+        /// arenas, pinned staging): a load that needs more fails before allocating anything,
+        /// saying what it needs and what would fit. Without it the limit is the memory available
+        /// (MemAvailable, or less in a memory cgroup with a limit). Mapped loads allocate none.
+        #[arg(long, value_name = "SIZE", value_parser = size::parse_size)]
+        max_host_memory: Option<u64>,
+        /// A budget of device memory for a load into a GPU (without it: the device's free memory).
+        #[arg(long, value_name = "SIZE", value_parser = size::parse_size)]
+        max_device_memory: Option<u64>,
         #[command(flatten)]
         cipher: cipher::ReadCipherArgs,
         #[command(flatten)]
@@ -310,6 +319,8 @@ fn main() -> ExitCode {
             check,
             dtype,
             tensors,
+            max_host_memory,
+            max_device_memory,
             cipher,
             gpu,
         } => cipher.encryption().map_err(Into::into).and_then(|encryption| {
@@ -325,6 +336,8 @@ fn main() -> ExitCode {
                 dtype,
                 storage,
                 tensors,
+                max_host_memory,
+                max_device_memory,
                 ..Default::default()
             };
             gpu.apply(opts).and_then(|opts| {
@@ -492,14 +505,16 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
             (Some(d), n) if n > 0 => format!(", {n} tensors converted to {d}"),
             _ => String::new(),
         };
-        let selected =
-            if opts.tensors.is_some() { format!(" selected, {} read of", gb(r.bytes)) } else { String::new() };
+        // A selection reads part of the file: the size and rate are of what it read.
+        let (what, bytes) = match opts.tensors {
+            Some(_) => (format!(" selected, {} of {} read", gb(r.bytes), gb(file_len)), r.bytes),
+            None => (format!(", {}", gb(file_len)), file_len),
+        };
         outln!(
-            "run {run}: {} tensors{selected}, {} in {:.3} s = {:.2} GB/s ({}, {}{}{}{}{converted}; {})",
+            "run {run}: {} tensors{what} in {:.3} s = {:.2} GB/s ({}, {}{}{}{}{converted}; {})",
             loaded.len(),
-            gb(file_len),
             r.elapsed.as_secs_f64(),
-            r.gb_per_s(file_len),
+            r.gb_per_s(bytes),
             r.held,
             r.read.method,
             direct,
