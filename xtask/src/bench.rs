@@ -69,6 +69,14 @@ pub struct Args {
     /// (The full bench runs these rows too, not its --quick smoke run.)
     #[arg(long)]
     pub training: bool,
+    /// Only the per-tensor and selection rows: a 5,000-tensor and a 510-tensor file (the first
+    /// size, default 2GiB) loaded hot and cold by turboio.load, safetensors.torch.load_file and
+    /// the .pt path against the ceilings that build no tensor; and every 10th tensor of a cold
+    /// 9-shard model (4GiB, or the first size) against the whole model, with the bytes read from
+    /// the disk; written to `tensors.md` in `--out`. (The full bench runs these rows too, not
+    /// its --quick smoke run.)
+    #[arg(long)]
+    pub tensors: bool,
     /// An SFCS directory (`sfcs://...`) for the SFCS rows (a save and copied loads through
     /// libcloudfs); they also need LIBCFS_PATH pointing at the vendor library. Without both,
     /// the rows are skipped with a message.
@@ -161,6 +169,16 @@ pub fn run(args: Args) -> Result<()> {
         std::fs::create_dir_all(&args.out)?;
         std::fs::write(args.out.join("training.md"), &report)?;
         println!("{report}\nwrote {}", args.out.join("training.md").display());
+        return Ok(());
+    }
+    if args.tensors {
+        let size = if args.sizes.is_empty() && !args.quick { 2 << 30 } else { sizes[0] };
+        let model = if args.sizes.is_empty() && !args.quick { 4 << 30 } else { sizes[0] };
+        let python = crate::pybench::setup()?;
+        let report = crate::tensorbench::run(&python, &args.dir, size, model, runs, args.no_cold)?;
+        std::fs::create_dir_all(&args.out)?;
+        std::fs::write(args.out.join("tensors.md"), &report)?;
+        println!("{report}\nwrote {}", args.out.join("tensors.md").display());
         return Ok(());
     }
     // The sections that start many Python processes (each imports torch) run once in a smoke run.
@@ -299,6 +317,18 @@ pub fn run(args: Args) -> Result<()> {
     };
     std::fs::write(args.out.join("training.md"), &training_section)?;
 
+    // Per-tensor cost and selection, for the first size (not in the smoke run: it writes files
+    // of 5,000 and 510 tensors and a 9-shard model).
+    let tensors_section = match (&python, args.quick) {
+        (Some(py), false) => crate::tensorbench::run(py, &args.dir, sizes[0], sizes[0], runs, args.no_cold)
+            .unwrap_or_else(|e| {
+                eprintln!("tensor rows skipped: {e:#}");
+                format!("\nSkipped: {e:#}.\n")
+            }),
+        _ => "\nNot in this run (--quick or --no-python): `cargo xtask bench --tensors`.\n".to_owned(),
+    };
+    std::fs::write(args.out.join("tensors.md"), &tensors_section)?;
+
     let mut checks = Vec::new();
     for &size in &sizes {
         let Some(len) = all.iter().find(|r| r.size >= size && r.size < size + (64 << 20)).map(|r| r.size) else {
@@ -415,6 +445,8 @@ pub fn run(args: Args) -> Result<()> {
     report.push_str(&object_section);
     report.push('\n');
     report.push_str(&training_section);
+    report.push_str("\n## Per-tensor cost and selection\n");
+    report.push_str(&tensors_section);
     println!("{report}");
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(args.out.join("load.md"), &report)?;

@@ -21,6 +21,7 @@ mod objectbench;
 mod ptbench;
 mod pybench;
 mod savebench;
+mod tensorbench;
 mod test;
 mod trainbench;
 

@@ -1,0 +1,196 @@
+"""Per-tensor cost and tensor selection, for `cargo xtask bench --tensors`.
+
+    py_tensors.py files --dir D --size BYTES
+        writes (once) `tensors-5000-SIZE.safetensors`, `tensors-510-SIZE.safetensors` and a
+        `torch.save` copy of the 510-tensor file; prints their paths as JSON.
+    py_tensors.py load --file F [--pt P] --runs N [--cold]
+        times each loader N times in this process, in a shuffled order each round (the page
+        cache dropped before each run with --cold); prints {loader: [seconds]} as JSON.
+    py_tensors.py subset --model DIR --runs N
+        cold loads of the whole model and of every 10th tensor (by name) with
+        `turboio.load_model`, alternating; prints {"whole": {...}, "subset": {...}} with
+        seconds, bytes read from the block device and bytes of the tensors.
+
+Loaders: "turboio.load" (tensors as views of one export), "safetensors.torch.load_file",
+"ceiling: turboio's populated mapping, no tensor built" (`turboio._turboio.load`: the same
+mapped load, without making torch tensors), "ceiling: mmap + MADV_POPULATE_READ, 1 thread"
+(Python's mmap), and, with --pt, "turboio.load of the .pt copy". Every loader's result is
+dropped before the next runs; "hot" means the file is in the page cache (read once first).
+"""
+
+import argparse
+import gc
+import json
+import mmap
+import os
+import random
+import time
+
+
+def gen(path, n, size, seed):
+    """`n` tensors of mixed dtypes (F32, BF16, F16, I64) and sizes, about `size` bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    per = max(64, size // n)
+    out = {}
+    for i in range(n):
+        dt = [torch.float32, torch.bfloat16, torch.float16, torch.int64][i % 4]
+        el = torch.tensor([], dtype=dt).element_size()
+        # Sizes from a half to one and a half of the mean, rows of 64 elements.
+        numel = max(64, int(per * (0.5 + (i * 7919 % 1000) / 1000) / el) // 64 * 64)
+        shape = (numel // 64, 64)
+        if dt == torch.int64:
+            t = torch.randint(0, 1 << 30, shape, generator=g, dtype=torch.int64)
+        else:
+            t = torch.randn(shape, generator=g).to(dt)
+        out[f"model.layers.{i // 10}.block.{i % 10}.weight"] = t
+    tmp = f"{path}.tmp"
+    save_file(out, tmp)
+    os.replace(tmp, path)
+    return out
+
+
+def files(d, size):
+    import torch
+
+    os.makedirs(d, exist_ok=True)
+    label = f"{size >> 20}MiB"
+    paths = {}
+    for n in (5000, 510):
+        p = os.path.join(d, f"tensors-{n}-{label}.safetensors")
+        if not os.path.exists(p):
+            print(f"generating {p} ...", flush=True)
+            sd = gen(p, n, size, n)
+            if n == 510:
+                torch.save(sd, os.path.join(d, f"tensors-{n}-{label}.pt"))
+        paths[n] = p
+    paths["pt"] = os.path.join(d, f"tensors-510-{label}.pt")
+    print(json.dumps({str(k): v for k, v in paths.items()}))
+
+
+def drop_caches():
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+
+
+def warm(path):
+    with open(path, "rb") as f:
+        while f.read(8 << 20):
+            pass
+
+
+def populate_ceiling(path):
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    advice = getattr(mmap, "MADV_POPULATE_READ", 22)
+    m.madvise(advice)
+    return m
+
+
+def load_runs(path, pt, runs, cold):
+    import safetensors.torch
+    import torch  # noqa: F401
+
+    import turboio
+    from turboio import _turboio
+
+    loaders = {
+        "turboio.load": lambda: turboio.load(path),
+        "safetensors.torch.load_file": lambda: safetensors.torch.load_file(path),
+        "ceiling: turboio's populated mapping, no tensor built": lambda: _turboio.load(path),
+        "ceiling: mmap + MADV_POPULATE_READ, 1 thread": lambda: populate_ceiling(path),
+    }
+    files = {name: path for name in loaders}
+    if pt:
+        loaders["turboio.load of the .pt copy"] = lambda: turboio.load(pt)
+        files["turboio.load of the .pt copy"] = pt
+    times = {name: [] for name in loaders}
+    names = list(loaders)
+    # A first, untimed round: imports, first-touch of code paths.
+    for name in names:
+        loaders[name]()
+    rng = random.Random(1)
+    gc.disable()
+    for _ in range(runs):
+        rng.shuffle(names)
+        for name in names:
+            if cold:
+                drop_caches()
+            else:
+                warm(files[name])
+            gc.collect()
+            t = time.perf_counter()
+            out = loaders[name]()
+            times[name].append(time.perf_counter() - t)
+            del out
+    print(json.dumps(times))
+
+
+def disk_read(path):
+    """Bytes read so far from the block device holding `path` (None where unknown)."""
+    dev = os.stat(path).st_dev
+    try:
+        with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as f:
+            return int(f.read().split()[2]) * 512
+    except OSError:
+        return None
+
+
+def subset_runs(d, runs):
+    import turboio
+    from turboio import _turboio
+
+    index = os.path.join(d, "model.safetensors.index.json")
+    with open(index) as f:
+        names = sorted(json.load(f)["weight_map"])
+    chosen = set(names[::10])
+    sizes = {}
+    for shard in {os.path.join(d, s) for s in _turboio._model_files(d)[1]}:
+        for n, _dt, _shape, b, e in _turboio.read_header(shard)[3]:
+            sizes[n] = e - b
+    res = {k: {"seconds": [], "disk_bytes": [], "tensor_bytes": 0, "tensors": 0} for k in ("whole", "subset")}
+    res["whole"]["tensor_bytes"] = sum(sizes.values())
+    res["whole"]["tensors"] = len(names)
+    res["subset"]["tensor_bytes"] = sum(sizes[n] for n in chosen)
+    res["subset"]["tensors"] = len(chosen)
+    order = ["whole", "subset"]
+    rng = random.Random(2)
+    for _ in range(runs):
+        rng.shuffle(order)
+        for what in order:
+            drop_caches()
+            before = disk_read(index)
+            t = time.perf_counter()
+            out = turboio.load_model(d, tensors=chosen if what == "subset" else None)
+            res[what]["seconds"].append(time.perf_counter() - t)
+            after = disk_read(index)
+            res[what]["disk_bytes"].append(None if before is None else after - before)
+            assert len(out) == res[what]["tensors"], (what, len(out))
+            del out
+    print(json.dumps(res))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=["files", "load", "subset"])
+    p.add_argument("--dir")
+    p.add_argument("--size", type=int)
+    p.add_argument("--file")
+    p.add_argument("--pt")
+    p.add_argument("--model")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--cold", action="store_true")
+    a = p.parse_args()
+    if a.what == "files":
+        files(a.dir, a.size)
+    elif a.what == "load":
+        load_runs(a.file, a.pt, a.runs, a.cold)
+    else:
+        subset_runs(a.model, a.runs)
+
+
+if __name__ == "__main__":
+    main()

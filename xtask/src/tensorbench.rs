@@ -1,0 +1,181 @@
+//! `cargo xtask bench --tensors`: what a tensor costs, and what a selection saves.
+//!
+//! - Per-tensor cost: a file of 5,000 tensors and one of 510 (mixed dtypes, the bench size
+//!   each, written once by `crates/py/bench/py_tensors.py`), loaded in one Python process by
+//!   `turboio.load` (tensors as views of one export), `safetensors.torch.load_file`, and two
+//!   ceilings that build no tensor: turboio's own populated mapping (`turboio._turboio.load`,
+//!   the same load without torch tensors) and Python's `mmap` + `MADV_POPULATE_READ` on one
+//!   thread; the 510-tensor file also through its `torch.save` copy (`turboio.load` of the `.pt`).
+//!   Hot (the file read into the page cache before each run) and cold (the page cache dropped),
+//!   loaders in a shuffled order each round.
+//! - Selection: a 9-shard model (`turboio gen --shards 9`) loaded cold whole and by every 10th
+//!   tensor (`turboio.load_model(tensors=...)`), alternating: seconds, and bytes read from the
+//!   block device holding it (its `stat` counters).
+
+use crate::benchkit::{median_of as median, size_name};
+use crate::test::root;
+use anyhow::{bail, Context, Result};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const TURBOIO: &str = "turboio.load";
+const SAFETENSORS: &str = "safetensors.torch.load_file";
+const CEILING: &str = "ceiling: turboio's populated mapping, no tensor built";
+const MMAP: &str = "ceiling: mmap + MADV_POPULATE_READ, 1 thread";
+const PT: &str = "turboio.load of the .pt copy";
+
+fn script(python: &Path, args: &[&str]) -> Result<serde_json::Value> {
+    let out = Command::new(python)
+        .arg(root().join("crates/py/bench/py_tensors.py"))
+        .args(args)
+        .output()
+        .with_context(|| format!("run py_tensors.py {}", args.join(" ")))?;
+    if !out.status.success() {
+        bail!("py_tensors.py {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(text.lines().last().unwrap_or("")).with_context(|| format!("py_tensors.py printed {text}"))
+}
+
+/// `{loader: [seconds]}`.
+fn times(v: &serde_json::Value) -> BTreeMap<String, Vec<f64>> {
+    v.as_object()
+        .map(|o| {
+            o.iter()
+                .map(|(k, t)| {
+                    (k.clone(), t.as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default())
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The 9-shard model, generated once.
+fn model_dir(dir: &Path, size: u64) -> Result<PathBuf> {
+    let out = dir.join(format!("model9-{}", size >> 20));
+    if out.join("model.safetensors.index.json").exists() {
+        return Ok(out);
+    }
+    eprintln!("generating {} (9 shards) ...", out.display());
+    let status = Command::new(crate::benchkit::cli()?)
+        .args(["gen", "--shards", "9", "--size"])
+        .arg(size.to_string())
+        .arg(&out)
+        .status()?;
+    if !status.success() {
+        bail!("turboio gen --shards 9 failed");
+    }
+    Ok(out)
+}
+
+/// Runs the section; returns its Markdown (tables and checks).
+pub fn run(python: &Path, data_dir: &Path, size: u64, model_size: u64, runs: usize, no_cold: bool) -> Result<String> {
+    let files = script(python, &["files", "--dir", &data_dir.to_string_lossy(), "--size", &size.to_string()])?;
+    let path = |k: &str| files[k].as_str().map(str::to_owned).with_context(|| format!("no {k} file"));
+    let (f5000, f510, pt) = (path("5000")?, path("510")?, path("pt")?);
+    let runs_s = runs.to_string();
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "### Per-tensor cost: {} files of 5,000 and 510 tensors (median of {runs}, one Python process per file and cache state, loaders shuffled each round)\n",
+        size_name(size)
+    );
+    let _ = writeln!(s, "| file | cache | loader | ms | vs turboio.load |");
+    let _ = writeln!(s, "|---|---|---|---:|---:|");
+    let mut checks: Vec<(String, f64, f64)> = Vec::new();
+    for (label, file, with_pt) in [("5,000 tensors", &f5000, false), ("510 tensors", &f510, true)] {
+        for cold in [false, true] {
+            if cold && no_cold {
+                continue;
+            }
+            let cache = if cold { "cold" } else { "hot" };
+            eprintln!("tensors: {label}, {cache}, {runs} runs ...");
+            let mut args = vec!["load", "--file", file.as_str(), "--runs", runs_s.as_str()];
+            if with_pt {
+                args.extend(["--pt", pt.as_str()]);
+            }
+            if cold {
+                args.push("--cold");
+            }
+            let t = times(&script(python, &args)?);
+            let m = |k: &str| t.get(k).map(|v| median(v));
+            let ours = m(TURBOIO).unwrap_or(f64::NAN);
+            for loader in [TURBOIO, SAFETENSORS, PT, CEILING, MMAP] {
+                if let Some(x) = m(loader) {
+                    let _ = writeln!(s, "| {label} | {cache} | {loader} | {:.1} | {:.2}x |", x * 1e3, x / ours);
+                }
+            }
+            if !cold {
+                let what = |w: &str| format!("{label} hot: {w}");
+                if label.starts_with("5,000") {
+                    // ceiling / turboio >= 1/1.3: turboio within 1.3x of the ceiling.
+                    if let Some(c) = m(CEILING) {
+                        checks.push((what("turboio.load within 1.3x of turboio's mapping alone"), c / ours, 1.0 / 1.3));
+                    }
+                    if let Some(c) = m(MMAP) {
+                        checks.push((
+                            what("turboio.load within 1.3x of mmap + populate (1 thread)"),
+                            c / ours,
+                            1.0 / 1.3,
+                        ));
+                    }
+                    if let Some(st) = m(SAFETENSORS) {
+                        checks.push((what("turboio.load vs safetensors.torch.load_file"), st / ours, 1.5));
+                    }
+                } else if let Some(p) = m(PT) {
+                    checks.push((what("turboio.load vs the .pt path (no slower)"), p / ours, 1.0));
+                }
+            }
+        }
+    }
+
+    if !no_cold {
+        let dir = model_dir(data_dir, model_size)?;
+        eprintln!("tensors: 10% of a 9-shard model vs the whole, cold, {runs} runs ...");
+        let v = script(python, &["subset", "--model", &dir.to_string_lossy(), "--runs", &runs_s])?;
+        let get = |what: &str| -> (f64, Option<u64>, u64, u64) {
+            let r = &v[what];
+            let secs: Vec<f64> =
+                r["seconds"].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default();
+            let mut disk: Vec<u64> =
+                r["disk_bytes"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).collect()).unwrap_or_default();
+            disk.sort_unstable();
+            (
+                median(&secs),
+                disk.get(disk.len() / 2).copied(),
+                r["tensor_bytes"].as_u64().unwrap_or(0),
+                r["tensors"].as_u64().unwrap_or(0),
+            )
+        };
+        let (ws, wd, wb, wn) = get("whole");
+        let (ss, sd, sb, sn) = get("subset");
+        let _ = writeln!(
+            s,
+            "\n### Selection: every 10th tensor of a cold 9-shard model ({}) vs the whole (median of {runs}, alternating)\n",
+            size_name(wb)
+        );
+        let _ = writeln!(s, "| load | tensors | tensor bytes | read from the disk | s | vs whole |");
+        let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|");
+        let mb = |b: Option<u64>| b.map_or("unknown".to_owned(), |b| format!("{:.1} MB", b as f64 / 1e6));
+        let _ = writeln!(s, "| whole model | {wn} | {} | {} | {ws:.3} | 1.00x |", mb(Some(wb)), mb(wd));
+        let _ =
+            writeln!(s, "| tensors=every 10th | {sn} | {} | {} | {ss:.3} | {:.2}x |", mb(Some(sb)), mb(sd), ss / ws);
+        if let Some(read) = sd {
+            // read / model <= 15%, as a ratio that passes when >= 1.
+            checks.push((
+                "10% of the tensors: disk bytes read <= 15% of the model's".into(),
+                0.15 * wb as f64 / read.max(1) as f64,
+                1.0,
+            ));
+        }
+        checks.push(("10% of the tensors: time <= 0.25x the whole model's".into(), 0.25 * ws / ss, 1.0));
+    }
+    let _ = writeln!(s, "\n| check | ratio | needed | |");
+    let _ = writeln!(s, "|---|---:|---:|---|");
+    for (what, ratio, need) in &checks {
+        let _ = writeln!(s, "| {what} | {ratio:.2}x | {need:.2}x | {} |", if ratio >= need { "ok" } else { "BELOW" });
+    }
+    Ok(s)
+}
