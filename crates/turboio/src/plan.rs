@@ -22,8 +22,13 @@ const COLD_THRESHOLD: f64 = 0.5;
 /// O_DIRECT alignment; copied loads start at the data section rounded down to it.
 const ALIGN: u64 = 4096;
 
-/// The first read of a file: enough for the headers of nearly all checkpoints.
+/// The first read of a remote file: enough for the headers of nearly all checkpoints, in one
+/// request.
 const FIRST_READ: u64 = 1 << 20;
+
+/// The first read of a local file: a second read costs a system call, not a round trip, and a
+/// load of a few tensors should not read a megabyte of each shard it opens.
+const FIRST_READ_LOCAL: u64 = 64 << 10;
 
 /// Reads and validates the header of an open file (only the first `8 + N` bytes are read),
 /// with `O_DIRECT` when the load bypasses the page cache (so that even the header leaves the
@@ -33,7 +38,8 @@ pub(crate) fn read_header(file: &Opened, bypass: bool) -> Result<Header> {
     let len = file.len();
     let reader = PlainReader { file, bypass };
     let read = |offset: u64, dst: &mut [u8]| reader.read(offset, dst);
-    let mut prefix = vec![0u8; len.min(FIRST_READ) as usize];
+    let first = if file.local_file().is_some() { FIRST_READ_LOCAL } else { FIRST_READ };
+    let mut prefix = vec![0u8; len.min(first) as usize];
     read(0, &mut prefix)?;
     let format_error = |e| {
         #[cfg(feature = "cipher")]
@@ -211,15 +217,16 @@ struct Selected {
 }
 
 impl Selected {
-    fn of(path: &Path, selection: &crate::Selection, header: &Header, check: bool) -> Result<Selected> {
+    fn of(path: &Path, selection: &crate::Selection, header: &Header, check: bool, local: bool) -> Result<Selected> {
         if check {
             let names = header.tensors().iter().map(|t| t.name.as_str());
             let aliases = header.aliases();
             selection.check(names.chain(aliases.iter().map(|a| a.0)), path)?;
         }
         let positions = selection.positions(header);
+        let gap = if local { crate::select::LOCAL_GAP } else { crate::select::REMOTE_GAP };
         let (runs, mem_len, packed) =
-            crate::select::layout(header, &positions, header.data_start(), header.file_len(), ALIGN);
+            crate::select::layout(header, &positions, header.data_start(), header.file_len(), ALIGN, gap);
         let in_place: Vec<(usize, (usize, usize))> =
             positions.iter().map(|&i| (i, header.tensors()[i].data_offsets)).collect();
         let bad =
@@ -276,7 +283,9 @@ pub(crate) fn plan_parsed(
     let opened = open(path, opts)?;
     let parsed = parse(&opened, opts.cache == CachePolicy::Bypass)?;
     let selected = match (&opts.tensors, &parsed) {
-        (Some(selection), Parsed::Safetensors(h)) => Some(Selected::of(path, selection, h, check_selection)?),
+        (Some(selection), Parsed::Safetensors(h)) => {
+            Some(Selected::of(path, selection, h, check_selection, opened.raw().local_file().is_some())?)
+        }
         _ => None,
     };
     let file_len = opened.len();

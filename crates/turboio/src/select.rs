@@ -3,7 +3,8 @@
 //! A [`Selection`] is a list of names and glob patterns (`*`, `?`, `[...]`, as the `glob`
 //! crate reads them; a pattern without those characters is a plain name), or a predicate. A
 //! load with one reads only the selected tensors' bytes: their ranges, coalesced where the gap
-//! between two is small ([`COALESCE_GAP`]), are read into one allocation laid out as they come
+//! between two is small ([`LOCAL_GAP`] for local files, [`REMOTE_GAP`] for others), are read
+//! into one allocation laid out as they come
 //! (or, for a mapped load, only their pages are populated). Every name and pattern must match
 //! at least one tensor of the file (of the model, for [`load_model`](crate::load_model)):
 //! one that matches nothing is an error that lists the closest names. An alias in
@@ -15,11 +16,16 @@ use std::path::Path;
 use std::sync::Arc;
 use turboio_format::Header;
 
-/// Two selected byte ranges closer than this are read as one (the bytes between are read and
-/// ignored): one request of a few more bytes costs less than two (a local read is a system
-/// call and a disk seek; a remote one a round trip). 1 MiB is about a millisecond of a
-/// local NVMe read and far less than a round trip to an object store.
-pub const COALESCE_GAP: u64 = 1 << 20;
+/// Two selected byte ranges of a local file closer than this are read as one (the bytes between
+/// are read and ignored). A local read costs a system call and, cold, a disk request: 128 KiB
+/// is about what the kernel reads around a page fault anyway, and 60 us of an NVMe disk's
+/// bandwidth, so reading through it costs about what a second request would.
+pub const LOCAL_GAP: u64 = 128 << 10;
+
+/// The same for a remote file (an object store): a request is a round trip of tens of
+/// milliseconds, in which a stream delivers several MiB, so ranges up to 4 MiB apart are one
+/// request.
+pub const REMOTE_GAP: u64 = 4 << 20;
 
 /// One name or pattern of a [`Selection`].
 #[derive(Clone, Debug)]
@@ -186,6 +192,7 @@ pub(crate) fn layout(
     data_start: u64,
     file_len: u64,
     align: u64,
+    gap: u64,
 ) -> (Vec<Run>, usize, Picks) {
     let tensors = header.tensors();
     let mut order: Vec<usize> = positions.to_vec();
@@ -213,7 +220,7 @@ pub(crate) fn layout(
         let t = &tensors[i];
         let (b, e) = (data_start + t.data_offsets.0 as u64, data_start + t.data_offsets.1 as u64);
         match current {
-            Some((s, end)) if b <= end + COALESCE_GAP => current = Some((s, end.max(e))),
+            Some((s, end)) if b <= end + gap.max(2 * align) => current = Some((s, end.max(e))),
             Some(range) => {
                 close_run(range, &mut members, &mut runs, &mut mem);
                 current = Some((b, e));
@@ -225,8 +232,8 @@ pub(crate) fn layout(
     if let Some(range) = current {
         close_run(range, &mut members, &mut runs, &mut mem);
     }
-    // Runs are split only by gaps over COALESCE_GAP, so widened to the alignment they still
-    // do not overlap.
+    // Runs are split only by gaps over twice the alignment, so widened to it they still do
+    // not overlap.
     (runs, mem, picks)
 }
 
@@ -281,7 +288,7 @@ mod tests {
         let all = |n: &str| h.position(n).unwrap();
         let start = h.data_start();
         // a and c: 3 MiB apart (not coalesced); c and d: adjacent (one run).
-        let (runs, mem, picks) = layout(&h, &[all("a"), all("c"), all("d")], start, h.file_len(), 4096);
+        let (runs, mem, picks) = layout(&h, &[all("a"), all("c"), all("d")], start, h.file_len(), 4096, LOCAL_GAP);
         assert_eq!(runs.len(), 2, "{runs:?}");
         for r in &runs {
             assert_eq!(r.file_offset % 4096, 0);
@@ -294,7 +301,7 @@ mod tests {
             assert_eq!(run.file_offset + (b - run.mem_offset) as u64, start + t.data_offsets.0 as u64);
         }
         // Everything: one run.
-        let (runs, _, _) = layout(&h, &[0, 1, 2, 3], start, h.file_len(), 4096);
+        let (runs, _, _) = layout(&h, &[0, 1, 2, 3], start, h.file_len(), 4096, LOCAL_GAP);
         assert_eq!(runs.len(), 1);
     }
 
