@@ -171,7 +171,7 @@ impl RawMap {
         let at =
             NonNull::new((self.addr() + start) as *mut c_void).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?;
         // SAFETY: the range lies inside our mapping. The advice values used by this crate
-        // (HUGEPAGE, WILLNEED, POPULATE_READ, POPULATE_WRITE) never change the contents visible to Rust:
+        // (HUGEPAGE, WILLNEED, RANDOM, POPULATE_READ, POPULATE_WRITE) never change the contents visible to Rust:
         // they only change how and when pages are faulted in.
         unsafe { mman::madvise(at, end - start, advice) }?;
         Ok(())

@@ -88,6 +88,10 @@ impl PosixFile {
         let direct_fd =
             if want_direct && !self.refused_at_read.load(Ordering::Relaxed) { self.direct_file()? } else { None };
         let refused_before = want_direct && direct_fd.is_none();
+        if opts.sparse && direct_fd.is_none() {
+            // Advisory: a kernel that refuses reads around the ranges, as before.
+            let _ = sys::random_access(&self.file);
+        }
         let read_ahead = direct_fd.is_none() && method != ReadMethod::IoUring && is_cold();
         let run = Run {
             file: self,

@@ -212,6 +212,12 @@ pub(crate) fn lock_exclusive(file: &File, wait: bool) -> io::Result<()> {
     }
 }
 
+/// Tells the kernel that `file` is read at random (`POSIX_FADV_RANDOM`): no read-ahead around
+/// the reads of this open file description.
+pub(crate) fn random_access(file: &File) -> io::Result<()> {
+    Ok(posix_fadvise(file, 0, 0, PosixFadviseAdvice::POSIX_FADV_RANDOM)?)
+}
+
 /// Tells the kernel to drop the clean cached pages of `file` (`POSIX_FADV_DONTNEED`).
 pub(crate) fn drop_cache(file: &File) -> io::Result<()> {
     Ok(posix_fadvise(file, 0, 0, PosixFadviseAdvice::POSIX_FADV_DONTNEED)?)

@@ -367,6 +367,23 @@ impl PtIndex {
         &self.tensors
     }
 
+    /// Keeps only the tensors `keep` accepts (a load of some of a checkpoint's tensors). The
+    /// storages stay as they are, so tensor indices into them stay valid; a storage no tensor
+    /// views any more is simply not read by a load that asks only for the kept tensors' bytes
+    /// ([`PtIndex::used_storages`]).
+    pub fn retain_tensors(&mut self, mut keep: impl FnMut(&str) -> bool) {
+        self.tensors.retain(|t| keep(&t.name));
+    }
+
+    /// The storages the tensors view (by position in [`storages`](Self::storages)), in order,
+    /// each once.
+    pub fn used_storages(&self) -> Vec<usize> {
+        let mut used: Vec<usize> = self.tensors.iter().map(|t| t.storage).collect();
+        used.sort_unstable();
+        used.dedup();
+        used
+    }
+
     /// The tensor called `name`.
     pub fn tensor(&self, name: &str) -> Option<&PtTensor> {
         self.tensors.iter().find(|t| t.name == name)

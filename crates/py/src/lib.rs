@@ -1065,7 +1065,7 @@ fn pt_tables(loaded: &turboio::LoadedPt) -> PtTables {
 /// cache, or copied (`O_DIRECT` with `cache="bypass"`; always for encrypted and `sfcs://`
 /// files). Returns the load's bytes and the tables the Python layer builds tensors from.
 #[pyfunction]
-#[pyo3(signature = (path, top_level_key=None, cipher=false, threads=0, cache="auto", mode="auto", storage=None))]
+#[pyo3(signature = (path, top_level_key=None, cipher=false, threads=0, cache="auto", mode="auto", storage=None, tensors=None))]
 #[allow(clippy::too_many_arguments)]
 fn load_pt(
     py: Python<'_>,
@@ -1076,8 +1076,10 @@ fn load_pt(
     cache: &str,
     mode: &str,
     storage: Option<&PyObjectStorage>,
+    tensors: Option<Bound<'_, PyAny>>,
 ) -> PyResult<(PyFileBytes, PtTables)> {
     let cancel = Arc::new(AtomicBool::new(false));
+    let (tensors, raised) = selection_arg(tensors.as_ref())?;
     let pt = turboio::pt::PtOptions { top_level_key, ..Default::default() };
     let opts = LoadOptions {
         storage: storage_arg(storage),
@@ -1086,9 +1088,12 @@ fn load_pt(
         mode: parse_mode(mode)?,
         cancel: Some(cancel.clone()),
         encryption: encryption(cipher, false),
+        tensors,
         ..Default::default()
     };
-    let loaded = interruptible(py, &cancel, None, || turboio::load_pt(&path, &opts, &pt))?;
+    let loaded = interruptible(py, &cancel, None, || turboio::load_pt(&path, &opts, &pt));
+    predicate_raised(&raised)?;
+    let loaded = loaded?;
     let tables = pt_tables(&loaded);
     // From here on only the address is used (see PyFileBytes).
     let (addr, len) = (loaded.memory().address() as usize, loaded.memory().len());

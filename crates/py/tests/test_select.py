@@ -221,3 +221,20 @@ def test_a_load_over_its_memory_budget_raises_memory_error_before_reading(file, 
     turboio.save_model_dir(sample(), str(d), max_shard_size="40KB")
     with pytest.raises(MemoryError, match="model.safetensors.index.json: this load needs"):
         turboio.load_model(str(d), cache="bypass", max_host_memory="64KiB")
+
+
+def test_pt_loads_read_only_the_storages_of_the_selection(tmp):
+    ref = sample()
+    ref["tied.weight"] = ref["lm_head.weight"]  # a tied weight: one storage, two names
+    path = tmp / "m.pt"
+    torch.save(ref, str(path))
+    got = turboio.load(str(path), tensors=["lm_head.weight", "tied.weight", "model.layers.3.*"])
+    assert sorted(got) == sorted(["lm_head.weight", "tied.weight", "model.layers.3.mlp.weight", "model.layers.3.norm.weight"])
+    for k, v in got.items():
+        assert same(v, ref[k]), k
+    assert got["tied.weight"].data_ptr() == got["lm_head.weight"].data_ptr(), "still one storage"
+    with pytest.raises(KeyError, match="closest: `lm_head.weight`"):
+        turboio.load(str(path), tensors=["lm_head.weights"])
+    # Copied (O_DIRECT): the other storages are never read into the load's memory.
+    got = turboio.load(str(path), tensors=["step"], cache="bypass")
+    assert list(got) == ["step"] and same(got["step"], ref["step"])

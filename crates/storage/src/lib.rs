@@ -96,6 +96,11 @@ pub struct IoOptions<'h> {
     /// new blocks are expensive, at the price of one more copy of the file on disk). Backends
     /// that cannot ignore it.
     pub reuse_blocks: bool,
+    /// The requests are a few ranges of a larger file (a load of some of its tensors): read
+    /// nothing around them. The local backend turns the kernel's read-ahead off for the file
+    /// (`POSIX_FADV_RANDOM`), which would otherwise read up to its window (often MiBs) past
+    /// each range. Backends that cannot ignore it.
+    pub sparse: bool,
 }
 
 impl Debug for IoOptions<'_> {

@@ -210,10 +210,11 @@ struct Selected {
     runs: Vec<Run>,
     /// Bytes of memory the runs fill.
     mem_len: usize,
-    /// The selected tensors at their places in the file's data section (mapped loads).
-    in_place: Header,
-    /// The selected tensors at their places in the load's memory (copied and staged loads).
-    packed: Header,
+    /// For a safetensors file: the selected tensors at their places in the file's data section
+    /// (mapped loads) and in the load's memory (copied and staged loads, the runs back to back).
+    /// `None` for a `.pt` file, whose runs land where they would in a whole load (its index
+    /// keeps the file's offsets; memory no run fills is never touched).
+    headers: Option<(Header, Header)>,
 }
 
 impl Selected {
@@ -231,12 +232,38 @@ impl Selected {
             positions.iter().map(|&i| (i, header.tensors()[i].data_offsets)).collect();
         let bad =
             || Error::Unsupported { path: path.to_owned(), message: "internal: a selected layout is invalid".into() };
-        Ok(Selected {
-            in_place: header.select(&in_place, header.data_len()).ok_or_else(bad)?,
-            packed: header.select(&packed, mem_len as u64).ok_or_else(bad)?,
-            runs,
-            mem_len,
-        })
+        let headers = (
+            header.select(&in_place, header.data_len()).ok_or_else(bad)?,
+            header.select(&packed, mem_len as u64).ok_or_else(bad)?,
+        );
+        Ok(Selected { headers: Some(headers), runs, mem_len })
+    }
+
+    /// The selection of a `.pt` checkpoint: its index keeps only the selected tensors, and the
+    /// runs cover the storages they view, in place in a load of `[file_start, file_start + span)`.
+    fn of_pt(
+        path: &Path,
+        selection: &crate::Selection,
+        index: &mut turboio_pt::PtIndex,
+        check: bool,
+        local: bool,
+        (file_start, span, file_len): (u64, usize, u64),
+    ) -> Result<Selected> {
+        if check {
+            selection.check(index.tensors().iter().map(|t| t.name.as_str()), path)?;
+        }
+        index.retain_tensors(|n| selection.matches(n));
+        let storages = index.storages();
+        let ranges: Vec<(u64, u64)> = index
+            .used_storages()
+            .into_iter()
+            .map(|i| &storages[i])
+            .filter(|s| !s.meta && s.len > 0)
+            .map(|s| (s.offset, s.offset + s.len))
+            .collect();
+        let gap = if local { crate::select::LOCAL_GAP } else { crate::select::REMOTE_GAP };
+        let runs = crate::select::in_place_runs(ranges, file_start, file_len, ALIGN, gap);
+        Ok(Selected { headers: None, runs, mem_len: span })
     }
 
     /// The file ranges to bring in, as `(offset, len)` pairs.
@@ -282,12 +309,7 @@ pub(crate) fn plan_parsed(
     let started = Instant::now();
     let opened = open(path, opts)?;
     let parsed = parse(&opened, opts.cache == CachePolicy::Bypass)?;
-    let selected = match (&opts.tensors, &parsed) {
-        (Some(selection), Parsed::Safetensors(h)) => {
-            Some(Selected::of(path, selection, h, check_selection, opened.raw().local_file().is_some())?)
-        }
-        _ => None,
-    };
+    let mut parsed = parsed;
     let file_len = opened.len();
     let data_start = parsed.data_start(file_len);
     let on_cpu = device.id().kind == DeviceKind::Cpu;
@@ -300,6 +322,14 @@ pub(crate) fn plan_parsed(
     })?;
     // Device memory starts the data section 16-byte aligned (see to_device).
     let shift = if on_cpu { 0 } else { crate::to_device::shift(data_start) };
+    let is_local = local.is_some();
+    let selected = match (&opts.tensors, &mut parsed) {
+        (Some(selection), Parsed::Safetensors(h)) => Some(Selected::of(path, selection, h, check_selection, is_local)?),
+        (Some(selection), Parsed::Pt(index)) => {
+            Some(Selected::of_pt(path, selection, index, check_selection, is_local, (file_start, span, file_len))?)
+        }
+        _ => None,
+    };
 
     let mapped = on_cpu
         && match opts.mode {
@@ -388,7 +418,11 @@ impl Planned {
     /// Tensors a selected load keeps (`None` without a selection; `Some(0)`: nothing of this
     /// file is selected).
     pub(crate) fn selected_tensors(&self) -> Option<usize> {
-        self.selected.as_ref().map(|s| s.packed.len())
+        match (&self.selected, &self.parsed) {
+            (Some(Selected { headers: Some((_, packed)), .. }), _) => Some(packed.len()),
+            (Some(_), Parsed::Pt(index)) => Some(index.tensors().len()),
+            _ => None,
+        }
     }
 
     /// The requests in flight one fill of this file keeps (see
@@ -429,7 +463,12 @@ impl Planned {
             (Fill::Mapped { lazy: true, .. }, _) => 0,
             (Fill::Mapped { .. }, Some(s)) => s.runs.iter().map(|r| r.len as u64).sum(),
             (Fill::Mapped { .. }, None) => self.opened.len(),
-            (Fill::Host { .. } | Fill::Staged { .. } | Fill::Pending { .. }, Some(s)) => s.mem_len as u64,
+            (Fill::Host { .. } | Fill::Staged { .. } | Fill::Pending { .. }, Some(s)) if s.headers.is_some() => {
+                s.mem_len as u64
+            }
+            (Fill::Host { .. } | Fill::Staged { .. } | Fill::Pending { .. }, Some(s)) => {
+                s.runs.iter().map(|r| r.len as u64).sum()
+            }
             (Fill::Host { .. } | Fill::Staged { .. } | Fill::Pending { .. }, None) => self.span as u64,
         }
     }
@@ -442,7 +481,12 @@ impl Planned {
         let len = len as u64;
         if self.on_cpu {
             let pooled = opts.arenas.as_ref().is_some_and(|p| p.free_bytes() as u64 >= len);
-            let host = if pooled { 0 } else { len };
+            // Host pages a run never writes are never touched: an in-place selection holds its runs.
+            let held = match &self.selected {
+                Some(s) if s.headers.is_none() => s.runs.iter().map(|r| r.len as u64).sum(),
+                _ => len,
+            };
+            let host = if pooled { 0 } else { held };
             let mappable = if self.opened.local_file().is_some() { host } else { 0 };
             crate::memory::Needs { host, mappable, ..Default::default() }
         } else {
@@ -506,7 +550,7 @@ impl Planned {
                     message: "host memory went away".into(),
                 })?;
                 match &self.selected {
-                    Some(s) => self.opened.read(run_requests(&s.runs, dst), &io)?,
+                    Some(s) => self.opened.read(run_requests(&s.runs, dst), &IoOptions { sparse: true, ..io })?,
                     None => self.opened.read(vec![ReadRequest { offset: self.file_start, dst }], &io)?,
                 }
             }
@@ -523,7 +567,7 @@ impl Planned {
                         self.shift + r.mem_offset,
                         self.cached_fraction,
                         opts,
-                        &io,
+                        &IoOptions { sparse: true, ..io },
                     )?;
                     for f in filled.fallbacks {
                         if !self.fallbacks.contains(&f) {
@@ -586,8 +630,8 @@ impl Planned {
         // A selected load's header places its tensors relative to the start of its memory
         // (after the device shift), else the file's data section lands after `file_start`.
         let base = |shift: usize| match &self.selected {
-            Some(_) => shift,
-            None => shift + (data_start - self.file_start) as usize,
+            Some(Selected { headers: Some(_), .. }) => shift,
+            _ => shift + (data_start - self.file_start) as usize,
         };
         let (held, memory, data_base, device): (_, Box<dyn Allocation>, _, _) = match self.fill {
             Fill::Mapped { mapping, .. } => (Held::Mapped, Box::new(mapping), data_start as usize, None),
@@ -601,9 +645,9 @@ impl Planned {
                 })
             }
         };
-        let parsed = match (self.selected, self.parsed) {
-            (Some(s), Parsed::Safetensors(_)) if held == Held::Mapped => Parsed::Safetensors(s.in_place),
-            (Some(s), Parsed::Safetensors(_)) => Parsed::Safetensors(s.packed),
+        let parsed = match (self.selected.and_then(|s| s.headers), self.parsed) {
+            (Some((in_place, _)), Parsed::Safetensors(_)) if held == Held::Mapped => Parsed::Safetensors(in_place),
+            (Some((_, packed)), Parsed::Safetensors(_)) => Parsed::Safetensors(packed),
             (_, parsed) => parsed,
         };
         Ok(Done {

@@ -178,6 +178,34 @@ pub(crate) struct Run {
     pub mem_offset: usize,
 }
 
+/// The runs that read byte ranges `[begin, end)` of a file (coalesced across gaps under `gap`,
+/// widened to `align`, clipped to `file_len`) into a load of the file from `file_start` on, each
+/// where it would be in a load of the whole (`mem_offset = file_offset - file_start`).
+pub(crate) fn in_place_runs(
+    mut ranges: Vec<(u64, u64)>,
+    file_start: u64,
+    file_len: u64,
+    align: u64,
+    gap: u64,
+) -> Vec<Run> {
+    ranges.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::new();
+    for (b, e) in ranges {
+        match merged.last_mut() {
+            Some(last) if b <= last.1 + gap.max(2 * align) => last.1 = last.1.max(e),
+            _ => merged.push((b, e)),
+        }
+    }
+    merged
+        .into_iter()
+        .map(|(b, e)| {
+            let start = (b - b % align).max(file_start);
+            let end = e.next_multiple_of(align).min(file_len);
+            Run { file_offset: start, len: (end - start) as usize, mem_offset: (start - file_start) as usize }
+        })
+        .collect()
+}
+
 /// Selected tensors by position in a header, each with its `[BEGIN, END)` in a load's memory.
 pub(crate) type Picks = Vec<(usize, (usize, usize))>;
 

@@ -8,6 +8,11 @@ use nix::sys::mman::MmapAdvise;
 use std::any::Any;
 use std::fs::File;
 
+/// Bytes per `MADV_WILLNEED` call over a range: the kernel reads at most
+/// `max(read_ahead_kb, max_sectors_kb)` per call (`force_page_cache_ra`), commonly 128 KiB to a
+/// few MiB, so longer ranges are asked for a piece at a time.
+pub const WILL_NEED_STEP: usize = 512 << 10;
+
 /// A file mapped privately (`MAP_PRIVATE`, readable and writable).
 ///
 /// Reading a page shares it with the page cache; writing one gives this mapping its own copy
@@ -59,11 +64,11 @@ impl FileMapping {
             .map(|&(at, n)| (at.min(len), at.saturating_add(n).min(len)))
             .flat_map(|(start, end)| (start..end).step_by(PIECE).map(move |at| (at, PIECE.min(end - at))))
             .collect();
+        // No read-around on the faults: the kernel would read its whole read-ahead window
+        // (often MiBs) around each range. Advisory, as the rest.
+        let _ = self.map.advise(0, len, MmapAdvise::MADV_RANDOM);
         if cold {
-            for &(at, n) in ranges {
-                // Advisory: a kernel that ignores it only loses the speed-up.
-                let _ = self.map.advise(at, n, MmapAdvise::MADV_WILLNEED);
-            }
+            self.will_need_ranges(ranges);
         }
         let next = std::sync::atomic::AtomicUsize::new(0);
         let map = &self.map;
@@ -100,10 +105,16 @@ impl FileMapping {
         let _ = self.map.advise(0, self.map.len(), MmapAdvise::MADV_WILLNEED);
     }
 
-    /// [`will_need`](Self::will_need) of some byte ranges `(offset, len)` only.
+    /// [`will_need`](Self::will_need) of some byte ranges `(offset, len)` only, asked for in
+    /// steps of [`WILL_NEED_STEP`]: the kernel reads at most its read-ahead window (or the
+    /// device's largest request) per call and silently drops the rest of a longer range.
     pub fn will_need_ranges(&self, ranges: &[(usize, usize)]) {
         for &(at, n) in ranges {
-            let _ = self.map.advise(at, n, MmapAdvise::MADV_WILLNEED);
+            let end = at.saturating_add(n).min(self.map.len());
+            for step in (at..end).step_by(WILL_NEED_STEP) {
+                // Advisory: a kernel that ignores it only loses the speed-up.
+                let _ = self.map.advise(step, WILL_NEED_STEP.min(end - step), MmapAdvise::MADV_WILLNEED);
+            }
         }
     }
 

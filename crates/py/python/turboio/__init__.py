@@ -226,7 +226,8 @@ def load(
     the selected tensors' bytes are read (mapped pages populated, or byte ranges copied, from
     any backend, decrypted or converted on the way); an alias selects its target; a name or
     pattern that matches nothing raises `KeyError` naming the closest tensors, before anything
-    is read. For `.pt` files the selection is applied to the tensors after the load.
+    is read. For `.pt` files only the storages the selected tensors view are read (tied weights
+    share a storage); the `unsafe_pickle_fallback` path applies the selection after `torch.load`.
 
     Before allocating anything, a load compares what it will hold (a copy's host memory, a
     GPU load's device memory and pinned staging buffers, a converted arena; a mapped load holds
@@ -269,14 +270,12 @@ def load(
                 storage=storage,
                 device=None if device == "cpu" else device,
                 dtype=dtype,
+                tensors=tensors,
             )
         except ValueError:
             if not unsafe_pickle_fallback:
                 raise
         else:
-            if tensors is not None:
-                keep = _turboio.select(tensors, list(sd), path)
-                sd = {k: sd[k] for k in keep}
             return sd
         # Only when asked: torch.load executes the pickle (restricted by weights_only=True).
         if cipher or _is_remote(path):

@@ -224,7 +224,9 @@ def threads(num_thread):
     return max(1, min(int(num_thread or n), n))
 
 
-def pt_tensors(path, cipher=False, top_level_key=None, threads=0, cache="auto", storage=None, device=None, dtype=None):
+def pt_tensors(
+    path, cipher=False, top_level_key=None, threads=0, cache="auto", storage=None, device=None, dtype=None, tensors=None
+):
     """The tensors of a `torch.save` checkpoint, read without executing its pickle (turboio's
     allow-listed reader): `{dotted name: tensor}`, each a strided view of the load's bytes (the
     file mapped from the page cache, or copied, with O_DIRECT for `cache="bypass"`, or
@@ -240,10 +242,15 @@ def pt_tensors(path, cipher=False, top_level_key=None, threads=0, cache="auto", 
     from ._dtypes import CASTABLE, torch_dtype
 
     data, (storages, tensors, _skipped) = _turboio.load_pt(
-        path, top_level_key=top_level_key, cipher=cipher, threads=threads, cache=cache, storage=storage
+        path, top_level_key=top_level_key, cipher=cipher, threads=threads, cache=cache, storage=storage, tensors=tensors
     )
+    # Only the storages the (selected) tensors view: a selection read no other.
+    used = {t[4] for t in tensors}
     views = []
-    for offset, nbytes, dtype_name, meta_numel in storages:
+    for i, (offset, nbytes, dtype_name, meta_numel) in enumerate(storages):
+        if i not in used:
+            views.append(None)
+            continue
         td = torch_dtype(dtype_name)
         if td is None:
             raise ValueError(f"{path}: torch dtype {dtype_name} is not available in this torch")
