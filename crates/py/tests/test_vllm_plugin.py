@@ -206,3 +206,15 @@ def test_fetch_once_uses_the_tensor_parallel_group(tmp):
         assert total == res["report"]["bytes"], "the two ranks fetched the model once between them"
     finally:
         server.stop()
+
+
+def test_the_tensors_option_feeds_only_the_selection(tmp):
+    d, ref = model_dir(tmp)
+    names = sorted(ref)
+    keep = names[:2]
+    got = dict(vllm_plugin.weights_iterator(str(d), vllm_plugin.loader_options({"tensors": keep})))
+    assert sorted(got) == keep
+    for k in keep:
+        assert torch.equal(got[k], ref[k])
+    with pytest.raises(KeyError, match="no tensor matches"):
+        dict(vllm_plugin.weights_iterator(str(d), vllm_plugin.loader_options({"tensors": ["no.such.weight"]})))
