@@ -117,7 +117,9 @@ def load_runs(path, pt, runs, cold):
     # The floor of any loader that returns torch tensors: one view per tensor of memory already
     # loaded (torch.as_strided of a typed view, the arguments computed beforehand), no I/O, no
     # header. Hot, nothing can build the tensors for less.
-    held = _turboio.load(path)
+    # Copied, not mapped: a mapping held for the whole run would keep the file's pages from
+    # being evicted before the cold runs.
+    held = _turboio.load(path, mode="copied")
     data, _dtypes = held.export()
     base = torch.from_dlpack(data)
     views, args = {}, []
@@ -131,7 +133,7 @@ def load_runs(path, pt, runs, cold):
         strides = [1] * len(shape)
         for i in range(len(shape) - 2, -1, -1):
             strides[i] = strides[i + 1] * shape[i + 1]
-        off = (held.data_start + begin) // size if held.report()["held"] == "mapped" else begin // size
+        off = begin // size
         args.append((views[dt], tuple(shape), tuple(strides), off))
     as_strided = torch.as_strided
     loaders[FLOOR] = lambda: [as_strided(b, sh, st, o) for b, sh, st, o in args]
