@@ -119,8 +119,9 @@ impl Selection {
         keep.iter().enumerate().filter(|(_, &k)| k).map(|(i, _)| i).collect()
     }
 
-    /// [`check`](Self::check) for a caller that lists the names itself (a set of files loaded
-    /// one at a time, checked as one).
+    /// Checks that every name and pattern matches at least one of `names` and that the
+    /// selection keeps something, for a caller that lists the names itself (a set of files
+    /// loaded one at a time, checked as one); the error names `origin` and the closest names.
     pub fn check_names<'a>(&self, names: impl Iterator<Item = &'a str> + Clone, origin: &Path) -> Result<()> {
         self.check(names, origin)
     }

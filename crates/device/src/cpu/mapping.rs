@@ -11,7 +11,7 @@ use std::fs::File;
 /// Bytes per `MADV_WILLNEED` call over a range: the kernel reads at most
 /// `max(read_ahead_kb, max_sectors_kb)` per call (`force_page_cache_ra`), commonly 128 KiB to a
 /// few MiB, so longer ranges are asked for a piece at a time.
-pub const WILL_NEED_STEP: usize = 512 << 10;
+const WILL_NEED_STEP: usize = 512 << 10;
 
 /// A file mapped privately (`MAP_PRIVATE`, readable and writable).
 ///
@@ -106,7 +106,7 @@ impl FileMapping {
     }
 
     /// [`will_need`](Self::will_need) of some byte ranges `(offset, len)` only, asked for in
-    /// steps of [`WILL_NEED_STEP`]: the kernel reads at most its read-ahead window (or the
+    /// steps of `WILL_NEED_STEP` (512 KiB): the kernel reads at most its read-ahead window (or the
     /// device's largest request) per call and silently drops the rest of a longer range.
     pub fn will_need_ranges(&self, ranges: &[(usize, usize)]) {
         for &(at, n) in ranges {
