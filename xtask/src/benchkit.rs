@@ -199,6 +199,23 @@ pub fn encrypted_twin(plain: &Path) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// A sharded model directory of about `size` bytes (`turboio gen --shards 8`, which writes 9
+/// shards at the bench sizes), generated once under `dir`.
+pub(crate) fn sharded_model(dir: &Path, size: u64) -> Result<PathBuf> {
+    let out = dir.join(format!("model-{}", size >> 20));
+    if out.join("model.safetensors.index.json").exists() {
+        return Ok(out);
+    }
+    eprintln!("generating {} (about 9 shards) ...", out.display());
+    let status = std::process::Command::new(cli()?)
+        .args(["gen", "--shards", "8", "--size"])
+        .arg(size.to_string())
+        .arg(&out)
+        .status()?;
+    anyhow::ensure!(status.success(), "turboio gen --shards failed");
+    Ok(out)
+}
+
 /// The `turboio` binary next to this one (built if needed).
 pub(crate) fn cli() -> Result<PathBuf> {
     let status = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))

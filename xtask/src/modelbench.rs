@@ -1,4 +1,4 @@
-//! `cargo xtask bench --model`: a sharded model directory (8 shards of about 512 MiB at the
+//! `cargo xtask bench --model`: a sharded model directory (`turboio gen --shards 8`: 9 shards of about 480 MiB at the
 //! default 4 GiB, mixed dtypes, written by `turboio gen --shards 8`) loaded hot and cold, each
 //! run in a process of its own (`crates/py/bench/py_model.py`) with the loaders in a shuffled
 //! order: turboio's one-job `load_model` against turboio loading the shards one after another,
@@ -24,24 +24,6 @@ const LOADERS: [&str; 6] = [
 
 /// The disk-ceiling row's name.
 const CEILING: &str = "ceiling: O_DIRECT of every shard at once (no memory touched)";
-
-/// The model directory, generated once.
-fn model_dir(dir: &Path, size: u64) -> Result<PathBuf> {
-    let out = dir.join(format!("model-{}", size >> 20));
-    if out.join("model.safetensors.index.json").exists() {
-        return Ok(out);
-    }
-    eprintln!("generating {} (8 shards) ...", out.display());
-    let status = Command::new(crate::benchkit::cli()?)
-        .args(["gen", "--shards", "8", "--size"])
-        .arg(size.to_string())
-        .arg(&out)
-        .status()?;
-    if !status.success() {
-        bail!("turboio gen --shards failed");
-    }
-    Ok(out)
-}
 
 struct Row {
     loader: &'static str,
@@ -70,7 +52,7 @@ fn run_child(python: &Path, loader: &str, dir: &Path) -> Result<(f64, Option<Vec
 
 /// Runs the model rows; returns the Markdown section (table and checks).
 pub fn run(python: &Path, data_dir: &Path, size: u64, runs: usize, no_cold: bool) -> Result<String> {
-    let dir = model_dir(data_dir, size)?;
+    let dir = crate::benchkit::sharded_model(data_dir, size)?;
     let shards: Vec<PathBuf> = std::fs::read_dir(&dir)?
         .flatten()
         .map(|e| e.path())

@@ -17,7 +17,7 @@ use crate::test::root;
 use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 const TURBOIO: &str = "turboio.load";
@@ -51,25 +51,6 @@ fn times(v: &serde_json::Value) -> BTreeMap<String, Vec<f64>> {
                 .collect()
         })
         .unwrap_or_default()
-}
-
-/// The 9-shard model, generated once.
-fn model_dir(dir: &Path, size: u64) -> Result<PathBuf> {
-    let out = dir.join(format!("model9-{}", size >> 20));
-    if out.join("model.safetensors.index.json").exists() {
-        return Ok(out);
-    }
-    // `gen --shards N` writes about N shards; 8 comes out as 9 at these sizes.
-    eprintln!("generating {} (about 9 shards) ...", out.display());
-    let status = Command::new(crate::benchkit::cli()?)
-        .args(["gen", "--shards", "8", "--size"])
-        .arg(size.to_string())
-        .arg(&out)
-        .status()?;
-    if !status.success() {
-        bail!("turboio gen --shards 8 failed");
-    }
-    Ok(out)
 }
 
 /// Runs the section; returns its Markdown (tables and checks).
@@ -149,7 +130,7 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, model_size: u64, runs: usi
     }
 
     if !no_cold {
-        let dir = model_dir(data_dir, model_size)?;
+        let dir = crate::benchkit::sharded_model(data_dir, model_size)?;
         eprintln!("tensors: 10% of a 9-shard model vs the whole, cold, {runs} runs ...");
         let v = script(python, &["subset", "--model", &dir.to_string_lossy(), "--runs", &runs_s])?;
         let get = |what: &str| -> (f64, Option<u64>, u64, u64) {
