@@ -91,8 +91,8 @@ fn the_node_cache_serves_later_loads_and_concurrent_processes_fetch_once() {
     // The cache keeps 5% of its file system free and stores nothing that would eat into it (a
     // fetch then only loads): on a nearly full disk there is nothing to test.
     if let Ok(fs) = nix::sys::statvfs::statvfs(dir.path()) {
-        let unit = fs.fragment_size() as u64;
-        let (total, free) = (fs.blocks() as u64 * unit, fs.blocks_available() as u64 * unit);
+        let unit = fs.fragment_size();
+        let (total, free) = (fs.blocks() * unit, fs.blocks_available() * unit);
         if free < total / 20 + 4 * size {
             eprintln!(
                 "skipped: {} has {free} bytes free, under the cache's 5% reserve plus the object",
