@@ -61,7 +61,7 @@ pub fn find_header(explicit: Option<&Path>) -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("TURBOIO_CUFILE_HEADER") {
         return Some(PathBuf::from(p));
     }
-    let root = crate::test::root();
+    let root = crate::root();
     let venv_lib = root.join(".venv/lib");
     let mut candidates: Vec<PathBuf> = std::fs::read_dir(&venv_lib)
         .into_iter()
@@ -139,7 +139,7 @@ pub fn unavailable(header: Option<&Path>) -> Option<String> {
 /// Compares the committed file with a fresh generation from `header`.
 pub fn check(header: &Path) -> Result<()> {
     let fresh = generate(header)?;
-    let path = crate::test::root().join(OUTPUT);
+    let path = crate::root().join(OUTPUT);
     let committed = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     if committed != fresh {
         let line = committed
@@ -168,7 +168,7 @@ pub fn run(args: Args) -> Result<()> {
         eprintln!("{OUTPUT} is what {} generates", header.display());
         return Ok(());
     }
-    let out = crate::test::root().join(OUTPUT);
+    let out = crate::root().join(OUTPUT);
     std::fs::write(&out, generate(&header)?).with_context(|| format!("writing {}", out.display()))?;
     eprintln!("wrote {} from {}", out.display(), header.display());
     Ok(())

@@ -27,6 +27,12 @@ mod trainbench;
 
 use clap::{Parser, Subcommand};
 
+/// The workspace's root directory.
+pub fn root() -> std::path::PathBuf {
+    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(std::path::Path::to_path_buf).unwrap_or_default()
+}
+
 #[derive(Parser)]
 #[command(name = "xtask")]
 struct Cli {

@@ -18,9 +18,7 @@ pub struct Args {
     pub vllm: bool,
 }
 
-pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
-}
+pub use crate::root;
 
 pub fn step(name: &str, cmd: &mut Command) -> Result<()> {
     eprintln!("\n==> {name}\n    {cmd:?}");
