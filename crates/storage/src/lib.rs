@@ -42,7 +42,7 @@ mod parallel;
 pub mod conformance;
 
 pub use error::StorageError;
-pub use parallel::{default_threads, for_each_chunk, run_workers, split_requests, Chunk};
+pub use parallel::{default_threads, for_each_chunk, run_workers, split_requests, threads_or_default, Chunk};
 
 use std::fmt::Debug;
 use std::path::Path;
@@ -132,7 +132,7 @@ impl IoOptions<'_> {
 
     /// The worker count to use for `total` bytes in chunks of `chunk` bytes.
     pub fn worker_count(&self, total: u64, chunk: usize) -> usize {
-        let want = if self.threads == 0 { default_threads() } else { self.threads };
+        let want = threads_or_default(self.threads);
         let chunks = total.div_ceil(chunk.max(1) as u64).max(1);
         want.clamp(1, usize::try_from(chunks).unwrap_or(usize::MAX))
     }

@@ -18,6 +18,15 @@ pub fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// A thread count as the options take it: `threads`, or one per core when it is 0.
+pub fn threads_or_default(threads: usize) -> usize {
+    if threads == 0 {
+        default_threads()
+    } else {
+        threads
+    }
+}
+
 /// Cuts requests into chunks of at most `chunk` bytes, in request order. Empty requests vanish.
 pub fn split_requests(requests: Vec<ReadRequest<'_>>, chunk: usize) -> Vec<Chunk<'_>> {
     let chunk = chunk.max(1);

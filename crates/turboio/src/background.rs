@@ -184,7 +184,7 @@ fn snapshot(path: &Path, tensors: &[SaveTensor<'_>], pool: &ArenaPool, threads: 
                 pieces.push((s, d));
             }
         }
-        let workers = if threads == 0 { turboio_storage::default_threads() } else { threads };
+        let workers = turboio_storage::threads_or_default(threads);
         let queue = Mutex::new(pieces.into_iter());
         turboio_storage::run_workers(vec![(); workers.max(1)], |(), _| -> std::result::Result<(), ()> {
             loop {

@@ -205,7 +205,7 @@ pub(crate) fn cast_loaded(
         return Err(Error::Unsupported { path, message: "dtype conversion needs the bytes in host memory".into() });
     };
     let (header, data_len) = converted_header(&path, &src.header, target)?;
-    let threads = if opts.threads == 0 { turboio_storage::default_threads() } else { opts.threads };
+    let threads = turboio_storage::threads_or_default(opts.threads);
     let mut memory = cpu.alloc(data_len.max(1)).map_err(|e| Error::device(&path, e))?;
     let dst_all = memory
         .host_mut()

@@ -461,7 +461,7 @@ pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedMo
     // cores; cold mapped shards are all asked for from the disk first.
     // A remote backend keeps many requests in flight per file: fill that many shards at once, so
     // small shards do not leave it idle (it bounds its requests itself).
-    let threads = if opts.threads == 0 { turboio_storage::default_threads() } else { opts.threads };
+    let threads = turboio_storage::threads_or_default(opts.threads);
     let streams = planned.iter().map(Planned::requests_in_flight).max().unwrap_or(1);
     let workers = planned.len().clamp(1, threads.max(streams));
     let per_fill = (threads / workers).max(1);

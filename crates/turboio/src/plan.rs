@@ -225,7 +225,7 @@ impl Selected {
             selection.check(names.chain(aliases.iter().map(|a| a.0)), path)?;
         }
         let positions = selection.positions(header);
-        let gap = if local { crate::select::LOCAL_GAP } else { crate::select::REMOTE_GAP };
+        let gap = crate::select::gap(local);
         let (runs, mem_len, packed) =
             crate::select::layout(header, &positions, header.data_start(), header.file_len(), ALIGN, gap);
         let in_place: Vec<(usize, (usize, usize))> =
@@ -261,9 +261,13 @@ impl Selected {
             .filter(|s| !s.meta && s.len > 0)
             .map(|s| (s.offset, s.offset + s.len))
             .collect();
-        let gap = if local { crate::select::LOCAL_GAP } else { crate::select::REMOTE_GAP };
-        let runs = crate::select::in_place_runs(ranges, file_start, file_len, ALIGN, gap);
+        let runs = crate::select::in_place_runs(ranges, file_start, file_len, ALIGN, crate::select::gap(local));
         Ok(Selected { headers: None, runs, mem_len: span })
+    }
+
+    /// Bytes the runs read.
+    fn read_bytes(&self) -> u64 {
+        self.runs.iter().map(|r| r.len as u64).sum()
     }
 
     /// The file ranges to bring in, as `(offset, len)` pairs.
@@ -308,8 +312,7 @@ pub(crate) fn plan_parsed(
 ) -> Result<Planned> {
     let started = Instant::now();
     let opened = open(path, opts)?;
-    let parsed = parse(&opened, opts.cache == CachePolicy::Bypass)?;
-    let mut parsed = parsed;
+    let mut parsed = parse(&opened, opts.cache == CachePolicy::Bypass)?;
     let file_len = opened.len();
     let data_start = parsed.data_start(file_len);
     let on_cpu = device.id().kind == DeviceKind::Cpu;
@@ -373,7 +376,7 @@ pub(crate) fn plan_parsed(
         None => {
             // A selection reads its runs into memory laid out as they come.
             let span = selected.as_ref().map_or(span, |s| s.mem_len);
-            let read = selected.as_ref().map_or(file_len, |s| s.runs.iter().map(|r| r.len as u64).sum());
+            let read = selected.as_ref().map_or(file_len, Selected::read_bytes);
             let dest = if on_cpu { span as u64 } else { 0 };
             let cache = copy_cache_use(opts.cache, read, cached_fraction, dest, turboio_device::available_memory());
             // Allocated by `allocate`, once the memory plan says it fits.
@@ -461,14 +464,12 @@ impl Planned {
     pub(crate) fn bytes(&self) -> u64 {
         match (&self.fill, &self.selected) {
             (Fill::Mapped { lazy: true, .. }, _) => 0,
-            (Fill::Mapped { .. }, Some(s)) => s.runs.iter().map(|r| r.len as u64).sum(),
+            (Fill::Mapped { .. }, Some(s)) => s.read_bytes(),
             (Fill::Mapped { .. }, None) => self.opened.len(),
             (Fill::Host { .. } | Fill::Staged { .. } | Fill::Pending { .. }, Some(s)) if s.headers.is_some() => {
                 s.mem_len as u64
             }
-            (Fill::Host { .. } | Fill::Staged { .. } | Fill::Pending { .. }, Some(s)) => {
-                s.runs.iter().map(|r| r.len as u64).sum()
-            }
+            (Fill::Host { .. } | Fill::Staged { .. } | Fill::Pending { .. }, Some(s)) => s.read_bytes(),
             (Fill::Host { .. } | Fill::Staged { .. } | Fill::Pending { .. }, None) => self.span as u64,
         }
     }
@@ -483,14 +484,14 @@ impl Planned {
             let pooled = opts.arenas.as_ref().is_some_and(|p| p.free_bytes() as u64 >= len);
             // Host pages a run never writes are never touched: an in-place selection holds its runs.
             let held = match &self.selected {
-                Some(s) if s.headers.is_none() => s.runs.iter().map(|r| r.len as u64).sum(),
+                Some(s) if s.headers.is_none() => s.read_bytes(),
                 _ => len,
             };
             let host = if pooled { 0 } else { held };
             let mappable = if self.opened.local_file().is_some() { host } else { 0 };
             crate::memory::Needs { host, mappable, ..Default::default() }
         } else {
-            let threads = if opts.threads == 0 { turboio_storage::default_threads() } else { opts.threads };
+            let threads = turboio_storage::threads_or_default(opts.threads);
             let pinned = (threads as u64 + 2) * staging_chunk(opts) as u64;
             crate::memory::Needs { device: len, pinned: pinned.min(len), ..Default::default() }
         }
@@ -520,7 +521,7 @@ impl Planned {
             }
             _ => opts,
         };
-        let threads = if io.threads == 0 { turboio_storage::default_threads() } else { io.threads };
+        let threads = turboio_storage::threads_or_default(io.threads);
         let direct = if self.cache.kept { DirectIo::Off } else { DirectIo::On };
         let io = IoOptions { threads, direct, ..*io };
         let path = self.path.clone();
@@ -532,7 +533,7 @@ impl Planned {
                             mapping
                                 .populate_ranges(&s.ranges(), threads, *cold)
                                 .map_err(|e| Error::device(&path, e))?;
-                            s.runs.iter().map(|r| r.len as u64).sum()
+                            s.read_bytes()
                         }
                         None => {
                             if *cold { mapping.populate_cold(threads) } else { mapping.populate(threads) }
@@ -696,7 +697,7 @@ fn staging_chunk(opts: &LoadOptions) -> usize {
 /// The staging chunk under a host budget: the buffers of every reader (and two more in flight)
 /// within half the budget, at least 1 MiB.
 fn budget_chunk(opts: &LoadOptions, budget: u64) -> usize {
-    let threads = if opts.threads == 0 { turboio_storage::default_threads() } else { opts.threads };
+    let threads = turboio_storage::threads_or_default(opts.threads);
     let fit = (budget / 2 / (threads as u64 + 2)) as usize;
     staging_chunk(opts).min(fit.max(1 << 20) / ALIGN as usize * ALIGN as usize)
 }

@@ -179,16 +179,20 @@ pub(crate) struct Run {
     pub mem_offset: usize,
 }
 
-/// The runs that read byte ranges `[begin, end)` of a file (coalesced across gaps under `gap`,
-/// widened to `align`, clipped to `file_len`) into a load of the file from `file_start` on, each
-/// where it would be in a load of the whole (`mem_offset = file_offset - file_start`).
-pub(crate) fn in_place_runs(
-    mut ranges: Vec<(u64, u64)>,
-    file_start: u64,
-    file_len: u64,
-    align: u64,
-    gap: u64,
-) -> Vec<Run> {
+/// The gap under which two selected ranges are read as one: [`LOCAL_GAP`] for a local file,
+/// [`REMOTE_GAP`] for a remote one.
+pub(crate) fn gap(local: bool) -> u64 {
+    if local {
+        LOCAL_GAP
+    } else {
+        REMOTE_GAP
+    }
+}
+
+/// Byte ranges `[begin, end)` of a file sorted, merged across gaps under `gap` (at least twice
+/// `align`, so that widened they still do not overlap), widened to `align` and clipped to
+/// `file_len`.
+fn coalesce(mut ranges: Vec<(u64, u64)>, file_len: u64, align: u64, gap: u64) -> Vec<(u64, u64)> {
     ranges.sort_unstable();
     let mut merged: Vec<(u64, u64)> = Vec::new();
     for (b, e) in ranges {
@@ -197,11 +201,17 @@ pub(crate) fn in_place_runs(
             _ => merged.push((b, e)),
         }
     }
-    merged
+    merged.into_iter().map(|(b, e)| (b - b % align, e.next_multiple_of(align).min(file_len))).collect()
+}
+
+/// The runs that read byte ranges `[begin, end)` of a file (see [`coalesce`]) into a load of the
+/// file from `file_start` on, each where it would be in a load of the whole
+/// (`mem_offset = file_offset - file_start`).
+pub(crate) fn in_place_runs(ranges: Vec<(u64, u64)>, file_start: u64, file_len: u64, align: u64, gap: u64) -> Vec<Run> {
+    coalesce(ranges, file_len, align, gap)
         .into_iter()
-        .map(|(b, e)| {
-            let start = (b - b % align).max(file_start);
-            let end = e.next_multiple_of(align).min(file_len);
+        .map(|(start, end)| {
+            let start = start.max(file_start);
             Run { file_offset: start, len: (end - start) as usize, mem_offset: (start - file_start) as usize }
         })
         .collect()
@@ -211,10 +221,9 @@ pub(crate) fn in_place_runs(
 pub(crate) type Picks = Vec<(usize, (usize, usize))>;
 
 /// The layout of a selected load of a safetensors file whose data section starts at
-/// `data_start`: the runs to read (each a coalesced group of tensors, widened to `align`
-/// boundaries so that `O_DIRECT` reads land in place, clipped to the file), the bytes of memory
-/// they fill, and for each selected tensor its `[BEGIN, END)` relative to the start of that
-/// memory.
+/// `data_start`: the runs to read (the selected tensors' ranges, see [`coalesce`]) laid out back
+/// to back, the bytes of memory they fill, and for each selected tensor its `[BEGIN, END)`
+/// relative to the start of that memory.
 pub(crate) fn layout(
     header: &Header,
     positions: &[usize],
@@ -224,45 +233,26 @@ pub(crate) fn layout(
     gap: u64,
 ) -> (Vec<Run>, usize, Picks) {
     let tensors = header.tensors();
-    let mut order: Vec<usize> = positions.to_vec();
-    order.sort_by_key(|&i| tensors[i].data_offsets);
-    let mut runs: Vec<Run> = Vec::new();
-    let mut picks = Vec::with_capacity(order.len());
-    let mut mem = 0usize;
-    // Per run: file range [start, end).
-    let mut current: Option<(u64, u64)> = None;
-    let mut members: Vec<usize> = Vec::new();
-    let mut close_run = |range: (u64, u64), members: &mut Vec<usize>, runs: &mut Vec<Run>, mem: &mut usize| {
-        let start = range.0 - range.0 % align;
-        let end = range.1.next_multiple_of(align).min(file_len);
-        let mem_offset = *mem;
-        for &i in members.iter() {
-            let t = &tensors[i];
-            let at = mem_offset + (data_start + t.data_offsets.0 as u64 - start) as usize;
-            picks.push((i, (at, at + t.len())));
-        }
-        members.clear();
-        runs.push(Run { file_offset: start, len: (end - start) as usize, mem_offset });
-        *mem += (end - start) as usize;
+    let in_file = |i: usize| {
+        let (b, e) = tensors[i].data_offsets;
+        (data_start + b as u64, data_start + e as u64)
     };
-    for &i in &order {
-        let t = &tensors[i];
-        let (b, e) = (data_start + t.data_offsets.0 as u64, data_start + t.data_offsets.1 as u64);
-        match current {
-            Some((s, end)) if b <= end + gap.max(2 * align) => current = Some((s, end.max(e))),
-            Some(range) => {
-                close_run(range, &mut members, &mut runs, &mut mem);
-                current = Some((b, e));
-            }
-            None => current = Some((b, e)),
-        }
-        members.push(i);
+    let mut runs = Vec::new();
+    let mut mem = 0usize;
+    for (start, end) in coalesce(positions.iter().map(|&i| in_file(i)).collect(), file_len, align, gap) {
+        runs.push(Run { file_offset: start, len: (end - start) as usize, mem_offset: mem });
+        mem += (end - start) as usize;
     }
-    if let Some(range) = current {
-        close_run(range, &mut members, &mut runs, &mut mem);
-    }
-    // Runs are split only by gaps over twice the alignment, so widened to it they still do
-    // not overlap.
+    let picks = positions
+        .iter()
+        .map(|&i| {
+            let (b, e) = in_file(i);
+            // The run holding the tensor: the first that ends at or after its start.
+            let r = &runs[runs.partition_point(|r| r.file_offset + (r.len as u64) < b)];
+            let at = r.mem_offset + (b - r.file_offset) as usize;
+            (i, (at, at + (e - b) as usize))
+        })
+        .collect();
     (runs, mem, picks)
 }
 
