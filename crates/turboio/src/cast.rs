@@ -83,19 +83,7 @@ pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Resul
     // The memory plan: the source (a copy, unless mapped) and the converted arena.
     let mut needs = planned.needs(&host);
     if let Some(h) = planned.header() {
-        let keep = |t: &TensorInfo| opts.tensors.as_ref().is_none_or(|s| s.matches(&t.name));
-        needs.host += h
-            .tensors()
-            .iter()
-            .filter(|t| keep(t))
-            .map(|t| {
-                if converts(t, target) {
-                    turboio_format::cast_len(t.len(), t.dtype, target).unwrap_or(usize::MAX) as u64
-                } else {
-                    t.len() as u64
-                }
-            })
-            .fold(0u64, u64::saturating_add);
+        needs.host = needs.host.saturating_add(converted_bytes(h, target, opts.tensors.as_ref()));
     }
     crate::memory::check(path, &needs, &host, &cpu)?;
     planned.allocate(&cpu, &host)?;
@@ -116,6 +104,22 @@ pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Resul
     out.report.elapsed = started.elapsed();
     out.report.fallbacks.extend(fallback);
     Ok(out)
+}
+
+/// Bytes of the arena a load converting `header`'s tensors (those `selection` keeps) to
+/// `target` fills: converted tensors at their new size, the others as they are.
+pub(crate) fn converted_bytes(header: &Header, target: Dtype, selection: Option<&crate::Selection>) -> u64 {
+    let kept: Vec<usize> = selection.map_or_else(|| (0..header.len()).collect(), |s| s.positions(header));
+    kept.iter()
+        .map(|&i| {
+            let t = &header.tensors()[i];
+            if converts(t, target) {
+                turboio_format::cast_len(t.len(), t.dtype, target).unwrap_or(usize::MAX) as u64
+            } else {
+                t.len() as u64
+            }
+        })
+        .fold(0u64, u64::saturating_add)
 }
 
 /// The header of the converted tensors (laid out as the safetensors writer would) and its data

@@ -431,10 +431,8 @@ pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedMo
         // Without an index, the names are checked against every shard's (aliases included),
         // and shards holding nothing selected are dropped before any byte is read.
         if files.weight_map.is_none() {
-            let headers: Vec<&turboio_format::Header> = planned.iter().filter_map(|p| p.header()).collect();
-            let aliases: Vec<(&str, &str)> = headers.iter().flat_map(|h| h.aliases()).collect();
-            let names = headers.iter().flat_map(|h| h.tensors().iter().map(|t| t.name.as_str()));
-            selection.check(names.chain(aliases.iter().map(|a| a.0)), files.origin())?;
+            let headers: Vec<&turboio_format::Header> = planned.iter().filter_map(Planned::header).collect();
+            selection.check_headers(&headers, files.origin())?;
         }
         let keep: Vec<bool> = planned.iter().map(|p| p.selected_tensors() != Some(0)).collect();
         files = files.keep_shards(&keep);
@@ -447,10 +445,11 @@ pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedMo
     for p in &planned {
         needs += p.needs(opts);
     }
-    if target.is_some() {
-        // Each shard converted into a new arena: at most as large again as the copies (F32 to
-        // F64), usually smaller; counted as the bytes held.
-        needs.host += planned.iter().map(Planned::bytes).sum::<u64>();
+    if let Some((t, _)) = target {
+        // Each shard is also converted into a new arena.
+        for h in planned.iter().filter_map(Planned::header) {
+            needs.host = needs.host.saturating_add(crate::cast::converted_bytes(h, t, opts.tensors.as_ref()));
+        }
     }
     crate::memory::check(files.origin(), &needs, opts, device)?;
     for p in &mut planned {

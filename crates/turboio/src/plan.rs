@@ -220,9 +220,7 @@ struct Selected {
 impl Selected {
     fn of(path: &Path, selection: &crate::Selection, header: &Header, check: bool, local: bool) -> Result<Selected> {
         if check {
-            let names = header.tensors().iter().map(|t| t.name.as_str());
-            let aliases = header.aliases();
-            selection.check(names.chain(aliases.iter().map(|a| a.0)), path)?;
+            selection.check_headers(&[header], path)?;
         }
         let positions = selection.positions(header);
         let gap = crate::select::gap(local);

@@ -119,6 +119,14 @@ impl Selection {
         keep.iter().enumerate().filter(|(_, &k)| k).map(|(i, _)| i).collect()
     }
 
+    /// [`check`](Self::check) against the tensors and aliases of `headers` (a file's, or every
+    /// shard's of a model without an index).
+    pub(crate) fn check_headers(&self, headers: &[&Header], origin: &Path) -> Result<()> {
+        let aliases: Vec<(&str, &str)> = headers.iter().flat_map(|h| h.aliases()).collect();
+        let names = headers.iter().flat_map(|h| h.tensors().iter().map(|t| t.name.as_str()));
+        self.check(names.chain(aliases.iter().map(|a| a.0)), origin)
+    }
+
     /// Checks that every name and pattern matches at least one of `names` and that the
     /// selection keeps something, for a caller that lists the names itself (a set of files
     /// loaded one at a time, checked as one); the error names `origin` and the closest names.
