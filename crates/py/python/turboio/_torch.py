@@ -71,6 +71,15 @@ def tensors_of(loaded, aliases=True):
     return out
 
 
+def select_across(tensors, names_by_file, origin):
+    """`{file: frozenset of the names tensors= selects}`, the selection checked against every
+    file's names together (a name or pattern need match in one file only; one that matches in
+    none raises `KeyError` naming `origin` and the closest names)."""
+    everything = [n for names in names_by_file.values() for n in names]
+    keep = set(_turboio.select(tensors, everything, origin))
+    return {f: frozenset(n for n in names if n in keep) for f, names in names_by_file.items()}
+
+
 def storage_key(t):
     s = t.untyped_storage()
     return (t.device, s.data_ptr(), s.nbytes())

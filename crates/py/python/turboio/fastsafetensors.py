@@ -30,7 +30,7 @@ import os
 
 from . import _cuda, _remote, _turboio
 from ._dtypes import load_dtype, torch_dtype, torch_dtype_for
-from ._torch import tensors_of, threads as _threads
+from ._torch import select_across, tensors_of, threads as _threads
 
 __all__ = ["SafeTensorsFileLoader", "FilesBufferOnDevice", "SingleGroup", "fastsafe_open", "ParallelLoader", "AutoLoader"]
 
@@ -369,14 +369,10 @@ class SafeTensorsFileLoader:
         selected tensors."""
         if self._selection is None or self._selected is not None:
             return
-        names = [name for _, infos in self._headers.values() for name, *_ in infos]
-        origin = next(iter(self._headers), "the added files")
-        keep = set(_turboio.select(self._selection, names, origin))
-        self._selected = {}
+        names = {path: [i[0] for i in infos] for path, (_, infos) in self._headers.items()}
+        self._selected = select_across(self._selection, names, next(iter(self._headers), "the added files"))
         for path, (data_start, infos) in list(self._headers.items()):
-            kept = [i for i in infos if i[0] in keep]
-            self._headers[path] = (data_start, kept)
-            self._selected[path] = frozenset(i[0] for i in kept)
+            self._headers[path] = (data_start, [i for i in infos if i[0] in self._selected[path]])
 
     def get_keys(self):
         self._select()
@@ -542,9 +538,7 @@ class ParallelLoader:
         for f in self.files:
             st = _remote.storage(f, storage, self._loader_args.get("cache_dir"))
             names[f] = [n for n, *_ in _turboio.read_header(f, storage=st)[3]]
-        everything = [n for ns in names.values() for n in ns]
-        keep = set(_turboio.select(self._selection, everything, self.files[0] if self.files else "no files"))
-        return {f: frozenset(n for n in ns if n in keep) for f, ns in names.items()}
+        return select_across(self._selection, names, self.files[0] if self.files else "no files")
 
     def iterate_weights(self):
         world = self.pg.size()

@@ -17,7 +17,7 @@
 import os
 
 from . import _remote, _turboio
-from ._torch import raw_tensors, remove_duplicate_names, tensors_of, threads
+from ._torch import raw_tensors, remove_duplicate_names, select_across, tensors_of, threads
 
 
 def _paths(files_or_dir):
@@ -379,8 +379,8 @@ def iter_weights(files_or_dir, device="cpu", *, storage_options=None, cache_dir=
             shards.append((f, storage, [(n, e - b) for n, _d, _s, b, e in sorted(infos, key=lambda i: i[3])]))
     if tensors is not None:
         origin = paths[0] if len(paths) == 1 else f"{paths[0]} (and {len(paths) - 1} more)"
-        keep = set(_turboio.select(tensors, [n for _f, _s, infos in shards for n, _ in infos], origin))
-        shards = [(f, st, [(n, size) for n, size in infos if n in keep]) for f, st, infos in shards]
+        keep = select_across(tensors, {f: [n for n, _ in infos] for f, _s, infos in shards}, origin)
+        shards = [(f, st, [(n, size) for n, size in infos if n in keep[f]]) for f, st, infos in shards]
     limit = None if window is None else (_turboio.parse_shard_size(window) if isinstance(window, str) else int(window))
     if limit is not None and limit <= 0:
         raise ValueError(f"window must be a positive number of bytes, not {window!r}")
