@@ -185,6 +185,32 @@ fn hot_files_go_straight_from_the_page_cache_mapping() {
     assert!(err.to_string().contains("lazy"), "{err}");
 }
 
+/// A device where registering host memory costs more than staging (CUDA): automatic loads of a
+/// hot file stage, with no fallback line; asked for mapped, it maps.
+#[test]
+fn a_device_that_prefers_staging_maps_hot_files_only_when_asked() {
+    let d = disk_dir();
+    let path = sample(d.path(), 8 << 20);
+    drop(std::fs::read(&path).unwrap());
+    let cached = turboio::posix::PosixStorage::new().open_posix(&path).unwrap().cached_fraction().unwrap();
+    if cached < HOT {
+        eprintln!("skipped: the page cache kept only {cached:.2} of a file just read");
+        return;
+    }
+    let dev = Arc::new(OpaqueDevice::new(0).with_host_uploads_on_request());
+    assert!(dev.uploads_from_host() && !dev.prefers_host_uploads());
+    let auto = turboio::load(&path, &dev_opts(&dev)).unwrap();
+    assert_ne!(auto.report().read.method, "mmap, DMA from the page cache");
+    assert!(auto.report().fallbacks.is_empty(), "{:?}", auto.report().fallbacks);
+    assert_eq!(dev.host_uploaded_bytes(), 0);
+    assert!(dev.uploads() > 0, "staged");
+    assert_matches(&auto, &path, "staged hot file");
+    let mapped = turboio::load(&path, &LoadOptions { mode: LoadMode::Mapped, ..dev_opts(&dev) }).unwrap();
+    assert_eq!(mapped.report().read.method, "mmap, DMA from the page cache");
+    assert_eq!(dev.host_uploaded_bytes(), mapped.report().bytes);
+    assert_matches(&mapped, &path, "mapped on request");
+}
+
 #[test]
 fn the_data_section_is_16_byte_aligned_in_device_memory() {
     let d = disk_dir();

@@ -5,9 +5,9 @@
 use crate::benchkit::{
     date, encrypted_twin, machine, measure, parse_size, ratio, ratio_in, render, sample, size_name, Check, Loader, Row,
 };
-use anyhow::Result;
+use anyhow::{Context, Result};
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use turboio::device::ArenaPool;
 use turboio::{LoadMode, LoadOptions, SaveOptions};
@@ -87,6 +87,105 @@ pub struct Args {
     /// with the reason where the device cannot be opened.
     #[arg(long)]
     pub device: Option<String>,
+    /// Only the GPU rows of `--device` (turboio's and the Python peers', hot and cold, with the
+    /// ceiling and the GPU checks), for every size: a GPU machine's short lease. Written to
+    /// `gpu.md` / `gpu.json` in `--out`.
+    #[arg(long, requires = "device")]
+    pub gpu_only: bool,
+}
+
+/// The GPU rows for one file: turboio's (hot, and cold unless `no_cold`) and the Python peers'.
+fn gpu_rows(
+    device: &str,
+    python: Option<&Path>,
+    path: &Path,
+    len: u64,
+    runs: usize,
+    no_cold: bool,
+) -> Result<Vec<Row>> {
+    let mut all = Vec::new();
+    let enc = encrypted_twin(path)?;
+    eprintln!("{}: GPU ({device}), hot, {runs} runs ...", size_name(len));
+    all.extend(crate::gpubench::measure(device, path, &enc, len, runs, false)?);
+    if !no_cold {
+        eprintln!("{}: GPU ({device}), cold, {runs} runs ...", size_name(len));
+        all.extend(crate::gpubench::measure(device, path, &enc, len, runs, true)?);
+    }
+    if let Some(py) = python {
+        let pt = crate::pybench::pt_copy(py, path)?;
+        let caches: &[bool] = if no_cold { &[false] } else { &[false, true] };
+        for &cold in caches {
+            eprintln!("{}: Python to {device}, {}, {runs} runs ...", size_name(len), if cold { "cold" } else { "hot" });
+            let mut rows = crate::pybench::measure_on(
+                py,
+                path,
+                &pt,
+                len,
+                runs,
+                cold,
+                device,
+                &crate::pybench::GPU_LOADERS,
+                "python, gpu",
+            )?;
+            if crate::gpubench::open(device).is_err() {
+                for r in &mut rows {
+                    r.skipped = Some(format!("{device} cannot be opened here"));
+                }
+            }
+            all.extend(rows);
+        }
+    }
+    Ok(all)
+}
+
+/// The GPU checks for one size (the rows of [`gpu_rows`]).
+fn gpu_checks(all: &[Row], len: u64, size: u64, checks: &mut Vec<Check>) {
+    use crate::gpubench::{AUTO, CEILING, ENCRYPTED, STAGED};
+    let mut add = |what: &str, a: &str, b: &str, need: f64| {
+        if let Some(r) = ratio(all, len, "hot", a, b) {
+            checks.push(Check { what: format!("{} hot: {what}", size_name(size)), ratio: r, need });
+        }
+    };
+    add("GPU: turboio auto vs the pinned H2D ceiling", AUTO, CEILING, 0.7);
+    add("GPU: encrypted vs staged plain", ENCRYPTED, STAGED, 0.8);
+    if let Some(r) = ratio_in(all, len, "hot", "python, gpu", "turboio.load", "safetensors.torch.load_file") {
+        checks.push(Check {
+            what: format!("{} hot: GPU turboio.load vs safetensors.torch.load_file(device=cuda)", size_name(size)),
+            ratio: r,
+            need: 2.0,
+        });
+    }
+}
+
+/// `--gpu-only`: the GPU rows and checks alone, for every size.
+fn run_gpu_only(args: &Args, device: &str, sizes: &[u64], runs: usize) -> Result<()> {
+    let python = if args.no_python { None } else { Some(crate::pybench::setup()?) };
+    let mut all: Vec<Row> = Vec::new();
+    let mut checks = Vec::new();
+    for &size in sizes {
+        let path = sample(&args.dir, size)?;
+        let len = std::fs::metadata(&path)?.len();
+        all.extend(gpu_rows(device, python.as_deref(), &path, len, runs, args.no_cold)?);
+        gpu_checks(&all, len, size, &mut checks);
+    }
+    let report = render(&all, &checks, runs);
+    println!("{report}");
+    std::fs::create_dir_all(&args.out)?;
+    std::fs::write(args.out.join("gpu.md"), &report)?;
+    let json = serde_json::json!({
+        "date": date(),
+        "machine": machine(),
+        "runs": runs,
+        "rows": all.iter().map(|r| serde_json::json!({
+            "size_bytes": r.size, "cache": r.cache, "loader": r.loader, "group": r.group, "times_s": r.times,
+            "median_s": r.median(), "gb_per_s": r.gbps(), "peak_rss_bytes": r.peak_rss, "how": r.how,
+            "skipped": r.skipped,
+        })).collect::<Vec<_>>(),
+        "checks": checks.iter().map(|c| serde_json::json!({"what": c.what, "ratio": c.ratio, "need": c.need, "pass": c.ratio >= c.need})).collect::<Vec<_>>(),
+    });
+    std::fs::write(args.out.join("gpu.json"), serde_json::to_string_pretty(&json)?)?;
+    eprintln!("wrote {}/gpu.{{md,json}}", args.out.display());
+    Ok(())
 }
 
 /// The SFCS rows: a save through libcloudfs (parts, concat, rename), then copied loads of that
@@ -192,6 +291,10 @@ pub fn run(args: Args) -> Result<()> {
         println!("{report}\nwrote {}", args.out.join("pt.md").display());
         return Ok(());
     }
+    if args.gpu_only {
+        let device = args.device.as_deref().context("--gpu-only needs --device cuda:N")?;
+        return run_gpu_only(&args, device, &sizes, runs);
+    }
     let pool = ArenaPool::with_huge_pages(1, false);
     let python = if args.no_python { None } else { Some(crate::pybench::setup()?) };
     let mut all: Vec<Row> = Vec::new();
@@ -248,36 +351,7 @@ pub fn run(args: Args) -> Result<()> {
         }
         all.extend(sfcs_rows(args.sfcs_path.as_deref(), size, runs)?);
         if let Some(device) = &args.device {
-            let enc = encrypted_twin(&path)?;
-            eprintln!("{}: GPU ({device}), hot, {runs} runs ...", size_name(size));
-            all.extend(crate::gpubench::measure(device, &path, &enc, len, runs, false)?);
-            if !args.no_cold {
-                eprintln!("{}: GPU ({device}), cold, {runs} runs ...", size_name(size));
-                all.extend(crate::gpubench::measure(device, &path, &enc, len, runs, true)?);
-            }
-            if let Some(py) = &python {
-                let pt = crate::pybench::pt_copy(py, &path)?;
-                let caches: &[bool] = if args.no_cold { &[false] } else { &[false, true] };
-                for &cold in caches {
-                    let mut rows = crate::pybench::measure_on(
-                        py,
-                        &path,
-                        &pt,
-                        len,
-                        runs,
-                        cold,
-                        device,
-                        &crate::pybench::GPU_LOADERS,
-                        "python, gpu",
-                    )?;
-                    if crate::gpubench::open(device).is_err() {
-                        for r in &mut rows {
-                            r.skipped = Some(format!("{device} cannot be opened here"));
-                        }
-                    }
-                    all.extend(rows);
-                }
-            }
+            all.extend(gpu_rows(device, python.as_deref(), &path, len, runs, args.no_cold)?);
         }
         if args.clean {
             std::fs::remove_file(&path)?;
@@ -365,20 +439,7 @@ pub fn run(args: Args) -> Result<()> {
         add("turboio.load vs safetensors.torch.load_file", "cold", "turboio.load", "safetensors.torch.load_file", 2.0);
         add("turboio.load vs torch.load", "hot", "turboio.load", "torch.load", 8.0);
         if args.device.is_some() {
-            use crate::gpubench::{AUTO, CEILING, ENCRYPTED, STAGED};
-            add("GPU: turboio auto vs the pinned H2D ceiling", "hot", AUTO, CEILING, 0.7);
-            add("GPU: encrypted vs staged plain", "hot", ENCRYPTED, STAGED, 0.8);
-            let g = |l: &str| ratio_in(&all, len, "hot", "python, gpu", l, "safetensors.torch.load_file");
-            if let Some(r) = g("turboio.load") {
-                checks.push(Check {
-                    what: format!(
-                        "{} hot: GPU turboio.load vs safetensors.torch.load_file(device=cuda)",
-                        size_name(size)
-                    ),
-                    ratio: r,
-                    need: 2.0,
-                });
-            }
+            gpu_checks(&all, len, size, &mut checks);
         }
     }
 

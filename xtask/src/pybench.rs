@@ -18,7 +18,14 @@ pub fn on_pt(loader: &str) -> bool {
 }
 
 /// The venv with the peers and the freshly built wheel.
+///
+/// `TURBOIO_BENCH_PYTHON` names an interpreter to use as it is instead (a GPU machine with no
+/// network, whose image has torch and the peers and where the wheel was installed by hand): no
+/// venv is made and nothing is installed.
 pub fn setup() -> Result<PathBuf> {
+    if let Some(python) = std::env::var_os("TURBOIO_BENCH_PYTHON") {
+        return Ok(PathBuf::from(python));
+    }
     let python = venv(&["crates/py/requirements-test.txt", "crates/py/bench/requirements.txt"])?;
     install_wheel(&python)?;
     Ok(python)

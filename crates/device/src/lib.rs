@@ -398,6 +398,15 @@ pub trait Device: Send + Sync + fmt::Debug {
         false
     }
 
+    /// True if, for a file already in the page cache, an automatic load should copy straight
+    /// from the populated mapping ([`upload_from_host`](Self::upload_from_host)) rather than
+    /// through staging buffers. Defaults to [`uploads_from_host`](Self::uploads_from_host); a
+    /// device where registering host memory costs more than staging it says false, and the
+    /// mapping is then used only when a load asks for it (`LoadMode::Mapped`).
+    fn prefers_host_uploads(&self) -> bool {
+        self.uploads_from_host()
+    }
+
     /// Copies `src` into `dst` at `dst_offset` straight from where it is (registering it for
     /// DMA as needed, read-only where the device allows), and waits.
     fn upload_from_host(&self, _src: &[u8], _dst: &dyn Allocation, _dst_offset: usize) -> Result<()> {

@@ -99,6 +99,9 @@ pub struct OpaqueDevice {
     fail_after: Arc<AtomicU64>,
     decrypts: bool,
     host_uploads: bool,
+    /// Whether automatic loads should take the host-upload path (see
+    /// [`Device::prefers_host_uploads`]).
+    prefers_host_uploads: bool,
     key_failure: Option<String>,
     pool: Option<StagingPool>,
     host_upload_refused: AtomicBool,
@@ -194,6 +197,7 @@ impl OpaqueDevice {
             fail_after,
             decrypts: false,
             host_uploads: false,
+            prefers_host_uploads: true,
             key_failure: None,
             pool: None,
             host_upload_refused: AtomicBool::new(false),
@@ -222,6 +226,14 @@ impl OpaqueDevice {
     /// Copies straight from host memory ([`Device::upload_from_host`]).
     pub fn with_host_uploads(mut self) -> Self {
         self.host_uploads = true;
+        self
+    }
+
+    /// Copies straight from host memory, but, like CUDA, only when a load asks for it: automatic
+    /// loads of hot files stage ([`Device::prefers_host_uploads`] is false).
+    pub fn with_host_uploads_on_request(mut self) -> Self {
+        self.host_uploads = true;
+        self.prefers_host_uploads = false;
         self
     }
 
@@ -524,6 +536,10 @@ impl Device for OpaqueDevice {
 
     fn uploads_from_host(&self) -> bool {
         self.host_uploads
+    }
+
+    fn prefers_host_uploads(&self) -> bool {
+        self.host_uploads && self.prefers_host_uploads
     }
 
     fn upload_from_host(&self, src: &[u8], dst: &dyn Allocation, dst_offset: usize) -> Result<()> {

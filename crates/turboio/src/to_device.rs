@@ -4,8 +4,10 @@
 //!
 //! 1. **From the page-cache mapping** ([`Device::uploads_from_host`]): a hot, unencrypted local
 //!    file is mapped and populated (no copy) and the device DMAs straight from the mapping. Auto
-//!    mode takes this for files at least half cached (unless the page cache is bypassed);
-//!    `LoadMode::Mapped` forces it, `LoadMode::Copied` never takes it.
+//!    mode takes this for files at least half cached (unless the page cache is bypassed) on a
+//!    device that prefers it ([`Device::prefers_host_uploads`]; CUDA does not: registering the
+//!    mapping costs more than staging); `LoadMode::Mapped` forces it, `LoadMode::Copied` never
+//!    takes it.
 //! 2. **From storage straight into device memory** ([`StorageFile::reads_to_device`], GDS) for
 //!    files that are not hot (DMA from the disk would re-read a cached file).
 //! 3. **Staged**: readers fill host staging buffers that the device copies while the next
@@ -118,7 +120,7 @@ fn fill_with(
     let want_mapped = match opts.mode {
         LoadMode::Mapped => true,
         LoadMode::Copied | LoadMode::Lazy => false,
-        LoadMode::Auto => hot && opts.cache != CachePolicy::Bypass,
+        LoadMode::Auto => hot && opts.cache != CachePolicy::Bypass && device.prefers_host_uploads(),
     };
     if want_mapped {
         let why_not = if !device.uploads_from_host() {
