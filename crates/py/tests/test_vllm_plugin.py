@@ -45,22 +45,95 @@ def test_options_are_checked():
         "cache_dir": None,
         "fetch": "all",
         "tensors": None,
+        "window": "256MiB",
+        "enable_weights_track": None,
     }
     assert vllm_plugin.loader_options({"num_threads": 4, "cache": "keep"})["num_threads"] == 4
     assert vllm_plugin.loader_options({"tensors": ["model.layers.0.*"]})["tensors"] == ["model.layers.0.*"]
+    assert vllm_plugin.loader_options({"window": 0})["window"] is None, "0: whole shards"
+    assert vllm_plugin.loader_options({"window": 4096})["window"] == 4096
+    assert vllm_plugin.loader_options({"enable_weights_track": False})["enable_weights_track"] is False
     for bad, msg in [
         ({"num_thread": 4}, "unknown option"),
         ({"cache": "never"}, "cache must"),
-        ({"num_threads": "4"}, "must be a int"),
+        ({"num_threads": "4"}, "num_threads must be an integer, not '4'"),
+        ({"num_threads": True}, "num_threads must be an integer, not True"),
         ({"storage_options": "endpoint=x"}, "storage_options must be a dict"),
-        ({"cache_dir": 3}, "cache_dir must be a str"),
+        ({"cache_dir": 3}, "cache_dir must be a string"),
         ({"fetch": "twice"}, "fetch must be all or once"),
-        ({"tensors": 3}, "tensors must be a str or list"),
+        ({"tensors": 3}, "tensors must be a string or a list"),
         ({"tensors": []}, "tensors must be a name"),
         ({"tensors": "x", "fetch": "once"}, "tensors cannot be combined"),
+        ({"window": -1}, "window must be a size in bytes"),
+        ({"window": "lots"}, "window must be a size such as"),
+        ({"enable_weights_track": "yes"}, "enable_weights_track must be true or false"),
     ]:
         with pytest.raises(ValueError, match=msg):
             vllm_plugin.loader_options(bad)
+
+
+def torch_model(names_and_shapes, quantized_modules=()):
+    """A torch module whose parameters carry these dotted names (as a vLLM model's do)."""
+    root = torch.nn.Module()
+    for name, shape in names_and_shapes.items():
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        m.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape), requires_grad=False))
+    for q in quantized_modules:
+        root.get_submodule(q).quant_method = types.SimpleNamespace(process_weights_after_loading=lambda layer: None)
+    return root
+
+
+class VllmLikeModel:
+    """`load_weights` as vLLM models have it: copies each tensor into the parameter of that name
+    and returns the set of names loaded."""
+
+    def __init__(self, module):
+        self.module = module
+        self.got = {}
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    def named_modules(self):
+        return self.module.named_modules()
+
+    def load_weights(self, weights):
+        params = dict(self.module.named_parameters())
+        loaded = set()
+        for name, t in weights:
+            self.got[name] = t.clone()
+            if name in params:
+                params[name].data = t.to(torch.float32).reshape(params[name].shape).clone()
+                loaded.add(name)
+        return loaded
+
+
+def test_missing_weights_follow_vllms_rule():
+    m = torch_model({"x.w": (3, 4), "x.b": (4,), "y.w": (2, 2), "q.scale": (1,)}, quantized_modules=["q"])
+    assert vllm_plugin.missing_weights(m, {"x.w", "x.b", "y.w"}) == set(), "quantization-made parameters are exempt"
+    assert vllm_plugin.missing_weights(m, {"x.w", "y.w"}) == {"x.b"}
+    config = types.SimpleNamespace(quantization=None)
+    with pytest.raises(ValueError, match=r"Following weights were not initialized from checkpoint: \{'x.b'\}"):
+        vllm_plugin.check_loaded(None, m, config, {"x.w", "y.w"})
+    vllm_plugin.check_loaded(None, m, config, {"x.w", "y.w"}, enable=False)
+    vllm_plugin.check_loaded(None, m, config, None)  # a model that does not track: nothing to check
+    vllm_plugin.check_loaded(None, m, types.SimpleNamespace(quantization="fp8"), {"x.w"})  # off by default
+    with pytest.raises(ValueError, match="not initialized"):
+        vllm_plugin.check_loaded(None, m, types.SimpleNamespace(quantization="fp8"), {"x.w"}, enable=True)
+
+
+def test_the_window_streams_every_tensor_unchanged(tmp):
+    d, ref = model_dir(tmp)
+    for window in (1, 0, "1MiB"):
+        got = dict(vllm_plugin.weights_iterator(str(d), vllm_plugin.loader_options({"window": window})))
+        assert got.keys() == ref.keys(), window
+        for k, v in ref.items():
+            assert torch.equal(got[k], v), (window, k)
 
 
 def test_registered_loader_feeds_model_load_weights(tmp, monkeypatch):
@@ -93,21 +166,48 @@ def test_registered_loader_feeds_model_load_weights(tmp, monkeypatch):
     cls = vllm_plugin.register()
     assert registry["turboio"] is cls and issubclass(cls, BaseModelLoader)
     load_config = types.SimpleNamespace(model_loader_extra_config={"num_threads": 2}, download_dir=None)
-    model_config = types.SimpleNamespace(model=str(d), revision=None)
+    model_config = types.SimpleNamespace(model=str(d), revision=None, quantization=None)
     loader = cls(load_config)
 
-    class Model:
-        def load_weights(self, weights):
-            self.got = dict(weights)
-
-    m = Model()
+    m = VllmLikeModel(torch_model({k: tuple(v.shape) for k, v in ref.items()}))
     loader.download_model(model_config)
-    loader.load_weights(m, model_config)
+    with caplog_at_info() as records:
+        loader.load_weights(m, model_config)
     assert m.got.keys() == ref.keys()
     for k, v in ref.items():
         assert torch.equal(m.got[k], v), k
+    took = [r.getMessage() for r in records if "Loading weights took" in r.getMessage()]
+    assert len(took) == 1 and "3 tensors" in took[0], took
     with pytest.raises(ValueError, match="unknown option"):
         cls(types.SimpleNamespace(model_loader_extra_config={"bogus": 1}))
+
+    # A checkpoint missing a weight the model has is refused, naming it.
+    short = VllmLikeModel(torch_model({**{k: tuple(v.shape) for k, v in ref.items()}, "model.norm.weight": (4,)}))
+    with pytest.raises(ValueError, match=r"not initialized from checkpoint: \{'model.norm.weight'\}"):
+        loader.load_weights(short, model_config)
+    # ... unless the check is turned off, as vLLM's enable_weights_track allows.
+    off = cls(types.SimpleNamespace(model_loader_extra_config={"enable_weights_track": False}, download_dir=None))
+    off.load_weights(short, model_config)
+
+
+class caplog_at_info:
+    """Collects the records of the plug-in's logger (a child of vLLM's "vllm" logger)."""
+
+    def __enter__(self):
+        import logging
+
+        self.records = []
+        self.handler = logging.Handler()
+        self.handler.emit = self.records.append
+        self.logger = logging.getLogger("vllm.turboio")
+        self.level = self.logger.level
+        self.logger.addHandler(self.handler)
+        self.logger.setLevel(logging.INFO)
+        return self.records
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
 
 
 def test_object_store_models_are_read_in_place(tmp):
@@ -152,14 +252,14 @@ def test_real_vllm_registers_the_loader(tmp):
     assert issubclass(cls, BaseModelLoader)
     d, ref = model_dir(tmp)
 
-    class Model:
-        def load_weights(self, weights):
-            self.got = dict(weights)
-
     loader = cls(types.SimpleNamespace(model_loader_extra_config={}, download_dir=None))
-    m = Model()
-    loader.load_weights(m, types.SimpleNamespace(model=str(d), revision=None))
+    m = VllmLikeModel(torch_model({k: tuple(v.shape) for k, v in ref.items()}))
+    loader.load_weights(m, types.SimpleNamespace(model=str(d), revision=None, quantization=None))
     assert m.got.keys() == ref.keys()
+    # vLLM's own check refuses a checkpoint missing a weight.
+    short = VllmLikeModel(torch_model({**{k: tuple(v.shape) for k, v in ref.items()}, "model.norm.weight": (4,)}))
+    with pytest.raises(ValueError, match="Following weights were not initialized from checkpoint"):
+        loader.load_weights(short, types.SimpleNamespace(model=str(d), revision=None, quantization=None))
 
 
 def _tp_worker(rank, world, d, url, options):

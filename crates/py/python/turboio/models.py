@@ -340,7 +340,18 @@ def save_model_dir(
     return index
 
 
-def iter_weights(files_or_dir, device="cpu", *, storage_options=None, cache_dir=None, tensors=None, window=None):
+def iter_weights(
+    files_or_dir,
+    device="cpu",
+    *,
+    storage_options=None,
+    cache_dir=None,
+    tensors=None,
+    window=None,
+    num_thread=0,
+    cache="auto",
+    mode="auto",
+):
     """Yields `(name, tensor)` for every tensor of a model directory (or index JSON) or of a list
     of safetensors files, shard by shard, in the shape of vLLM's safetensors weight iterators.
     Each tensor owns a reference to its shard's memory, so it stays valid after the iterator
@@ -355,7 +366,10 @@ def iter_weights(files_or_dir, device="cpu", *, storage_options=None, cache_dir=
     group of its own), the next group read while the current one is consumed, so at most two
     groups are held at once, not the model; each tensor owns its group's memory (never a view
     into a reused buffer), which is freed when the group's last tensor is dropped. For engines
-    that copy each tensor into their own parameters as it comes."""
+    that copy each tensor into their own parameters as it comes.
+
+    `num_thread`, `cache` and `mode` are `turboio.load`'s (readers, the page-cache policy, how
+    the bytes are held)."""
     import torch
 
     dev = torch.device(device)
@@ -364,7 +378,9 @@ def iter_weights(files_or_dir, device="cpu", *, storage_options=None, cache_dir=
     if window is None and (tensors is None or len(paths) == 1):
         for path in paths:
             storage = _remote.storage(path, storage_options, cache_dir)
-            for loaded in _turboio.load_model(path, threads=threads(0), storage=storage, tensors=tensors):
+            for loaded in _turboio.load_model(
+                path, threads=threads(num_thread), cache=cache, mode=mode, storage=storage, tensors=tensors
+            ):
                 for name, t in tensors_of(loaded).items():
                     yield name, move(t)
         return
@@ -401,7 +417,7 @@ def iter_weights(files_or_dir, device="cpu", *, storage_options=None, cache_dir=
 
     def load(group):
         f, storage, names = group
-        return _turboio.load(f, threads=threads(0), storage=storage, tensors=names)
+        return _turboio.load(f, threads=threads(num_thread), cache=cache, mode=mode, storage=storage, tensors=names)
 
     # The next group is read (GIL released) while the current one is consumed.
     with ThreadPoolExecutor(max_workers=1) as ahead:

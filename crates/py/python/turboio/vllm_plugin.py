@@ -10,9 +10,15 @@ The wheel declares an entry point in vLLM's `vllm.general_plugins` group; vLLM c
   otherwise the safetensors files and JSON of the repository are fetched with
   `huggingface_hub`.
 - `load_weights(model, model_config)`: feeds `model.load_weights(...)` with `(name, tensor)`
-  pairs from the model's shards: the ones `model.safetensors.index.json` lists when it exists
-  (stray files beside them are ignored), else every `*.safetensors` file; the whole set is
-  loaded as one turboio job (every shard validated first, then read in one pipeline).
+  pairs from the model's shards (the ones `model.safetensors.index.json` lists when it exists,
+  stray files beside them ignored, else every `*.safetensors` file), streamed with bounded
+  memory: each shard is read in groups of consecutive tensors of at most `window` bytes, the next
+  group read while vLLM copies the current one into its parameters, so at most two groups are
+  held in host memory, never the model. Then it checks, as vLLM's default loader does (with
+  vLLM's own check where the installed vLLM has it, the same rule otherwise), that every
+  parameter of the model was loaded: a checkpoint missing a weight is refused ("Following
+  weights were not initialized from checkpoint: {...}") instead of served with an uninitialised
+  weight. It logs "Loading weights took N seconds (X GB/s, T tensors)" like vLLM's loader.
 
 Options, from `--model-loader-extra-config '{"num_threads": 8, "cache": "keep"}'`:
 `num_threads` (readers; default one per core), `cache` ("auto", "keep" or "bypass"), `mode`
@@ -23,8 +29,11 @@ tensor parallelism, the ranks of vLLM's tensor-parallel group each fetch 1/W of 
 storage and exchange the pieces over that group's gloo group, so `vllm serve s3://bucket/model
 --load-format turboio -tp 2` fetches the model once), `tensors` (a name or glob pattern, or a
 list of them: only those tensors are read and fed to vLLM, e.g. a draft model's layers; a
-pattern that matches nothing is an error naming the closest tensors). Unknown keys are an
-error, so a typo does not pass silently.
+pattern that matches nothing is an error naming the closest tensors), `window` (bytes, or a
+size such as "1GiB"; default "256MiB"; 0 loads each shard whole), `enable_weights_track`
+(vLLM's own option: true or false forces the loaded-weights check on or off; by default it runs
+for unquantized models whose `load_weights` returns the names, as vLLM's does). Unknown keys are
+an error, so a typo does not pass silently.
 
 vLLM is not a dependency of the wheel. Everything but the two vLLM classes lives in plain
 functions here (`weight_files`, `loader_options`, `weights_iterator`), tested without vLLM.
@@ -32,7 +41,9 @@ functions here (`weight_files`, `loader_options`, `weights_iterator`), tested wi
 
 import glob
 import json
+import logging
 import os
+import time
 
 INDEX = "model.safetensors.index.json"
 OPTIONS = {
@@ -43,7 +54,19 @@ OPTIONS = {
     "cache_dir": str,
     "fetch": str,
     "tensors": (str, list),
+    "window": (str, int),
+    "enable_weights_track": bool,
 }
+DEFAULT_WINDOW = "256MiB"
+
+# A child of vLLM's "vllm" logger, so its lines reach vLLM's handlers and format.
+logger = logging.getLogger("vllm.turboio")
+
+
+def _type_name(t):
+    names = [x.__name__ for x in (t if isinstance(t, tuple) else (t,))]
+    words = {"int": "an integer", "str": "a string", "dict": "a dict", "list": "a list", "bool": "true or false"}
+    return " or ".join(words.get(n, n) for n in names)
 
 
 def weight_files(model_dir):
@@ -73,9 +96,23 @@ def loader_options(extra_config):
     if unknown:
         raise ValueError(f"turboio loader: unknown option(s) {unknown}; known: {sorted(OPTIONS)}")
     for k, t in OPTIONS.items():
-        if k in extra and not isinstance(extra[k], t):
-            kind = " or ".join(x.__name__ for x in t) if isinstance(t, tuple) else t.__name__
-            raise ValueError(f"turboio loader: {k} must be a {kind}, not {extra[k]!r}")
+        v = extra.get(k)
+        # (True is an int to Python, not to a user.)
+        wrong_bool = isinstance(v, bool) and t is not bool
+        if k in extra and (wrong_bool or not isinstance(v, t)):
+            raise ValueError(f"turboio loader: {k} must be {_type_name(t)}, not {v!r}")
+    window = extra.get("window", DEFAULT_WINDOW)
+    if isinstance(window, int):
+        if window < 0:
+            raise ValueError(f"turboio loader: window must be a size in bytes (0: whole shards), not {window!r}")
+        window = window or None
+    else:
+        from . import _turboio
+
+        try:
+            _turboio.parse_shard_size(window)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"turboio loader: window must be a size such as \"256MiB\", not {window!r} ({e})") from None
     tensors = extra.get("tensors")
     if isinstance(tensors, list) and not (tensors and all(isinstance(x, str) for x in tensors)):
         raise ValueError(f"turboio loader: tensors must be a name, a pattern or a non-empty list of them, not {tensors!r}")
@@ -95,6 +132,8 @@ def loader_options(extra_config):
         "cache_dir": extra.get("cache_dir"),
         "fetch": extra.get("fetch", "all"),
         "tensors": tensors,
+        "window": window,
+        "enable_weights_track": extra.get("enable_weights_track"),
     }
 
 
@@ -118,32 +157,77 @@ def weights_iterator(model_dir, options):
             fetch="once",
         ).items()
         return
-    storage = _remote.storage(model_dir, options.get("storage_options"), options.get("cache_dir"))
+    from .models import iter_weights
+
     index = os.path.join(model_dir, INDEX)
     if _remote.is_remote(model_dir) or os.path.isfile(index):
-        # One job: the index (or, for a prefix without one, every *.safetensors object under it).
-        sources = [model_dir]
+        # The index (or, for a prefix without one, every *.safetensors object under it).
+        sources = model_dir
     else:
         sources = weight_files(model_dir)
-    tensors = options.get("tensors")
-    if tensors is not None and len(sources) > 1:
-        # Several files without an index: the selection is checked against all of them.
-        from .models import iter_weights
+    yield from iter_weights(
+        sources,
+        storage_options=options.get("storage_options"),
+        cache_dir=options.get("cache_dir"),
+        tensors=options.get("tensors"),
+        window=options.get("window"),
+        num_thread=options.get("num_threads", 0),
+        cache=options.get("cache", "auto"),
+        mode=options.get("mode", "auto"),
+    )
 
-        yield from iter_weights(
-            sources, storage_options=options.get("storage_options"), cache_dir=options.get("cache_dir"), tensors=tensors
-        )
+
+def missing_weights(model, loaded):
+    """The parameters of `model` that `loaded` (the names `model.load_weights` returned) leaves
+    out, by the rule of vLLM's default loader for unquantized models: every parameter must be
+    loaded, except those of modules whose quantization method makes them after loading."""
+    want = {name for name, _ in model.named_parameters()}
+    got = set(loaded)
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "uses_meta_device", False) or getattr(method, "process_weights_after_loading", None):
+            for pname, _ in module.named_parameters():
+                got.add(f"{name}.{pname}" if name else pname)
+    return want - got
+
+
+def check_loaded(loader, model, model_config, loaded, enable=None):
+    """Refuses a model some of whose parameters the checkpoint did not provide, as vLLM's
+    default loader does: by default for unquantized models whose `load_weights` returns the loaded
+    names; `enable` (the `enable_weights_track` option) forces it on or off. Uses vLLM's own
+    check where the installed vLLM has it, so the rule and the message are vLLM's."""
+    quantization = getattr(model_config, "quantization", None)
+    if enable is None:
+        enable = quantization is None and loaded is not None
+    if not enable or loaded is None:
         return
-    for source in sources:
-        for loaded in _turboio.load_model(
-            source,
-            threads=threads(options["num_threads"]),
-            cache=options["cache"],
-            mode=options["mode"],
-            storage=storage,
-            tensors=tensors,
-        ):
-            yield from tensors_of(loaded).items()
+    try:
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+        track = DefaultModelLoader.track_weights_loading
+    except (ImportError, AttributeError):
+        track = None
+    if track is not None:
+        track(loader, model, set(loaded), quantized=quantization is not None)
+        return
+    missing = missing_weights(model, loaded)
+    if missing:
+        raise ValueError(f"Following weights were not initialized from checkpoint: {missing}")
+
+
+class _Counted:
+    """Passes `(name, tensor)` pairs through, counting tensors and bytes."""
+
+    def __init__(self, pairs):
+        self.pairs = pairs
+        self.tensors = 0
+        self.bytes = 0
+
+    def __iter__(self):
+        for name, t in self.pairs:
+            self.tensors += 1
+            self.bytes += t.numel() * t.element_size()
+            yield name, t
 
 
 def _tensor_parallel_group():
@@ -200,6 +284,17 @@ def register():
 
         def load_weights(self, model, model_config):
             model_dir = _local_dir(model_config, self.load_config)
-            model.load_weights(weights_iterator(model_dir, self.options))
+            start = time.perf_counter()
+            weights = _Counted(weights_iterator(model_dir, self.options))
+            loaded = model.load_weights(weights)
+            took = time.perf_counter() - start
+            logger.info(
+                "Loading weights took %.2f seconds (turboio: %.2f GB/s, %d tensors, %.2f GB)",
+                took,
+                weights.bytes / max(took, 1e-9) / 1e9,
+                weights.tensors,
+                weights.bytes / 1e9,
+            )
+            check_loaded(self, model, model_config, loaded, self.options.get("enable_weights_track"))
 
     return TurboioModelLoader

