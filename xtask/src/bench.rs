@@ -77,6 +77,11 @@ pub struct Args {
     /// its --quick smoke run.)
     #[arg(long)]
     pub tensors: bool,
+    /// Only the vLLM rows: weight loading by vLLM's default loader against the turboio plug-in
+    /// on the real vLLM for the CPU (installed into `.venv-vllm`), a 1.6 GB float32 Llama, cold
+    /// and warm, with the worker's peak RSS (default 3 runs); written to `vllm.md` in `--out`.
+    #[arg(long)]
+    pub vllm: bool,
     /// An SFCS directory (`sfcs://...`) for the SFCS rows (a save and copied loads through
     /// libcloudfs); they also need LIBCFS_PATH pointing at the vendor library. Without both,
     /// the rows are skipped with a message.
@@ -268,6 +273,14 @@ pub fn run(args: Args) -> Result<()> {
         std::fs::create_dir_all(&args.out)?;
         std::fs::write(args.out.join("training.md"), &report)?;
         println!("{report}\nwrote {}", args.out.join("training.md").display());
+        return Ok(());
+    }
+    if args.vllm {
+        let runs = args.runs.unwrap_or(3).max(1);
+        let report = crate::vllmbench::run(&args.dir, runs)?;
+        std::fs::create_dir_all(&args.out)?;
+        std::fs::write(args.out.join("vllm.md"), &report)?;
+        println!("{report}\nwrote {}", args.out.join("vllm.md").display());
         return Ok(());
     }
     if args.tensors {

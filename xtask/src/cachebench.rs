@@ -159,7 +159,7 @@ fn together(python: &Path, loader: &str, file: &Path, n: usize) -> Result<(f64, 
 
 /// Drops `file` from the page cache (only it: the interpreter's and libraries' pages stay, so
 /// no root is needed and nothing else on the machine is disturbed), and checks it worked.
-fn evict(file: &Path) -> Result<()> {
+pub(crate) fn evict(file: &Path) -> Result<()> {
     let f = turboio::posix::PosixStorage::new().open_posix(file)?;
     f.evict_cache()?;
     let left = turboio::storage::StorageFile::cached_fraction(&f).unwrap_or(0.0);

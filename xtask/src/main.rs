@@ -24,6 +24,7 @@ mod savebench;
 mod tensorbench;
 mod test;
 mod trainbench;
+mod vllmbench;
 
 use clap::{Parser, Subcommand};
 

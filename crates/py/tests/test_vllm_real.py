@@ -65,9 +65,11 @@ SERVE = textwrap.dedent(
 )
 
 
-def write_llama(d, drop=None):
-    """A 3-shard Llama with an index and a local tokenizer; `drop` removes one tensor from its
-    shard and from the index (an incomplete checkpoint)."""
+def write_llama(d, drop=None, hidden=128, layers=3, heads=2, shard="300KB"):
+    """A Llama (float32, random weights) in shards with an index and a local tokenizer: by
+    default a tiny one in 10 shards; `drop` removes one tensor from its shard and from the index
+    (an incomplete checkpoint). `cargo xtask bench --vllm` writes a 1.6 GB one with it. Heads are
+    64 wide (one of the head sizes vLLM's CPU attention supports)."""
     import safetensors.torch as st
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -83,11 +85,11 @@ def write_llama(d, drop=None):
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(fast),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=2,  # head_dim 64: one vLLM's CPU attention supports
-        num_key_value_heads=1,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2 if hidden <= 128 else hidden * 4,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
         max_position_embeddings=256,
         bos_token_id=1,
         eos_token_id=2,
@@ -97,7 +99,7 @@ def write_llama(d, drop=None):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)
-    model.save_pretrained(d, safe_serialization=True, max_shard_size="300KB")
+    model.save_pretrained(d, safe_serialization=True, max_shard_size=shard)
     index = d / "model.safetensors.index.json"
     meta = json.loads(index.read_text())
     shards = sorted(set(meta["weight_map"].values()))
