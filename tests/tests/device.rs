@@ -148,16 +148,23 @@ fn without_device_decryption_the_readers_decrypt_and_say_why() {
     assert_matches(&loaded, &plain, "CPU decryption after a key failure");
 }
 
-#[test]
-fn hot_files_go_straight_from_the_page_cache_mapping() {
-    let d = disk_dir();
-    let path = sample(d.path(), 8 << 20);
+/// An 8 MiB sample just read, so in the page cache; `None` (the test skipped, and said) where
+/// the page cache did not keep at least half of it.
+fn hot_sample(dir: &Path) -> Option<PathBuf> {
+    let path = sample(dir, 8 << 20);
     drop(std::fs::read(&path).unwrap());
     let cached = turboio::posix::PosixStorage::new().open_posix(&path).unwrap().cached_fraction().unwrap();
     if cached < HOT {
         eprintln!("skipped: the page cache kept only {cached:.2} of a file just read");
-        return;
+        return None;
     }
+    Some(path)
+}
+
+#[test]
+fn hot_files_go_straight_from_the_page_cache_mapping() {
+    let d = disk_dir();
+    let Some(path) = hot_sample(d.path()) else { return };
     let dev = Arc::new(OpaqueDevice::new(0).with_host_uploads());
     let hot = turboio::load(&path, &dev_opts(&dev)).unwrap();
     assert_eq!(hot.report().held, Held::Staged);
@@ -190,13 +197,7 @@ fn hot_files_go_straight_from_the_page_cache_mapping() {
 #[test]
 fn a_device_that_prefers_staging_maps_hot_files_only_when_asked() {
     let d = disk_dir();
-    let path = sample(d.path(), 8 << 20);
-    drop(std::fs::read(&path).unwrap());
-    let cached = turboio::posix::PosixStorage::new().open_posix(&path).unwrap().cached_fraction().unwrap();
-    if cached < HOT {
-        eprintln!("skipped: the page cache kept only {cached:.2} of a file just read");
-        return;
-    }
+    let Some(path) = hot_sample(d.path()) else { return };
     let dev = Arc::new(OpaqueDevice::new(0).with_host_uploads_on_request());
     assert!(dev.uploads_from_host() && !dev.prefers_host_uploads());
     let auto = turboio::load(&path, &dev_opts(&dev)).unwrap();

@@ -162,6 +162,21 @@ fn gpu_checks(all: &[Row], len: u64, size: u64, checks: &mut Vec<Check>) {
     }
 }
 
+/// The JSON form of a run's rows and checks (`load.json`, `gpu.json`).
+fn report_json(all: &[Row], checks: &[Check], runs: usize) -> serde_json::Value {
+    serde_json::json!({
+        "date": date(),
+        "machine": machine(),
+        "runs": runs,
+        "rows": all.iter().map(|r| serde_json::json!({
+            "size_bytes": r.size, "cache": r.cache, "loader": r.loader, "group": r.group, "times_s": r.times,
+            "load_times_s": r.load_times, "median_s": r.median(), "gb_per_s": r.gbps(),
+            "peak_rss_bytes": r.peak_rss, "anon_delta_bytes": r.anon_delta, "how": r.how, "skipped": r.skipped,
+        })).collect::<Vec<_>>(),
+        "checks": checks.iter().map(|c| serde_json::json!({"what": c.what, "ratio": c.ratio, "need": c.need, "pass": c.ratio >= c.need})).collect::<Vec<_>>(),
+    })
+}
+
 /// `--gpu-only`: the GPU rows and checks alone, for every size.
 fn run_gpu_only(args: &Args, device: &str, sizes: &[u64], runs: usize) -> Result<()> {
     let python = if args.no_python { None } else { Some(crate::pybench::setup()?) };
@@ -177,17 +192,7 @@ fn run_gpu_only(args: &Args, device: &str, sizes: &[u64], runs: usize) -> Result
     println!("{report}");
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(args.out.join("gpu.md"), &report)?;
-    let json = serde_json::json!({
-        "date": date(),
-        "machine": machine(),
-        "runs": runs,
-        "rows": all.iter().map(|r| serde_json::json!({
-            "size_bytes": r.size, "cache": r.cache, "loader": r.loader, "group": r.group, "times_s": r.times,
-            "median_s": r.median(), "gb_per_s": r.gbps(), "peak_rss_bytes": r.peak_rss, "how": r.how,
-            "skipped": r.skipped,
-        })).collect::<Vec<_>>(),
-        "checks": checks.iter().map(|c| serde_json::json!({"what": c.what, "ratio": c.ratio, "need": c.need, "pass": c.ratio >= c.need})).collect::<Vec<_>>(),
-    });
+    let json = report_json(&all, &checks, runs);
     std::fs::write(args.out.join("gpu.json"), serde_json::to_string_pretty(&json)?)?;
     eprintln!("wrote {}/gpu.{{md,json}}", args.out.display());
     Ok(())
@@ -548,17 +553,7 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     std::fs::write(args.out.join("load.csv"), csv)?;
-    let json = serde_json::json!({
-        "date": date(),
-        "machine": machine(),
-        "runs": runs,
-        "rows": all.iter().map(|r| serde_json::json!({
-            "size_bytes": r.size, "cache": r.cache, "loader": r.loader, "times_s": r.times, "load_times_s": r.load_times,
-            "median_s": r.median(), "gb_per_s": r.gbps(), "peak_rss_bytes": r.peak_rss,
-            "anon_delta_bytes": r.anon_delta, "how": r.how, "skipped": r.skipped,
-        })).collect::<Vec<_>>(),
-        "checks": checks.iter().map(|c| serde_json::json!({"what": c.what, "ratio": c.ratio, "need": c.need, "pass": c.ratio >= c.need})).collect::<Vec<_>>(),
-    });
+    let json = report_json(&all, &checks, runs);
     std::fs::write(args.out.join("load.json"), serde_json::to_string_pretty(&json)?)?;
     eprintln!("wrote {}/load.{{md,csv,json}}", args.out.display());
     Ok(())
