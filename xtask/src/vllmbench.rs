@@ -132,7 +132,8 @@ pub fn run(dir: &Path, runs: usize) -> Result<String> {
         files.len()
     );
     md.push_str(
-        "| cache | loader | weights s | GB/s | engine start s | peak RSS GiB |\n|---|---|---:|---:|---:|---:|\n",
+        "| cache | loader | weights s | every run, s | GB/s | engine start s | peak RSS GiB |\n\
+         |---|---|---:|---|---:|---:|---:|\n",
     );
     let med = |cache: &str, loader: &str, f: &dyn Fn(&Run) -> f64| {
         let v: Vec<f64> =
@@ -143,10 +144,16 @@ pub fn run(dir: &Path, runs: usize) -> Result<String> {
     for cache in ["cold", "warm"] {
         for loader in LOADERS {
             let load = med(cache, loader, &|r| r.load_s);
+            let every: Vec<String> = results
+                .iter()
+                .filter(|(c, l, _)| *c == cache && *l == loader)
+                .map(|(_, _, r)| format!("{:.2}", r.load_s))
+                .collect();
             let _ = writeln!(
                 md,
-                "| {cache} | {} | {load:.2} | {:.2} | {:.1} | {:.2} |",
+                "| {cache} | {} | {load:.2} | {} | {:.2} | {:.1} | {:.2} |",
                 if loader == "auto" { "vLLM default (safetensors)" } else { "turboio plug-in" },
+                every.join(", "),
                 bytes as f64 / load / 1e9,
                 med(cache, loader, &|r| r.start_s),
                 med(cache, loader, &|r| r.peak_rss as f64) / (1u64 << 30) as f64,
