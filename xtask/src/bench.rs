@@ -110,17 +110,19 @@ fn gpu_rows(
 ) -> Result<Vec<Row>> {
     let mut all = Vec::new();
     let enc = encrypted_twin(path)?;
-    eprintln!("{}: GPU ({device}), hot, {runs} runs ...", size_name(len));
+    // The sample's nominal size (its length is a little more: the header).
+    let label = size_name(len - len % (64 << 20));
+    eprintln!("{label}: GPU ({device}), hot, {runs} runs ...");
     all.extend(crate::gpubench::measure(device, path, &enc, len, runs, false)?);
     if !no_cold {
-        eprintln!("{}: GPU ({device}), cold, {runs} runs ...", size_name(len));
+        eprintln!("{label}: GPU ({device}), cold, {runs} runs ...");
         all.extend(crate::gpubench::measure(device, path, &enc, len, runs, true)?);
     }
     if let Some(py) = python {
         let pt = crate::pybench::pt_copy(py, path)?;
         let caches: &[bool] = if no_cold { &[false] } else { &[false, true] };
         for &cold in caches {
-            eprintln!("{}: Python to {device}, {}, {runs} runs ...", size_name(len), if cold { "cold" } else { "hot" });
+            eprintln!("{label}: Python to {device}, {}, {runs} runs ...", if cold { "cold" } else { "hot" });
             let mut rows = crate::pybench::measure_on(
                 py,
                 path,

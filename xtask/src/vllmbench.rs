@@ -87,8 +87,7 @@ fn one(python: &Path, model: &Path, loader: &str) -> Result<Run> {
 
 /// Runs the comparison and returns the Markdown report.
 pub fn run(dir: &Path, runs: usize) -> Result<String> {
-    let main_python = crate::pybench::setup()?; // builds the wheel into target/wheels
-    drop(main_python);
+    crate::pybench::setup()?; // builds the wheel into target/wheels, which vllm_venv installs
     let python = crate::test::vllm_venv()?;
     std::fs::create_dir_all(dir)?;
     let model = model(&python, dir)?;
@@ -102,13 +101,9 @@ pub fn run(dir: &Path, runs: usize) -> Result<String> {
                 if cache == "cold" {
                     // Dirty pages (a model just written) are not dropped by POSIX_FADV_DONTNEED.
                     nix::unistd::sync();
-                }
-                for f in &files {
-                    if cache == "cold" {
-                        crate::cachebench::evict(f)?;
-                    } else {
-                        warm(f)?;
-                    }
+                    files.iter().try_for_each(|f| crate::cachebench::evict(f))?;
+                } else {
+                    files.iter().try_for_each(|f| warm(f))?;
                 }
                 eprintln!("vLLM, {cache}, load_format={loader}, run {} of {runs} ...", r + 1);
                 results.push((cache, loader, one(&python, &model, loader)?));
@@ -135,20 +130,17 @@ pub fn run(dir: &Path, runs: usize) -> Result<String> {
         "| cache | loader | weights s | every run, s | GB/s | engine start s | peak RSS GiB |\n\
          |---|---|---:|---|---:|---:|---:|\n",
     );
+    let runs_of = |cache: &str, loader: &str| {
+        results.iter().filter(move |(c, l, _)| *c == cache && *l == loader).map(|(_, _, r)| r).collect::<Vec<_>>()
+    };
     let med = |cache: &str, loader: &str, f: &dyn Fn(&Run) -> f64| {
-        let v: Vec<f64> =
-            results.iter().filter(|(c, l, _)| *c == cache && *l == loader).map(|(_, _, r)| f(r)).collect();
-        median_of(&v)
+        median_of(&runs_of(cache, loader).into_iter().map(f).collect::<Vec<_>>())
     };
     let mut checks = Vec::new();
     for cache in ["cold", "warm"] {
         for loader in LOADERS {
             let load = med(cache, loader, &|r| r.load_s);
-            let every: Vec<String> = results
-                .iter()
-                .filter(|(c, l, _)| *c == cache && *l == loader)
-                .map(|(_, _, r)| format!("{:.2}", r.load_s))
-                .collect();
+            let every: Vec<String> = runs_of(cache, loader).iter().map(|r| format!("{:.2}", r.load_s)).collect();
             let _ = writeln!(
                 md,
                 "| {cache} | {} | {load:.2} | {} | {:.2} | {:.1} | {:.2} |",

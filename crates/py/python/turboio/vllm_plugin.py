@@ -139,9 +139,10 @@ def loader_options(extra_config):
 
 def weights_iterator(model_dir, options):
     """`(name, tensor)` for every tensor of the model (the index's shards, or every file),
-    loaded as one job; tensors stay valid after the iterator moves on."""
-    from . import _remote, _turboio
-    from ._torch import tensors_of, threads
+    streamed in groups of at most `options["window"]` bytes (see `turboio.iter_weights`), or,
+    with `fetch="once"` under tensor parallelism, the whole model fetched once by the group;
+    tensors stay valid after the iterator moves on."""
+    from . import _remote
 
     group = _tensor_parallel_group() if options.get("fetch") == "once" else None
     if group is not None:
