@@ -33,6 +33,8 @@
 //!   read-only where the device supports it, and DMAs straight from it on every stream: no CPU
 //!   copy at all. Whether this beats pinned staging depends on the machine (page pinning cost
 //!   against a memcpy at memory bandwidth); `cargo xtask bench --device cuda:0` measures both.
+//!   Registration goes window by window (8 MiB, then 64 MiB) and is abandoned, for staging,
+//!   when it runs below [`REGISTER_FLOOR`]: on some VMs pinning a page-cache mapping crawls.
 //! - **Downloads** (saves, `--check`) wait for the device's streams, then copy synchronously.
 //!
 //! Streams, the context and the compiled kernel are shared by every [`CudaDevice`] of one
@@ -59,6 +61,62 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// Bytes per copy when uploading straight from host memory.
 const HOST_UPLOAD_CHUNK: usize = 64 << 20;
+
+/// The slowest registration of host memory ([`Device::upload_from_host`]) worth waiting for, in
+/// bytes per second: below it, staging through pinned buffers (a memcpy at several GB/s) is
+/// certainly faster, and registering the rest could take minutes.
+pub const REGISTER_FLOOR: f64 = 256e6;
+
+/// The first window registered: small, so a machine where pinning crawls finds out in well
+/// under a second (8 MiB at 17 MB/s, the slowest seen, is half a second).
+const FIRST_REGISTER_WINDOW: usize = 8 << 20;
+
+/// Every later window (also the copy size).
+const REGISTER_WINDOW: usize = 64 << 20;
+
+/// `(offset, len)` windows covering `[0, len)` of memory at `address`: the first about
+/// [`FIRST_REGISTER_WINDOW`] bytes, then about [`REGISTER_WINDOW`], each inner edge on a
+/// `page` boundary of the address, so neighbouring windows never share a page (a page
+/// registered twice is an error).
+fn register_windows(address: usize, len: usize, page: usize) -> Vec<(usize, usize)> {
+    let end = address + len;
+    let mut out = Vec::new();
+    let mut at = address;
+    while at < end {
+        let want = if out.is_empty() { FIRST_REGISTER_WINDOW } else { REGISTER_WINDOW };
+        let edge = (at + want).next_multiple_of(page).min(end);
+        out.push((at - address, edge - at));
+        at = edge;
+    }
+    out
+}
+
+/// Registration speed so far, against [`REGISTER_FLOOR`].
+#[derive(Default)]
+struct RegisterPace {
+    bytes: usize,
+    secs: f64,
+}
+
+impl RegisterPace {
+    /// Adds one window's registration; `Some(why)` once the rate so far is under the floor
+    /// (judged only after 5 ms, so a short window's timer noise is not a verdict).
+    fn add(&mut self, bytes: usize, took: std::time::Duration) -> Option<String> {
+        self.bytes += bytes;
+        self.secs += took.as_secs_f64();
+        let rate = self.bytes as f64 / self.secs.max(1e-9);
+        (self.secs >= 0.005 && rate < REGISTER_FLOOR).then(|| {
+            format!(
+                "registering the file's mapping for DMA (cuMemHostRegister) ran at {:.0} MB/s ({} MiB in {:.2} s), \
+                 below {:.0} MB/s: pinning pages is slow on this machine",
+                rate / 1e6,
+                self.bytes >> 20,
+                self.secs,
+                REGISTER_FLOOR / 1e6
+            )
+        })
+    }
+}
 
 /// Threads per block of the decryption kernel.
 const AES_BLOCK: u32 = 256;
@@ -675,36 +733,58 @@ impl Device for CudaDevice {
         false
     }
 
+    /// Registers `src` window by window ([`register_windows`]: 8 MiB first, then 64 MiB, each
+    /// edge on a page boundary), queueing each window's copies as soon as it is registered. A
+    /// registration slower than [`REGISTER_FLOOR`] (measured on a lent H200 VM, 2026-11-27:
+    /// registering a 1 GiB page-cache mapping did not return within 60 s, three times, where
+    /// another VM of the same kind took under a second) ends the attempt with
+    /// [`DeviceError::Unsupported`] after the copies already queued complete, so the load
+    /// stages instead (and says so in its report) rather than spending minutes pinning pages.
     fn upload_from_host(&self, src: &[u8], dst: &dyn Allocation, dst_offset: usize) -> Result<()> {
         let dst = self.own(dst)?;
         check_range(self.shared.id, dst.len, dst_offset, src.len())?;
         if src.is_empty() {
             return Ok(());
         }
-        // SAFETY: `src` is borrowed for this whole call and the registration is dropped below,
-        // after every copy from it has completed.
-        let reg =
-            unsafe { ffi::Registered::new(&self.shared.ctx, src, self.shared.read_only_register) }.map_err(|e| {
-                DeviceError::Unsupported {
-                    device: self.shared.id,
-                    what: format!(
-                        "registering the file's mapping for DMA (cuMemHostRegister) was refused: {}",
-                        ffi::describe(e)
-                    ),
-                }
-            })?;
+        let mut held = Vec::new();
         let mut result = Ok(());
-        for (i, piece) in src.chunks(HOST_UPLOAD_CHUNK).enumerate() {
-            let at = dst.ptr + (dst_offset + i * HOST_UPLOAD_CHUNK) as u64;
-            // SAFETY: inside the checked destination range; `src` is registered and borrowed
-            // until the synchronize below.
-            if let Err(e) = unsafe { ffi::htod_async(at, piece, self.shared.stream()) } {
-                result = Err(self.shared.driver_error("cuMemcpyHtoDAsync", e));
+        let mut pace = RegisterPace::default();
+        'windows: for (start, len) in register_windows(src.as_ptr() as usize, src.len(), crate::sys::page_size()) {
+            let window = &src[start..start + len];
+            let t = std::time::Instant::now();
+            // SAFETY: `src` is borrowed for this whole call and every registration is dropped
+            // below, after every copy from it has completed.
+            let reg = unsafe { ffi::Registered::new(&self.shared.ctx, window, self.shared.read_only_register) };
+            match reg {
+                Ok(r) => held.push(r),
+                Err(e) => {
+                    result = Err(DeviceError::Unsupported {
+                        device: self.shared.id,
+                        what: format!(
+                            "registering the file's mapping for DMA (cuMemHostRegister) was refused: {}",
+                            ffi::describe(e)
+                        ),
+                    });
+                    break;
+                }
+            }
+            let slow = pace.add(len, t.elapsed());
+            for (i, piece) in window.chunks(HOST_UPLOAD_CHUNK).enumerate() {
+                let at = dst.ptr + (dst_offset + start + i * HOST_UPLOAD_CHUNK) as u64;
+                // SAFETY: inside the checked destination range; the window is registered and
+                // borrowed until the synchronize below.
+                if let Err(e) = unsafe { ffi::htod_async(at, piece, self.shared.stream()) } {
+                    result = Err(self.shared.driver_error("cuMemcpyHtoDAsync", e));
+                    break 'windows;
+                }
+            }
+            if let Some(why) = slow {
+                result = Err(DeviceError::Unsupported { device: self.shared.id, what: why });
                 break;
             }
         }
         let synced = self.shared.synchronize();
-        drop(reg);
+        drop(held);
         result.and(synced)
     }
 
@@ -730,6 +810,42 @@ mod tests {
             return None;
         }
         Some(CudaDevice::new(0).expect("TURBOIO_TEST_CUDA=1 but cuda:0 cannot be opened"))
+    }
+
+    #[test]
+    fn register_windows_cover_the_range_on_page_edges() {
+        let page = 4096;
+        for (address, len) in
+            [(0x1000_0010usize, (200 << 20) + 5), (0x2000_0000, 4096), (0x3000_0007, 1), (0x4000_0000, 8 << 20)]
+        {
+            let w = register_windows(address, len, page);
+            assert_eq!(w[0].0, 0);
+            assert!(w[0].1 <= FIRST_REGISTER_WINDOW + page, "{w:?}");
+            let mut next = 0;
+            for (i, &(at, n)) in w.iter().enumerate() {
+                assert_eq!(at, next, "contiguous: {w:?}");
+                assert!(n > 0 && n <= REGISTER_WINDOW + page);
+                next = at + n;
+                if i + 1 < w.len() {
+                    assert_eq!((address + next) % page, 0, "inner edges on pages: {w:?}");
+                }
+            }
+            assert_eq!(next, len, "covers the range: {w:?}");
+        }
+        assert_eq!(register_windows(0x1000, 200 << 20, 4096).len(), 4, "8 MiB, then 64 MiB windows");
+    }
+
+    #[test]
+    fn a_crawling_registration_is_abandoned_with_its_rate() {
+        use std::time::Duration;
+        let mut fast = RegisterPace::default();
+        assert!(fast.add(8 << 20, Duration::from_millis(6)).is_none(), "1.4 GB/s");
+        assert!(fast.add(64 << 20, Duration::from_millis(50)).is_none());
+        let mut tiny = RegisterPace::default();
+        assert!(tiny.add(4096, Duration::from_millis(1)).is_none(), "too short to judge");
+        let mut slow = RegisterPace::default();
+        let why = slow.add(8 << 20, Duration::from_millis(500)).expect("17 MB/s is below the floor");
+        assert!(why.contains("17 MB/s") && why.contains("8 MiB in 0.50 s") && why.contains("below 256 MB/s"), "{why}");
     }
 
     #[test]
