@@ -2,12 +2,16 @@
 //!
 //! - Per-tensor cost: a file of 5,000 tensors and one of 510 (mixed dtypes, the bench size
 //!   each, written once by `crates/py/bench/py_tensors.py`), loaded in one Python process by
-//!   `turboio.load` (tensors as views of one export), `safetensors.torch.load_file`, and two
-//!   ceilings that build no tensor: turboio's own populated mapping (`turboio._turboio.load`,
-//!   the same load without torch tensors) and Python's `mmap` + `MADV_POPULATE_READ` on one
-//!   thread; the 510-tensor file also through its `torch.save` copy (`turboio.load` of the `.pt`).
+//!   `turboio.load` (tensors as views of one export), `safetensors.torch.load_file`, turboio's
+//!   own populated mapping without tensors (`turboio._turboio.load`: the header parsed, no torch
+//!   tensor), the ceiling, Python's `mmap` + `MADV_POPULATE_READ` on one thread (no header, no
+//!   tensor), and the floor of building the tensors at all (one `torch.as_strided` each); the
+//!   510-tensor file also through its `torch.save` copy (`turboio.load` of the `.pt`).
 //!   Hot (the file read into the page cache before each run) and cold (the page cache dropped),
-//!   loaders in a shuffled order each round.
+//!   loaders in a shuffled order each round. Each run is timed to the end of the load and to
+//!   the end of a first read of every page of its result ("total", as in the main bench): a
+//!   loader that maps lazily pays its reads at first use, which a load-only time leaves out.
+//!   The checks use totals.
 //! - Selection: a 9-shard model (`turboio gen --shards 9`) loaded cold whole and by every 10th
 //!   tensor (`turboio.load_model(tensors=...)`), alternating: seconds, and bytes read from the
 //!   block device holding it (its `stat` counters).
@@ -22,8 +26,8 @@ use std::process::Command;
 
 const TURBOIO: &str = "turboio.load";
 const SAFETENSORS: &str = "safetensors.torch.load_file";
-const CEILING: &str = "ceiling: turboio's populated mapping, no tensor built";
-const MMAP: &str = "ceiling: mmap + MADV_POPULATE_READ, 1 thread";
+const NO_TENSORS: &str = "turboio without tensors: its populated mapping, header parsed";
+const MMAP: &str = "ceiling: mmap + MADV_POPULATE_READ, 1 thread, no header, no tensor";
 const PT: &str = "turboio.load of the .pt copy";
 const FLOOR: &str = "floor: one torch.as_strided view per tensor of memory already loaded (no I/O)";
 
@@ -65,8 +69,12 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, model_size: u64, runs: usi
         "### Per-tensor cost: {} files of 5,000 and 510 tensors (median of {runs}, one Python process per file and cache state, loaders shuffled each round)\n",
         size_name(size)
     );
-    let _ = writeln!(s, "| file | cache | loader | ms | vs turboio.load |");
-    let _ = writeln!(s, "|---|---|---|---:|---:|");
+    let _ = writeln!(
+        s,
+        "\"total\" is the load plus a first read of one byte of every 4 KiB page of its result (what first use costs: a lazily mapped result pays its reads and faults then); ratios and checks use it.\n"
+    );
+    let _ = writeln!(s, "| file | cache | loader | load ms | total ms | vs turboio.load |");
+    let _ = writeln!(s, "|---|---|---|---:|---:|---:|");
     let mut checks: Vec<(String, f64, f64)> = Vec::new();
     for (label, file, with_pt) in [("5,000 tensors", &f5000, false), ("510 tensors", &f510, true)] {
         for cold in [false, true] {
@@ -82,39 +90,44 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, model_size: u64, runs: usi
             if cold {
                 args.push("--cold");
             }
-            let t = times(&script(python, &args)?);
+            let out = script(python, &args)?;
+            // Checks compare totals: the load plus a first read of every page of its result.
+            let (t, load) = (times(&out["total"]), times(&out["load"]));
             let m = |k: &str| t.get(k).map(|v| median(v));
             let ours = m(TURBOIO).unwrap_or(f64::NAN);
-            for loader in [TURBOIO, SAFETENSORS, PT, CEILING, MMAP, FLOOR] {
+            for loader in [TURBOIO, SAFETENSORS, PT, NO_TENSORS, MMAP, FLOOR] {
                 if let Some(x) = m(loader) {
-                    let _ = writeln!(s, "| {label} | {cache} | {loader} | {:.1} | {:.2}x |", x * 1e3, x / ours);
+                    let l = load.get(loader).map_or(f64::NAN, |v| median(v));
+                    let _ = writeln!(
+                        s,
+                        "| {label} | {cache} | {loader} | {:.1} | {:.1} | {:.2}x |",
+                        l * 1e3,
+                        x * 1e3,
+                        x / ours
+                    );
                 }
             }
             if !cold {
                 let what = |w: &str| format!("{label} hot: {w}");
                 if label.starts_with("5,000") {
-                    // ceiling / turboio >= 1/1.3: turboio within 1.3x of the ceiling.
-                    if let Some(c) = m(CEILING) {
-                        checks.push((what("turboio.load within 1.3x of turboio's mapping alone"), c / ours, 1.0 / 1.3));
-                    }
+                    // The acceptance: ceiling / turboio >= 1/1.3 (turboio within 1.3x of the
+                    // mapping populated, no tensor built).
                     if let Some(c) = m(MMAP) {
                         checks.push((
-                            what("turboio.load within 1.3x of mmap + populate (1 thread)"),
+                            what("turboio.load within 1.3x of the ceiling (mmap + populate, no tensor built)"),
                             c / ours,
                             1.0 / 1.3,
                         ));
                     }
-                    // What is reachable: the mapping plus the floor of building the tensors; and
-                    // whether 1.3x of the mapping alone is reachable at all (the floor within
-                    // 0.3x of it).
-                    if let (Some(c), Some(f)) = (m(CEILING), m(FLOOR)) {
+                    // Whether 1.3x of that ceiling is reachable at all for a loader that
+                    // returns torch tensors: the floor of building them within 0.3x of it
+                    // (on a page cache of large folios populating is nearly free and it is
+                    // not).
+                    // Load times: the floor's "total" adds the same page reads as everyone's.
+                    let lm = |k: &str| load.get(k).map(|v| median(v));
+                    if let (Some(c), Some(f)) = (lm(MMAP), lm(FLOOR)) {
                         checks.push((
-                            what("turboio.load within 1.3x of (turboio's mapping + the tensor floor)"),
-                            (c + f) / ours,
-                            1.0 / 1.3,
-                        ));
-                        checks.push((
-                            what("bound: 0.3x turboio's mapping vs the tensor floor (>= 1: 1.3x reachable)"),
+                            what("bound: 0.3x the ceiling vs the tensor floor (>= 1: 1.3x reachable)"),
                             0.3 * c / f,
                             1.0,
                         ));

@@ -1544,7 +1544,7 @@ impl PySaveHandle {
 ///
 /// Private to the Python package, like `_save`.
 #[pyfunction]
-#[pyo3(signature = (path, tensors, metadata=None, threads=0, cipher=false, cipher_header=false, storage=None, reuse_blocks=false))]
+#[pyo3(signature = (path, tensors, metadata=None, threads=0, cipher=false, cipher_header=false, storage=None, reuse_blocks=false, max_host_memory=None))]
 #[allow(clippy::too_many_arguments)]
 fn _save_async(
     py: Python<'_>,
@@ -1556,6 +1556,7 @@ fn _save_async(
     cipher_header: bool,
     storage: Option<&PyObjectStorage>,
     reuse_blocks: bool,
+    max_host_memory: Option<Bound<'_, PyAny>>,
 ) -> PyResult<PySaveHandle> {
     let dtypes = tensors.iter().map(|t| dtype_of(&t.1)).collect::<PyResult<Vec<_>>>()?;
     let opts = SaveOptions {
@@ -1563,6 +1564,7 @@ fn _save_async(
         threads,
         encryption: encryption(cipher, cipher_header),
         reuse_blocks,
+        max_host_memory: budget_arg("max_host_memory", max_host_memory.as_ref())?,
         ..Default::default()
     };
     let handle = py.detach(|| {

@@ -99,6 +99,25 @@ def test_background_saves_queued_faster_than_written_hold_two_snapshots(tmp):
     assert added < (2 * 128 + 192) << 20, f"peak RSS grew by {added >> 20} MiB for eight queued 128 MiB saves"
 
 
+def test_a_background_save_over_its_host_memory_budget_is_refused_before_copying(tmp):
+    """`max_host_memory=` bounds a background save's snapshot: a larger one raises MemoryError
+    with the numbers and leaves the previous file as it was; one within it saves."""
+    from turboio import torch as st
+
+    path = str(tmp / "budget.safetensors")
+    st.save_file({"w": torch.zeros(4)}, path)
+    w = torch.ones(1 << 20)  # 4 MiB
+    for save in (st.save_file, turboio.save_file):
+        with pytest.raises(MemoryError, match=r"budget\.safetensors.*snapshot needs 4\.2 MB.*max_host_memory is 1\.0 MB"):
+            save({"w": w}, path, blocking=False, max_host_memory="1MiB")
+        assert torch.equal(st.load_file(path)["w"], torch.zeros(4)), "the old file stays"
+        save({"w": w}, path, blocking=False, max_host_memory=8 << 20).wait()
+        assert torch.equal(st.load_file(path)["w"], w)
+        st.save_file({"w": torch.zeros(4)}, path)
+    with pytest.raises(ValueError, match="max_host_memory"):
+        st.save_file({"w": w}, path, blocking=False, max_host_memory="lots")
+
+
 def test_reuse_blocks_writes_into_the_previous_versions_blocks(tmp):
     """`reuse_blocks=True`: a replacing save keeps the old file as a hidden spare and the next
     one writes into its blocks (the same inode), from both APIs; without it the spare goes."""

@@ -144,6 +144,32 @@ def test_gpu_loads_match_cpu_loads(tmp, cipher, monkeypatch):
 
 
 @needs_gpu
+def test_gpu_selection_and_device_memory_plan(tmp):
+    """A selected load into the GPU holds only the selection (views of one CUDA export); a load
+    over `max_device_memory`, or over the device's free memory, fails before allocating."""
+    path, tensors = sample(tmp, n=1 << 16)
+    out = turboio.load(str(path), map_location="cuda:0", tensors=["w", "h"])
+    assert set(out) == {"w", "h"}
+    assert out["w"].untyped_storage().data_ptr() == out["h"].untyped_storage().data_ptr(), "one export"
+    for k in out:
+        assert same(out[k].cpu(), tensors[k]), k
+    torch.cuda.synchronize()
+    free_before, total = torch.cuda.mem_get_info(0)
+    with pytest.raises(MemoryError, match=r"cuda:0 memory but max_device_memory is 0\.0 MB"):
+        turboio.load(str(path), map_location="cuda:0", max_device_memory=1024)
+    free_after, _ = torch.cuda.mem_get_info(0)
+    assert free_after >= free_before - (8 << 20), "nothing allocated"
+    # More than the whole device has free: refused with what it has, before allocating.
+    huge = tmp / "huge.safetensors"
+    with open(huge, "wb") as f:
+        header = ('{"x":{"dtype":"U8","shape":[%d],"data_offsets":[0,%d]}}' % (total + (1 << 30), total + (1 << 30))).encode()
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(8 + len(header) + total + (1 << 30))
+    with pytest.raises(MemoryError, match=r"cuda:0 has .* free"):
+        turboio.load(str(huge), map_location="cuda:0")
+
+
+@needs_gpu
 def test_gpu_dlpack_is_zero_copy_and_freed_with_the_last_view(tmp):
     path, tensors = sample(tmp, n=1 << 18)
     torch.cuda.synchronize()

@@ -166,14 +166,20 @@ impl TensorData for Snapshot {
 }
 
 /// Copies `tensors` into one arena from `pool`, in parallel.
-fn snapshot(path: &Path, tensors: &[SaveTensor<'_>], pool: &ArenaPool, threads: usize) -> Result<Snapshot> {
+fn snapshot(
+    path: &Path,
+    tensors: &[SaveTensor<'_>],
+    pool: &ArenaPool,
+    threads: usize,
+    budget: Option<u64>,
+) -> Result<Snapshot> {
     let mut spans = Vec::with_capacity(tensors.len());
     let mut total = 0usize;
     for t in tensors {
         spans.push((total, t.data.len()));
         total += t.data.len();
     }
-    let mut arena = pool.take(total).map_err(|e| Error::device(path, e))?;
+    let mut arena = pool.take_within(total, budget).map_err(|e| Error::device(path, e))?;
     {
         let mut dst: &mut [u8] = arena.arena_mut().as_mut_slice();
         let mut pieces: Vec<(&[u8], &mut [u8])> = Vec::new();
@@ -206,7 +212,9 @@ fn snapshot(path: &Path, tensors: &[SaveTensor<'_>], pool: &ArenaPool, threads: 
 /// The copy goes into an arena of [`SaveOptions::snapshots`] (the default pool holds at most
 /// [`DEFAULT_SNAPSHOTS`]): when a bounded pool has all its arenas in pending saves, this call
 /// waits for the oldest to finish before copying, so memory stays bounded however fast saves
-/// are asked for.
+/// are asked for. [`SaveOptions::max_host_memory`] bounds the snapshots' bytes the same way,
+/// and a snapshot that cannot fit (over the budget, or over the host memory available) is
+/// refused before anything is copied.
 ///
 /// A save of a file that has a save pending waits for it before writing, so saves of one file
 /// land in the order they were asked for.
@@ -224,7 +232,9 @@ pub fn save_async(
     // Validate now, in the caller: the background thread should fail only on I/O.
     let layout = plan(&specs, metadata).map_err(|e| Error::format(&path, e))?;
     let pool = opts.snapshots.clone().unwrap_or_else(|| default_snapshot_pool().clone());
-    let snap = snapshot(&path, tensors, &pool, opts.threads)?;
+    let bytes: usize = tensors.iter().map(|t| t.data.len()).sum();
+    crate::memory::check_snapshot(&path, bytes as u64, opts.max_host_memory, pool.can_reuse(bytes))?;
+    let snap = snapshot(&path, tensors, &pool, opts.threads, opts.max_host_memory)?;
 
     let owned: Vec<(String, turboio_format::Dtype, Vec<usize>, usize)> =
         tensors.iter().map(|t| (t.name.to_owned(), t.dtype, t.shape.to_vec(), t.data.len())).collect();
@@ -346,6 +356,57 @@ mod bound_tests {
         let back = crate::load(&path, &crate::LoadOptions::default()).unwrap();
         assert!(back.tensor("w").unwrap().bytes().unwrap().iter().all(|&b| b == 3), "the last save lands");
         assert_eq!(pool.in_use(), 0);
+    }
+
+    #[test]
+    fn a_host_memory_budget_bounds_the_snapshots_and_refuses_one_too_big() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("b.safetensors");
+        let pool = ArenaPool::bounded(4);
+        let gate = Arc::new(Gated {
+            open: Mutex::new(false),
+            opened: Condvar::new(),
+            pool: pool.clone(),
+            in_use_seen: Mutex::new(Vec::new()),
+        });
+        let unit = 2 << 20; // 2 MiB: arenas may be rounded up to huge pages
+        let opts = SaveOptions {
+            snapshots: Some(pool.clone()),
+            storage: Some(gate.clone()),
+            max_host_memory: Some(3 * unit as u64),
+            ..Default::default()
+        };
+        let data = vec![7u8; 4 * unit];
+        // Over the budget alone: refused before anything is copied; the old file stays.
+        let t = [SaveTensor { name: "w", dtype: Dtype::U8, shape: &[4 * unit], data: &data }];
+        let e = save_async(&path, &t, None, &opts).unwrap_err();
+        assert!(matches!(e, Error::WontFit { .. }), "{e}");
+        let e = e.to_string();
+        assert!(e.contains("b.safetensors") && e.contains("max_host_memory is 6.3 MB"), "{e}");
+        assert_eq!((pool.in_use(), pool.free_arenas()), (0, 0), "nothing taken");
+        assert!(!path.exists());
+        // Two snapshots of 2 x 2 MiB do not fit in 3 x 2 MiB together: the second save waits
+        // for the first write, although the pool would allow four arenas.
+        let t = [SaveTensor { name: "w", dtype: Dtype::U8, shape: &[2 * unit], data: &data[..2 * unit] }];
+        let first = save_async(&path, &t, None, &opts).unwrap();
+        let second = {
+            let (path, opts, data) = (path.clone(), opts.clone(), data.clone());
+            std::thread::spawn(move || {
+                let t = [SaveTensor { name: "w", dtype: Dtype::U8, shape: &[2 * unit], data: &data[..2 * unit] }];
+                save_async(&path, &t, None, &opts).unwrap()
+            })
+        };
+        while pool.waiting() == 0 && !second.is_finished() {
+            std::thread::yield_now();
+        }
+        assert_eq!((pool.waiting(), pool.in_use()), (1, 1), "the second waits for room in the budget");
+        *gate.open.lock().unwrap() = true;
+        gate.opened.notify_all();
+        let second = second.join().unwrap();
+        first.wait().unwrap();
+        second.wait().unwrap();
+        assert!(gate.in_use_seen.lock().unwrap().iter().all(|&n| n <= 1), "{:?}", gate.in_use_seen);
+        assert_eq!(pool.in_use_bytes(), 0);
     }
 
     #[test]

@@ -7,8 +7,9 @@
 //! its pages are the page cache, which the kernel reclaims under pressure (so it is not
 //! counted). Host memory available is the smaller of `MemAvailable` and, in a memory cgroup
 //! with a limit (v2 `memory.max`, v1 `memory.limit_in_bytes`), that limit less what the cgroup
-//! holds that cannot be reclaimed (its usage less its inactive file pages), up the hierarchy; device memory available is what the device
-//! says ([`Device::free_memory`]). [`LoadOptions::max_host_memory`] and
+//! holds that cannot be reclaimed (its usage less its inactive file pages), up the hierarchy
+//! (both versions tested against cgroup trees written by the tests; this VM runs v1, whose
+//! real files the CLI test uses); device memory available is what the device says ([`Device::free_memory`]). [`LoadOptions::max_host_memory`] and
 //! [`LoadOptions::max_device_memory`] set budgets below those. A load that does not fit fails
 //! with [`Error::WontFit`]: what it needs, what is available, and the options that would fit;
 //! nothing was allocated and no tensor byte read, so nothing is killed halfway.
@@ -56,23 +57,29 @@ pub fn host_available() -> Option<u64> {
 /// `memory.usage_in_bytes`); `None` outside a limited cgroup.
 fn cgroup_headroom() -> Option<u64> {
     let me = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    cgroup_headroom_in(&me, Path::new("/sys/fs/cgroup"))
+}
+
+/// [`cgroup_headroom`] for a process whose `/proc/self/cgroup` reads `me`, with the cgroup
+/// file systems mounted at `mount` (v2 there; v1's memory controller at `mount/memory`). A
+/// memory controller on a v1 hierarchy wins over a v2 line (hybrid systems).
+fn cgroup_headroom_in(me: &str, mount: &Path) -> Option<u64> {
     let v1 = me.lines().find_map(|l| {
         let mut parts = l.splitn(3, ':');
         let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
         controllers.split(',').any(|c| c == "memory").then(|| path.to_owned())
     });
     let (root, rel, files) = match v1 {
-        Some(path) => ("/sys/fs/cgroup/memory", path, V1),
-        None => ("/sys/fs/cgroup", me.lines().find_map(|l| l.strip_prefix("0::"))?.to_owned(), V2),
+        Some(path) => (mount.join("memory"), path, V1),
+        None => (mount.to_owned(), me.lines().find_map(|l| l.strip_prefix("0::"))?.to_owned(), V2),
     };
-    let root = Path::new(root);
     let mut dir = root.join(rel.trim().trim_start_matches('/'));
     let mut best: Option<u64> = None;
     loop {
         if let Some(room) = headroom_of(&dir, files) {
             best = Some(best.map_or(room, |b| b.min(room)));
         }
-        if dir == root || !dir.pop() || !dir.starts_with(root) {
+        if dir == root || !dir.pop() || !dir.starts_with(&root) {
             break;
         }
     }
@@ -96,6 +103,34 @@ fn headroom_of(dir: &Path, (limit, usage, inactive): CgroupFiles) -> Option<u64>
     let inactive_file: u64 =
         stat.lines().find_map(|l| l.strip_prefix(inactive)).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
     Some(max.saturating_sub(current.saturating_sub(inactive_file)))
+}
+
+/// Checks a background save's snapshot of `bytes` against `budget` (`max_host_memory`) and,
+/// when it maps a new arena (`reusable` false), against the host memory available; the error
+/// names the file, the numbers and what would fit.
+pub(crate) fn check_snapshot(path: &Path, bytes: u64, budget: Option<u64>, reusable: bool) -> Result<()> {
+    check_snapshot_with(path, bytes, budget, reusable, host_available())
+}
+
+fn check_snapshot_with(path: &Path, bytes: u64, budget: Option<u64>, reusable: bool, avail: Option<u64>) -> Result<()> {
+    let refuse = |available: String, larger: &str| Error::WontFit {
+        path: path.to_owned(),
+        message: format!(
+            "this background save's snapshot needs {} of host memory but {available}; nothing was copied. \
+             What would fit: a blocking save (it takes no snapshot); fewer tensors per file{larger}",
+            gb(bytes)
+        ),
+    };
+    if let Some(b) = budget.filter(|&b| bytes > b) {
+        return Err(refuse(format!("max_host_memory is {}", gb(b)), "; or a larger budget"));
+    }
+    if let Some(a) = avail.filter(|&a| !reusable && bytes > a) {
+        return Err(refuse(
+            format!("{} is available (MemAvailable, and the cgroup's memory.max less what it holds)", gb(a)),
+            "",
+        ));
+    }
+    Ok(())
 }
 
 /// Bytes as "1.23 GB".
@@ -193,6 +228,88 @@ fn check_with(
 mod tests {
     use super::*;
     use turboio_device::CpuDevice;
+
+    /// Writes `files` (path relative to `root`, contents) under `root`.
+    fn tree(root: &Path, files: &[(&str, &str)]) {
+        for (p, text) in files {
+            let p = root.join(p);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        }
+    }
+
+    #[test]
+    fn cgroup_v2_headroom_is_the_tightest_limit_up_the_hierarchy_less_what_cannot_be_reclaimed() {
+        let d = tempfile::tempdir().unwrap();
+        let m = d.path();
+        tree(
+            m,
+            &[
+                // The pod: 1 GiB limit, 512 MiB used of which 128 MiB inactive file pages.
+                ("kubepods/pod1/memory.max", "1073741824\n"),
+                ("kubepods/pod1/memory.current", "536870912\n"),
+                (
+                    "kubepods/pod1/memory.stat",
+                    "anon 402653184\nfile 134217728\nactive_file 0\ninactive_file 134217728\n",
+                ),
+                // The container: no limit of its own.
+                ("kubepods/pod1/c1/memory.max", "max\n"),
+                ("kubepods/pod1/c1/memory.current", "536870912\n"),
+                // Above: a looser limit.
+                ("kubepods/memory.max", "8589934592\n"),
+                ("kubepods/memory.current", "1073741824\n"),
+            ],
+        );
+        let me = "0::/kubepods/pod1/c1\n";
+        assert_eq!(cgroup_headroom_in(me, m), Some((1 << 30) - ((512 << 20) - (128 << 20))));
+        // A tighter parent limit wins; a child's own limit too.
+        tree(m, &[("kubepods/memory.max", "600000000\n"), ("kubepods/memory.current", "500000000\n")]);
+        assert_eq!(cgroup_headroom_in(me, m), Some(100_000_000), "the parent's 100 MB");
+        tree(m, &[("kubepods/pod1/c1/memory.max", "550000000\n")]);
+        assert_eq!(cgroup_headroom_in(me, m), Some(13_129_088), "the container's own limit less its usage");
+        // The root cgroup (no memory.max there) and unlimited cgroups: no limit.
+        assert_eq!(cgroup_headroom_in("0::/\n", m), None);
+        assert_eq!(cgroup_headroom_in("0::/elsewhere\n", m), None);
+        assert_eq!(cgroup_headroom_in("", m), None, "no cgroup at all");
+    }
+
+    #[test]
+    fn cgroup_v1_memory_controller_wins_on_hybrid_systems() {
+        let d = tempfile::tempdir().unwrap();
+        let m = d.path();
+        tree(
+            m,
+            &[
+                // v1's "no limit" is a page-rounded i64::MAX.
+                ("memory/docker/abc/memory.limit_in_bytes", "9223372036854771712\n"),
+                ("memory/docker/abc/memory.usage_in_bytes", "1000\n"),
+                ("memory/docker/memory.limit_in_bytes", "2000000000\n"),
+                ("memory/docker/memory.usage_in_bytes", "1500000000\n"),
+                ("memory/docker/memory.stat", "cache 1\ninactive_file 7\ntotal_inactive_file 500000000\n"),
+                // A v2 hierarchy with a tighter limit that does not govern memory here.
+                ("unified/memory.max", "1\n"),
+                ("unified/memory.current", "0\n"),
+            ],
+        );
+        let me = "12:memory:/docker/abc\n11:cpu,cpuacct:/docker/abc\n0::/unified\n";
+        assert_eq!(cgroup_headroom_in(me, m), Some(1_000_000_000), "total_inactive_file, not inactive_file");
+        assert_eq!(cgroup_headroom_in("0::/unified\n", m), Some(1), "v2 alone");
+    }
+
+    #[test]
+    fn a_snapshot_over_the_budget_or_the_memory_available_is_refused() {
+        let p = Path::new("ckpt.safetensors");
+        let e = check_snapshot_with(p, 3_000_000_000, Some(2_000_000_000), true, None).unwrap_err().to_string();
+        assert!(
+            e.starts_with("ckpt.safetensors: this background save's snapshot needs 3.00 GB of host memory but max_host_memory is 2.00 GB; nothing was copied"),
+            "{e}"
+        );
+        assert!(e.contains("a blocking save") && e.contains("a larger budget"), "{e}");
+        let e = check_snapshot_with(p, 3_000_000_000, None, false, Some(1_000_000_000)).unwrap_err().to_string();
+        assert!(e.contains("1.00 GB is available") && !e.contains("larger budget"), "{e}");
+        assert!(check_snapshot_with(p, 3_000_000_000, None, true, Some(1)).is_ok(), "a kept arena is reused");
+        assert!(check_snapshot_with(p, 3_000_000_000, Some(3_000_000_000), false, Some(4_000_000_000)).is_ok());
+    }
 
     #[test]
     fn what_does_not_fit_is_refused_with_the_numbers_and_what_would_fit() {

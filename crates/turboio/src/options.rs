@@ -218,6 +218,13 @@ pub struct SaveOptions {
     /// background save waits for one of them to come back. A pool made with
     /// [`ArenaPool::bounded`] bounds the memory of queued saves; an unbounded one does not.
     pub snapshots: Option<ArenaPool>,
+    /// A host-memory budget for [`save_async`](crate::save_async)'s snapshots: one larger
+    /// than it is refused ([`Error::WontFit`](crate::Error::WontFit)) before anything is
+    /// copied, and the snapshots of pending saves together with the ones kept for reuse stay
+    /// within it (a save waits for pending ones to finish first). Without it a snapshot is
+    /// still checked against the host memory available (`MemAvailable`, the memory cgroup).
+    /// Blocking saves take no snapshot and ignore it.
+    pub max_host_memory: Option<u64>,
     /// Encrypt the file (veTurboIO's AES-CTR formats).
     #[cfg(feature = "cipher")]
     pub encryption: Option<crate::encryption::Encryption>,

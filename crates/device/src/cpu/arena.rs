@@ -98,6 +98,8 @@ struct Slots {
     free: Vec<Arena>,
     /// Arenas taken and not yet given back.
     in_use: usize,
+    /// Bytes those arenas were taken for.
+    in_use_bytes: usize,
     /// Threads waiting in [`ArenaPool::take`] for one to come back (bounded pools).
     waiting: usize,
 }
@@ -172,13 +174,45 @@ impl ArenaPool {
     /// Takes an arena of at least `len` bytes, set to length `len`; in a bounded pool, waits
     /// first while the most arenas are in use.
     pub fn take(&self, len: usize) -> Result<PooledArena> {
+        self.take_within(len, None)
+    }
+
+    /// Like [`take`](Self::take), within a byte budget: waits while the arenas in use and
+    /// `len` together would exceed `max_bytes` (unless none is in use: one arena alone is the
+    /// caller's to check against the budget), then drops free arenas until the ones in use
+    /// and the ones kept fit in it. The budget is the caller's, per call (the pool is shared).
+    pub fn take_within(&self, len: usize, max_bytes: Option<u64>) -> Result<PooledArena> {
+        let over = |slots: &Slots| {
+            self.inner.max_in_use.is_some_and(|max| slots.in_use >= max)
+                || max_bytes.is_some_and(|b| slots.in_use > 0 && (slots.in_use_bytes + len) as u64 > b)
+        };
         let mut slots = self.slots();
-        if let Some(max) = self.inner.max_in_use {
-            while slots.in_use >= max {
-                slots.waiting += 1;
-                slots = self.inner.returned.wait(slots).unwrap_or_else(|p| p.into_inner());
-                slots.waiting -= 1;
-            }
+        while over(&slots) {
+            slots.waiting += 1;
+            slots = self.inner.returned.wait(slots).unwrap_or_else(|p| p.into_inner());
+            slots.waiting -= 1;
+        }
+        if let Some(b) = max_bytes {
+            // Beside the arena this take reuses (the smallest that fits), keep the free
+            // arenas that fit in what the budget leaves, smallest first.
+            let mut room = (b as usize).saturating_sub(slots.in_use_bytes + len);
+            let reuse = slots
+                .free
+                .iter()
+                .enumerate()
+                .filter(|(_, a)| a.capacity() >= len)
+                .min_by_key(|(_, a)| a.capacity())
+                .map(|(i, _)| i);
+            let reused = reuse.map(|i| slots.free.swap_remove(i));
+            slots.free.sort_by_key(Arena::capacity);
+            slots.free.retain(|a| {
+                let keep = a.capacity() <= room;
+                if keep {
+                    room -= a.capacity();
+                }
+                keep
+            });
+            slots.free.extend(reused);
         }
         self.take_locked(slots, len)
     }
@@ -195,6 +229,7 @@ impl ArenaPool {
 
     fn take_locked(&self, mut slots: std::sync::MutexGuard<'_, Slots>, len: usize) -> Result<PooledArena> {
         slots.in_use += 1;
+        slots.in_use_bytes += len;
         let best = slots
             .free
             .iter()
@@ -210,7 +245,7 @@ impl ArenaPool {
         }
         drop(slots);
         // From here the slot is ours: give it back on any error.
-        let mut taken = PooledArena { arena: None, pool: Some(self.clone()) };
+        let mut taken = PooledArena { arena: None, pool: Some(self.clone()), reserved: len };
         let mut arena = match found {
             Some(a) => a,
             None => Arena::new(len, self.inner.huge_pages)?,
@@ -221,9 +256,10 @@ impl ArenaPool {
     }
 
     /// A slot comes back, with its arena (if it got one).
-    fn give(&self, arena: Option<Arena>) {
+    fn give(&self, arena: Option<Arena>, reserved: usize) {
         let mut slots = self.slots();
         slots.in_use = slots.in_use.saturating_sub(1);
+        slots.in_use_bytes = slots.in_use_bytes.saturating_sub(reserved);
         if let Some(arena) = arena {
             slots.free.push(arena);
             if slots.free.len() > self.inner.max_arenas {
@@ -232,12 +268,18 @@ impl ArenaPool {
             }
         }
         drop(slots);
-        self.inner.returned.notify_one();
+        // Every waiter: a byte budget may let one through that a count did not.
+        self.inner.returned.notify_all();
     }
 
     /// Free arenas held now.
     pub fn free_arenas(&self) -> usize {
         self.slots().free.len()
+    }
+
+    /// Whether a free arena of at least `len` bytes is kept (a take of `len` maps nothing new).
+    pub fn can_reuse(&self, len: usize) -> bool {
+        self.slots().free.iter().any(|a| a.capacity() >= len)
     }
 
     /// Bytes held by free arenas.
@@ -253,6 +295,11 @@ impl ArenaPool {
     /// The most arenas in use at once, for a [bounded](Self::bounded) pool.
     pub fn limit(&self) -> Option<usize> {
         self.inner.max_in_use
+    }
+
+    /// Bytes the arenas in use were taken for.
+    pub fn in_use_bytes(&self) -> usize {
+        self.slots().in_use_bytes
     }
 
     /// Threads waiting in [`take`](Self::take) for an arena of a bounded pool to come back.
@@ -271,12 +318,14 @@ impl ArenaPool {
 pub struct PooledArena {
     arena: Option<Arena>,
     pool: Option<ArenaPool>,
+    /// The bytes it was taken for (the pool's in-use count).
+    reserved: usize,
 }
 
 impl PooledArena {
     /// An arena that belongs to no pool.
     pub fn unpooled(arena: Arena) -> Self {
-        PooledArena { arena: Some(arena), pool: None }
+        PooledArena { arena: Some(arena), pool: None, reserved: 0 }
     }
 
     /// The arena.
@@ -294,7 +343,7 @@ impl PooledArena {
 impl Drop for PooledArena {
     fn drop(&mut self) {
         if let Some(pool) = self.pool.take() {
-            pool.give(self.arena.take());
+            pool.give(self.arena.take(), self.reserved);
         }
     }
 }
@@ -397,5 +446,41 @@ mod tests {
         assert!(open.try_take(100).unwrap().is_some());
         assert_eq!(open.in_use(), 4);
         drop(held);
+    }
+
+    #[test]
+    fn a_byte_budget_waits_for_room_and_keeps_only_what_fits() {
+        // Multiples of 2 MiB: arenas may be rounded up to huge pages.
+        let mib = 1usize << 20;
+        let pool = ArenaPool::bounded(4);
+        let budget = Some(10 * mib as u64);
+        let a = pool.take_within(6 * mib, budget).unwrap();
+        assert_eq!(pool.in_use_bytes(), 6 * mib);
+        // 6 + 6 MiB is over 10: the second waits until the first comes back, then reuses it.
+        let waiter = {
+            let pool = pool.clone();
+            std::thread::spawn(move || pool.take_within(6 * mib, budget).map(|c| (c.len(), c.arena().addr())))
+        };
+        while pool.waiting() == 0 {
+            std::thread::yield_now();
+        }
+        assert_eq!(pool.in_use(), 1, "still waiting, not taken");
+        let addr = a.arena().addr();
+        drop(a);
+        assert_eq!(waiter.join().unwrap().unwrap(), (6 * mib, addr), "the arena given back, reused");
+        assert_eq!((pool.in_use(), pool.in_use_bytes()), (0, 0));
+        // Kept arenas of 6 and 4 MiB. Without a budget a 4 MiB take keeps the 6 MiB one free;
+        // within 8 MiB there is no room for it beside the 4 in use.
+        let (x, y) = (pool.take(6 * mib).unwrap(), pool.take(4 * mib).unwrap());
+        drop((x, y));
+        assert_eq!(pool.free_bytes(), 10 * mib);
+        let open = pool.take(4 * mib).unwrap();
+        assert_eq!(pool.free_bytes(), 6 * mib);
+        drop(open);
+        let tight = pool.take_within(4 * mib, Some(8 * mib as u64)).unwrap();
+        assert_eq!(pool.free_bytes(), 0, "the 6 MiB arena dropped");
+        drop(tight);
+        // One arena alone is never made to wait (the caller checks it against the budget).
+        assert_eq!(pool.take_within(16 * mib, budget).unwrap().len(), 16 * mib);
     }
 }

@@ -418,13 +418,16 @@ def save_file(
     blocking=True,
     storage_options=None,
     reuse_blocks=False,
+    max_host_memory=None,
 ):
     """Saves a dict of tensors as safetensors, atomically (the old file survives any failure).
 
     With `blocking=False` (a turboio extension) the call returns once the tensors are copied
     into reused host buffers, with a handle (`wait()`, `done()`, `exception()`, `progress()`)
     while the file is written in the background; saves of one path land in order, and the
-    interpreter waits for pending saves at exit.
+    interpreter waits for pending saves at exit. `max_host_memory` (bytes, or "8GiB") bounds
+    those buffers: a larger copy raises `MemoryError` before anything is copied, and a save
+    that would take the pending saves' buffers past it waits for them first.
 
     With `force_save_shared_tensor`, tensors sharing memory are stored once and the others
     recorded as aliases in `__metadata__` (they are removed from `state_dict`, or cloned with
@@ -461,6 +464,7 @@ def save_file(
         blocking=blocking,
         storage=storage,
         reuse_blocks=reuse_blocks,
+        max_host_memory=max_host_memory,
     )
 
 

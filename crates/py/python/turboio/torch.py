@@ -77,13 +77,17 @@ def load_file(filename, device="cpu", *, storage_options=None, cache_dir=None, t
     return tensors_of(loaded, aliases=False)
 
 
-def save_file(tensors, filename, metadata=None, *, blocking=True, storage_options=None, reuse_blocks=False):
+def save_file(
+    tensors, filename, metadata=None, *, blocking=True, storage_options=None, reuse_blocks=False, max_host_memory=None
+):
     """Saves a dict of tensors (atomically; byte-identical to safetensors' writer).
 
     With `blocking=False` (a turboio extension) the tensors are copied into reused host
     buffers and the file is written in the background: the call returns a handle with
     `wait()`, `done()` and `exception()` as soon as the copy is made, and the tensors may then
-    be changed or freed.
+    be changed or freed. `max_host_memory` (bytes, or "8GiB") bounds those buffers: a save
+    whose copy is larger raises `MemoryError` before copying anything, and a save that would
+    take the pending saves' buffers past it waits for them first.
 
     With `reuse_blocks=True` (a turboio extension, for a checkpoint replaced again and again) a
     replacing save of a local file writes into the blocks of the previous version, which the
@@ -93,15 +97,36 @@ def save_file(tensors, filename, metadata=None, *, blocking=True, storage_option
     `filename` may be an object-store URL (`s3://bucket/key.safetensors`): a multipart upload,
     visible only once complete (`storage_options` as for `load_file`)."""
     storage = _remote.storage(os.fspath(filename), storage_options)
-    return _write(tensors, filename, metadata, blocking=blocking, storage=storage, reuse_blocks=reuse_blocks)
+    return _write(
+        tensors,
+        filename,
+        metadata,
+        blocking=blocking,
+        storage=storage,
+        reuse_blocks=reuse_blocks,
+        max_host_memory=max_host_memory,
+    )
 
 
 def _write(
-    tensors, filename, metadata=None, cipher=False, cipher_header=False, blocking=True, storage=None, reuse_blocks=False
+    tensors,
+    filename,
+    metadata=None,
+    cipher=False,
+    cipher_header=False,
+    blocking=True,
+    storage=None,
+    reuse_blocks=False,
+    max_host_memory=None,
 ):
     # CUDA tensors saved while the caller waits are written from device memory; background
     # saves snapshot host copies (the caller may change the tensors as soon as save returns).
     metadata = _check_metadata(metadata)
+    if isinstance(max_host_memory, str):
+        try:
+            max_host_memory = _turboio.parse_shard_size(max_host_memory)
+        except ValueError as e:
+            raise ValueError(f"max_host_memory: {e}") from None
     device = single_cuda_device(tensors) if blocking else None
     records, keep = raw_tensors(tensors, keep_device=device is not None)
     save = _turboio._save if blocking else _turboio._save_async
@@ -121,6 +146,7 @@ def _write(
             )
             handle = None
         else:
+            extra = {} if blocking else {"max_host_memory": max_host_memory}
             handle = save(
                 os.fspath(filename),
                 records,
@@ -129,6 +155,7 @@ def _write(
                 cipher_header=cipher_header,
                 storage=storage,
                 reuse_blocks=reuse_blocks,
+                **extra,
             )
     except ValueError as e:
         raise _error(e, "serializing") from None
