@@ -733,7 +733,7 @@ impl Device for CudaDevice {
         false
     }
 
-    /// Registers `src` window by window ([`register_windows`]: 8 MiB first, then 64 MiB, each
+    /// Registers `src` window by window (8 MiB first, then 64 MiB, each
     /// edge on a page boundary), queueing each window's copies as soon as it is registered. A
     /// registration slower than [`REGISTER_FLOOR`] (measured on a lent H200 VM, 2026-11-27:
     /// registering a 1 GiB page-cache mapping did not return within 60 s, three times, where
