@@ -104,6 +104,20 @@ struct Slots {
     waiting: usize,
 }
 
+impl Slots {
+    /// Removes and returns the smallest free arena of at least `len` bytes.
+    fn best_fit(&mut self, len: usize) -> Option<Arena> {
+        let i = self
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.capacity() >= len)
+            .min_by_key(|(_, a)| a.capacity())
+            .map(|(i, _)| i)?;
+        Some(self.free.swap_remove(i))
+    }
+}
+
 #[derive(Debug)]
 struct PoolInner {
     slots: Mutex<Slots>,
@@ -196,14 +210,7 @@ impl ArenaPool {
             // Beside the arena this take reuses (the smallest that fits), keep the free
             // arenas that fit in what the budget leaves, smallest first.
             let mut room = (b as usize).saturating_sub(slots.in_use_bytes + len);
-            let reuse = slots
-                .free
-                .iter()
-                .enumerate()
-                .filter(|(_, a)| a.capacity() >= len)
-                .min_by_key(|(_, a)| a.capacity())
-                .map(|(i, _)| i);
-            let reused = reuse.map(|i| slots.free.swap_remove(i));
+            let reused = slots.best_fit(len);
             slots.free.sort_by_key(Arena::capacity);
             slots.free.retain(|a| {
                 let keep = a.capacity() <= room;
@@ -230,14 +237,7 @@ impl ArenaPool {
     fn take_locked(&self, mut slots: std::sync::MutexGuard<'_, Slots>, len: usize) -> Result<PooledArena> {
         slots.in_use += 1;
         slots.in_use_bytes += len;
-        let best = slots
-            .free
-            .iter()
-            .enumerate()
-            .filter(|(_, a)| a.capacity() >= len)
-            .min_by_key(|(_, a)| a.capacity())
-            .map(|(i, _)| i);
-        let found = best.map(|i| slots.free.swap_remove(i));
+        let found = slots.best_fit(len);
         if found.is_none() {
             // Drop the free arenas that are too small before mapping a bigger one, so the pool
             // does not hold memory that no longer fits.
