@@ -160,6 +160,29 @@ fn selected_loads_onto_a_device_read_each_run_into_place() {
         let f = turboio::load(&path, &opts).unwrap();
         assert_holds(&f, &t, &names, &format!("device {mode}"));
     }
+    // Encrypted, decrypted on the device: the scattered runs go through one pipeline (one key
+    // for the load), and only their bytes are uploaded and decrypted.
+    let enc_path = dir.path().join("e.safetensors");
+    let enc =
+        Encryption::new(Keys::Fixed { key: Key::new(b"abcdefgh12345678").unwrap(), iv: Iv(*b"1234567887654321") });
+    turboio::crypt::encrypt_file(&path, &enc_path, &enc, &SaveOptions::default()).unwrap();
+    let dev = Arc::new(OpaqueDevice::new(0).with_decryption());
+    let opts = LoadOptions {
+        device: Some(dev.clone() as Arc<dyn Device>),
+        encryption: Some(enc),
+        staging_chunk: 1 << 20,
+        ..selected(&names)
+    };
+    let f = turboio::load(&enc_path, &opts).unwrap();
+    assert_holds(&f, &t, &names, "device, encrypted");
+    assert_eq!(dev.keys_prepared(), 1, "one pipeline for all the runs");
+    let selected_bytes: u64 = names.iter().map(|n| t.iter().find(|x| x.0 == *n).unwrap().2.len() as u64).sum();
+    assert_eq!(dev.decrypted_bytes(), dev.uploaded_bytes());
+    assert!(
+        dev.uploaded_bytes() >= selected_bytes && dev.uploaded_bytes() < selected_bytes + (1 << 20),
+        "{} uploaded for {selected_bytes} selected",
+        dev.uploaded_bytes()
+    );
 }
 
 #[test]

@@ -87,6 +87,7 @@ struct Counters {
     host_uploaded_bytes: AtomicU64,
     cast_elements: AtomicU64,
     live_keys: Arc<AtomicUsize>,
+    keys_prepared: AtomicUsize,
 }
 
 /// The test device. See the module docs.
@@ -278,6 +279,11 @@ impl OpaqueDevice {
     /// Bytes copied straight from host memory so far.
     pub fn host_uploaded_bytes(&self) -> u64 {
         self.counters.host_uploaded_bytes.load(Ordering::SeqCst)
+    }
+
+    /// Keys prepared so far ([`Device::prepare_key`]: one per load that decrypts here).
+    pub fn keys_prepared(&self) -> usize {
+        self.counters.keys_prepared.load(Ordering::SeqCst)
     }
 
     /// Keys alive on the device now.
@@ -508,6 +514,7 @@ impl Device for OpaqueDevice {
         }
         let key = Key::new(key).map_err(|e| DeviceError::Driver { device: self.id(), message: e.to_string() })?;
         self.counters.live_keys.fetch_add(1, Ordering::SeqCst);
+        self.counters.keys_prepared.fetch_add(1, Ordering::SeqCst);
         let inner =
             Arc::new(KeyInner { cipher: CtrCipher::new(&key, &Iv(*iv)), live: self.counters.live_keys.clone() });
         Ok(Box::new(OpaqueKey { device: self.id(), inner }))

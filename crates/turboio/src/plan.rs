@@ -555,27 +555,18 @@ impl Planned {
             }
             Fill::Staged { memory } if self.selected.is_some() => {
                 let runs = self.selected.as_ref().map(|s| s.runs.clone()).unwrap_or_default();
-                let mut info = ReadInfo { method: "storage", direct: false, direct_refused: false };
-                for r in runs {
-                    let filled = crate::to_device::fill(
-                        &self.opened,
-                        device,
-                        memory.as_ref(),
-                        r.file_offset,
-                        r.len,
-                        self.shift + r.mem_offset,
-                        self.cached_fraction,
-                        opts,
-                        &IoOptions { sparse: true, ..io },
-                    )?;
-                    for f in filled.fallbacks {
-                        if !self.fallbacks.contains(&f) {
-                            self.fallbacks.push(f);
-                        }
-                    }
-                    info = filled.read;
-                }
-                info
+                let filled = crate::to_device::fill(
+                    &self.opened,
+                    device,
+                    memory.as_ref(),
+                    &runs,
+                    self.shift,
+                    self.cached_fraction,
+                    opts,
+                    &IoOptions { sparse: true, ..io },
+                )?;
+                self.fallbacks = filled.fallbacks;
+                filled.read
             }
             Fill::Pending { .. } => {
                 return Err(Error::Unsupported {
@@ -584,12 +575,12 @@ impl Planned {
                 })
             }
             Fill::Staged { memory } => {
+                let whole = [crate::select::Run { file_offset: self.file_start, len: self.span, mem_offset: 0 }];
                 let filled = crate::to_device::fill(
                     &self.opened,
                     device,
                     memory.as_ref(),
-                    self.file_start,
-                    self.span,
+                    &whole,
                     self.shift,
                     self.cached_fraction,
                     opts,

@@ -28,6 +28,7 @@
 
 use crate::backend::{Opened, ReadInfo};
 use crate::options::{CachePolicy, LoadMode, LoadOptions};
+use crate::select::Run;
 use crate::{Error, Result};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -54,14 +55,16 @@ pub(crate) struct Filled {
     pub fallbacks: Vec<String>,
 }
 
-/// Fills `memory[shift .. shift + span]` with the plain bytes `file_start .. file_start + span`.
+/// Fills `memory[shift + run.mem_offset ..][..run.len]` with the plain bytes
+/// `run.file_offset ..][..run.len]` for every run: the whole data section as one run, or a
+/// selection's runs, all through one pipeline (one device key, one set of staging buffers and
+/// readers, one GPUDirect call).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fill(
     opened: &Opened,
     device: &dyn Device,
     memory: &dyn Allocation,
-    file_start: u64,
-    span: usize,
+    runs: &[Run],
     shift: usize,
     cached: Option<f64>,
     opts: &LoadOptions,
@@ -91,8 +94,7 @@ pub(crate) fn fill(
         _ => None,
     };
     let hot = cached.is_some_and(|f| f >= HOT);
-    let result =
-        fill_with(opened, device, memory, file_start, span, shift, hot, opts, io, key.as_deref(), &mut fallbacks);
+    let result = fill_with(opened, device, memory, runs, shift, hot, opts, io, key.as_deref(), &mut fallbacks);
     // Device keys live only for the load (dropping waits for the device, then zeroes them).
     drop(key);
     Ok(Filled { read: result?, fallbacks })
@@ -103,8 +105,7 @@ fn fill_with(
     opened: &Opened,
     device: &dyn Device,
     memory: &dyn Allocation,
-    file_start: u64,
-    span: usize,
+    runs: &[Run],
     shift: usize,
     hot: bool,
     opts: &LoadOptions,
@@ -135,7 +136,7 @@ fn fill_with(
         match why_not {
             Some(why) if opts.mode == LoadMode::Mapped => fallbacks.push(format!("not mapped: {why}")),
             Some(_) => {}
-            None => match upload_mapped(opened, device, memory, file_start, span, shift, io) {
+            None => match upload_mapped(opened, device, memory, runs, shift, io) {
                 Ok(()) => {
                     return Ok(ReadInfo {
                         method: "mmap, DMA from the page cache",
@@ -164,14 +165,27 @@ fn fill_with(
         match why_not {
             Some(why) => fallbacks.push(format!("GPUDirect Storage not used: {why}")),
             None => {
-                let dst = DeviceDst { kind, ordinal: id.ordinal, base: memory.address(), offset: shift as u64 };
-                let req = DeviceReadRequest { offset: file_start + opened.offset(), len: span as u64, dst };
-                match opened.raw().read_to_device(&[req], io) {
+                let reqs: Vec<DeviceReadRequest> = runs
+                    .iter()
+                    .map(|r| DeviceReadRequest {
+                        offset: r.file_offset + opened.offset(),
+                        len: r.len as u64,
+                        dst: DeviceDst {
+                            kind,
+                            ordinal: id.ordinal,
+                            base: memory.address(),
+                            offset: (shift + r.mem_offset) as u64,
+                        },
+                    })
+                    .collect();
+                match opened.raw().read_to_device(&reqs, io) {
                     Ok(()) => {
                         if let Some(k) = key {
-                            device
-                                .apply_keystream(k, memory, shift, span, file_start)
-                                .map_err(|e| Error::device(path, e))?;
+                            for r in runs {
+                                device
+                                    .apply_keystream(k, memory, shift + r.mem_offset, r.len, r.file_offset)
+                                    .map_err(|e| Error::device(path, e))?;
+                            }
                         }
                         device.synchronize().map_err(|e| Error::device(path, e))?;
                         return Ok(ReadInfo { method: "gds", direct: true, direct_refused: false });
@@ -185,16 +199,16 @@ fn fill_with(
     }
 
     // 3. Staged.
-    load_staged(opened, device, memory, file_start, span, shift, opts.staging_chunk, io, key)
+    load_staged(opened, device, memory, runs, shift, opts.staging_chunk, io, key)
 }
 
-/// Maps the file, populates the mapping from the page cache, and has the device copy from it.
+/// Maps the file, populates the runs' pages from the page cache, and has the device copy
+/// each run from the mapping.
 fn upload_mapped(
     opened: &Opened,
     device: &dyn Device,
     memory: &dyn Allocation,
-    file_start: u64,
-    span: usize,
+    runs: &[Run],
     shift: usize,
     io: &IoOptions<'_>,
 ) -> Result<()> {
@@ -207,15 +221,18 @@ fn upload_mapped(
         message: "file too large for this address space".into(),
     })?;
     let mapping = FileMapping::new(file, len).map_err(|e| Error::device(path, e))?;
-    mapping.populate(io.threads.max(1)).map_err(|e| Error::device(path, e))?;
+    let ranges: Vec<(usize, usize)> = runs.iter().map(|r| (r.file_offset as usize, r.len)).collect();
+    mapping.populate_ranges(&ranges, io.threads.max(1), false).map_err(|e| Error::device(path, e))?;
     io.check_cancel().map_err(|e| Error::storage(path, e))?;
-    let start = file_start as usize;
-    let src = mapping.as_slice().get(start..start + span).ok_or_else(|| Error::Unsupported {
-        path: path.to_owned(),
-        message: "the file is shorter than its header says".into(),
-    })?;
-    device.upload_from_host(src, memory, shift).map_err(|e| Error::device(path, e))?;
-    io.add_progress(span as u64);
+    for r in runs {
+        let start = r.file_offset as usize;
+        let src = mapping.as_slice().get(start..start + r.len).ok_or_else(|| Error::Unsupported {
+            path: path.to_owned(),
+            message: "the file is shorter than its header says".into(),
+        })?;
+        device.upload_from_host(src, memory, shift + r.mem_offset).map_err(|e| Error::device(path, e))?;
+        io.add_progress(r.len as u64);
+    }
     Ok(())
 }
 
@@ -228,8 +245,7 @@ pub(crate) fn load_staged(
     opened: &Opened,
     device: &dyn Device,
     memory: &dyn Allocation,
-    file_start: u64,
-    span: usize,
+    runs: &[Run],
     shift: usize,
     chunk: usize,
     io: &IoOptions<'_>,
@@ -238,8 +254,17 @@ pub(crate) fn load_staged(
     const ALIGN: usize = 4096;
     let path = opened.path();
     let chunk = if chunk == 0 { 16 << 20 } else { chunk.next_multiple_of(ALIGN) };
-    let chunks: Vec<(usize, usize)> = (0..span).step_by(chunk).map(|off| (off, chunk.min(span - off))).collect();
-    let workers = io.worker_count(span as u64, chunk).min(chunks.len().max(1));
+    // (file position, memory offset, bytes) of every chunk of every run.
+    let chunks: Vec<(u64, usize, usize)> = runs
+        .iter()
+        .flat_map(|r| {
+            (0..r.len)
+                .step_by(chunk)
+                .map(move |off| (r.file_offset + off as u64, r.mem_offset + off, chunk.min(r.len - off)))
+        })
+        .collect();
+    let total: u64 = runs.iter().map(|r| r.len as u64).sum();
+    let workers = io.worker_count(total, chunk).min(chunks.len().max(1));
     let next = AtomicUsize::new(0);
     let info: Mutex<ReadInfo> = Mutex::new(ReadInfo::default());
     let per_read = IoOptions { threads: 1, ..*io };
@@ -256,7 +281,7 @@ pub(crate) fn load_staged(
                     return Ok(());
                 }
                 let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&(off, len)) = chunks.get(i) else {
+                let Some(&(pos, at, len)) = chunks.get(i) else {
                     return Ok(());
                 };
                 let mut buf = match free.pop() {
@@ -267,7 +292,6 @@ pub(crate) fn load_staged(
                     },
                 };
                 let dst = &mut buf.as_mut_slice()[..len];
-                let pos = file_start + off as u64;
                 let reqs = vec![ReadRequest { offset: pos, dst }];
                 let r = match key {
                     Some(_) => opened.read_undecrypted(reqs, &per_read)?,
@@ -278,7 +302,7 @@ pub(crate) fn load_staged(
                     Some(key) => AfterUpload::Keystream { key, pos },
                     None => AfterUpload::Nothing,
                 };
-                let t = device.upload_with(buf, len, memory, shift + off, after).map_err(|e| Error::device(path, e))?;
+                let t = device.upload_with(buf, len, memory, shift + at, after).map_err(|e| Error::device(path, e))?;
                 inflight.push_back(t);
             }
         })();
