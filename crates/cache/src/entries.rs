@@ -6,7 +6,7 @@ use sha2::{Digest, Sha256};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use turboio_storage::Version;
 
 /// A node-local cache directory (see the crate docs for its layout and rules).
@@ -14,6 +14,7 @@ use turboio_storage::Version;
 pub struct NodeCache {
     dir: PathBuf,
     max_bytes: Option<u64>,
+    revalidate_after: Option<Duration>,
 }
 
 /// One complete entry.
@@ -42,6 +43,16 @@ pub struct PruneReport {
     pub freed: u64,
     /// Files of fetches that died before finishing, removed.
     pub stale_parts: usize,
+}
+
+/// `U-HASH.seen`: the version of a URL the store last reported, and (its modification time)
+/// when: what a load within the revalidation interval trusts instead of asking again.
+#[derive(Serialize, Deserialize)]
+struct Seen {
+    tag: String,
+    len: u64,
+    /// The entry's key.
+    key: String,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -73,6 +84,7 @@ const SUFFIX_DATA: &str = ".data";
 const SUFFIX_META: &str = ".json";
 const SUFFIX_LOCK: &str = ".lock";
 const SUFFIX_PART: &str = ".part";
+const SUFFIX_SEEN: &str = ".seen";
 
 impl Slot {
     pub(crate) fn data(&self) -> PathBuf {
@@ -196,7 +208,59 @@ pub(crate) fn clean_url(url: &str) -> String {
 impl NodeCache {
     /// A cache in `dir` (created on first use), without a size limit.
     pub fn new(dir: impl Into<PathBuf>) -> NodeCache {
-        NodeCache { dir: dir.into(), max_bytes: None }
+        NodeCache { dir: dir.into(), max_bytes: None, revalidate_after: None }
+    }
+
+    /// Trusts the version the store reported for a URL for `interval` after asking (the
+    /// entry then loads without a request to the store: no HEAD, no client built); `None` (the
+    /// default) or zero asks on every open. An object replaced within the interval is loaded
+    /// in its cached version until the interval ends: for immutable or versioned objects, or
+    /// where a few minutes of staleness are acceptable.
+    pub fn with_revalidate_after(mut self, interval: Option<Duration>) -> NodeCache {
+        self.revalidate_after = interval.filter(|d| !d.is_zero());
+        self
+    }
+
+    /// The revalidation interval, if any ([`with_revalidate_after`](Self::with_revalidate_after)).
+    pub fn revalidate_after(&self) -> Option<Duration> {
+        self.revalidate_after
+    }
+
+    fn seen_path(&self, url: &str) -> PathBuf {
+        let mut h = Sha256::new();
+        h.update(format!("turboio-cache-url-1\n{}", clean_url(url)));
+        let hex: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        self.dir.join(format!("U-{hex}{SUFFIX_SEEN}"))
+    }
+
+    /// The version the store reported for `url` less than the revalidation interval ago.
+    pub(crate) fn recently_seen(&self, url: &str) -> Option<Version> {
+        let interval = self.revalidate_after?;
+        let path = self.seen_path(url);
+        let age = fs::metadata(&path).ok()?.modified().ok()?.elapsed().ok()?;
+        if age >= interval {
+            return None;
+        }
+        let seen: Seen = serde_json::from_slice(&fs::read(&path).ok()?).ok()?;
+        Some(Version { len: seen.len, tag: seen.tag })
+    }
+
+    /// Records that the store reported `version` for `url` now (only with an interval set).
+    /// Atomic (a reader sees the old record or the new one); a failure only means the next
+    /// open asks the store again.
+    pub(crate) fn saw(&self, url: &str, version: &Version) {
+        if self.revalidate_after.is_none() {
+            return;
+        }
+        let path = self.seen_path(url);
+        let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
+        let seen = Seen { tag: version.tag.clone(), len: version.len, key: NodeCache::key(url, version) };
+        let body = serde_json::to_vec(&seen).unwrap_or_default();
+        let written =
+            fs::create_dir_all(&self.dir).and_then(|()| fs::write(&tmp, body)).and_then(|()| fs::rename(&tmp, &path));
+        if written.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
     }
 
     /// Bounds the bytes of complete entries: least recently used entries are removed to stay
@@ -206,8 +270,10 @@ impl NodeCache {
         self
     }
 
-    /// The cache of the environment: `TURBOIO_CACHE_DIR` (none if unset or empty) and
-    /// `TURBOIO_CACHE_MAX_SIZE` (bytes, or with a unit: `500GiB`, `2TB`, ...; see [`parse_size`]).
+    /// The cache of the environment: `TURBOIO_CACHE_DIR` (none if unset or empty),
+    /// `TURBOIO_CACHE_MAX_SIZE` (bytes, or with a unit: `500GiB`, `2TB`, ...; see [`parse_size`])
+    /// and `TURBOIO_CACHE_REVALIDATE` (an interval: `300`, `90s`, `5m`, `1h`; see
+    /// [`parse_interval`]).
     pub fn from_env() -> Result<Option<NodeCache>, String> {
         let Some(dir) = std::env::var_os(crate::ENV_DIR).filter(|d| !d.is_empty()) else { return Ok(None) };
         let max = match std::env::var(crate::ENV_MAX_SIZE) {
@@ -216,16 +282,25 @@ impl NodeCache {
             }
             _ => None,
         };
-        Ok(Some(NodeCache::new(dir).with_max_bytes(max)))
+        Ok(Some(NodeCache::new(dir).with_max_bytes(max).with_revalidate_after(env_revalidate()?)))
     }
 
     /// The cache a caller configured: `dir` (else `TURBOIO_CACHE_DIR`; none if neither) bounded
-    /// by `max_bytes` (else `TURBOIO_CACHE_MAX_SIZE`). For options given beside the environment
-    /// (the CLI's `--cache-dir`, Python's `cache_dir=`).
-    pub fn configured(dir: Option<PathBuf>, max_bytes: Option<u64>) -> Result<Option<NodeCache>, String> {
+    /// by `max_bytes` (else `TURBOIO_CACHE_MAX_SIZE`), revalidating after `revalidate` (else
+    /// `TURBOIO_CACHE_REVALIDATE`). For options given beside the environment (the CLI's
+    /// `--cache-dir`, Python's `cache_dir=`).
+    pub fn configured(
+        dir: Option<PathBuf>,
+        max_bytes: Option<u64>,
+        revalidate: Option<Duration>,
+    ) -> Result<Option<NodeCache>, String> {
         let env = NodeCache::from_env()?;
         let max = max_bytes.or(env.as_ref().and_then(|c| c.max_bytes));
-        Ok(dir.or(env.map(|c| c.dir)).map(|d| NodeCache::new(d).with_max_bytes(max)))
+        let revalidate = match revalidate {
+            Some(r) => Some(r),
+            None => env_revalidate()?,
+        };
+        Ok(dir.or(env.map(|c| c.dir)).map(|d| NodeCache::new(d).with_max_bytes(max).with_revalidate_after(revalidate)))
     }
 
     /// The directory.
@@ -283,7 +358,23 @@ impl NodeCache {
         let mut report = self.remove_stale()?;
         let evicted = self.evict_lru(None, |total| total <= max_bytes)?;
         (report.removed, report.freed) = (evicted.removed, evicted.freed);
+        self.remove_orphan_records();
         Ok(report)
+    }
+
+    /// Removes the revalidation records of URLs whose entry is gone (evicted, or never
+    /// completed).
+    fn remove_orphan_records(&self) {
+        for name in dir_names(&self.dir) {
+            if !name.ends_with(SUFFIX_SEEN) {
+                continue;
+            }
+            let path = self.dir.join(&name);
+            let seen: Option<Seen> = fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok());
+            if !seen.is_some_and(|s| self.slot(s.key).data().exists()) {
+                let _ = fs::remove_file(&path);
+            }
+        }
     }
 
     /// Removes the part files and lock files of keys no process is fetching.
@@ -383,6 +474,31 @@ fn remove_entry(slot: &Slot) -> bool {
     removed
 }
 
+fn env_revalidate() -> Result<Option<Duration>, String> {
+    match std::env::var(crate::ENV_REVALIDATE) {
+        Ok(v) if !v.trim().is_empty() => {
+            Ok(Some(parse_interval(&v).map_err(|e| format!("{}={v:?}: {e}", crate::ENV_REVALIDATE))?))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Parses an interval: seconds (`300`, `1.5`), or with a unit `s`, `m`, `h`, `d` (`90s`, `5m`).
+pub fn parse_interval(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let num: f64 = num.parse().map_err(|_| format!("`{text}` is not an interval (e.g. 300, 90s, 5m, 1h)"))?;
+    let mult = match unit.trim() {
+        "" | "s" => 1.0,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        "d" => 86400.0,
+        other => return Err(format!("`{text}`: unknown unit `{other}` (use s, m, h or d)")),
+    };
+    Duration::try_from_secs_f64(num * mult).map_err(|_| format!("`{text}` is out of range"))
+}
+
 /// Parses a byte count as the CLI does: `1073741824`, `512M` / `512MiB` (powers of 1024),
 /// `500GB` (powers of 1000).
 pub fn parse_size(text: &str) -> Result<u64, String> {
@@ -430,6 +546,18 @@ mod tests {
         assert_ne!(k, NodeCache::key("s3://b/k2", &v(10, "e1")));
         assert_ne!(k, NodeCache::key("s3://b/k", &v(11, "e1")));
         assert_ne!(k, NodeCache::key("s3://b/k", &v(10, "e2")));
+    }
+
+    #[test]
+    fn intervals_parse_with_units() {
+        assert_eq!(parse_interval("300").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse_interval("90s").unwrap(), Duration::from_secs(90));
+        assert_eq!(parse_interval("5m").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse_interval("1.5h").unwrap(), Duration::from_secs(5400));
+        assert_eq!(parse_interval("0").unwrap(), Duration::ZERO);
+        assert!(parse_interval("soon").unwrap_err().contains("not an interval"));
+        assert!(parse_interval("5w").unwrap_err().contains("unknown unit"));
+        assert!(NodeCache::new("/x").with_revalidate_after(Some(Duration::ZERO)).revalidate_after().is_none());
     }
 
     #[test]

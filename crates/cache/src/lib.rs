@@ -9,7 +9,11 @@
 //! object's length and its version tag (ETag, and version id where the store keeps versions;
 //! [`StorageFile::version`]). Every open asks the store for the current version first (one HEAD
 //! request, no bytes): a replaced object has a new key and is a miss; objects whose backend
-//! gives no version (local files, SFCS) pass through uncached.
+//! gives no version (local files, SFCS) pass through uncached. With a revalidation interval
+//! ([`NodeCache::with_revalidate_after`], `TURBOIO_CACHE_REVALIDATE`), the version reported
+//! last (`U-HASH.seen`, whose modification time says when) is trusted for that long: a
+//! complete entry of it loads with no request at all (no HEAD, no HTTP client built), as fast
+//! as a local file; an object replaced meanwhile is seen at the end of the interval.
 //!
 //! # Layout (`dir`)
 //!
@@ -68,7 +72,7 @@ mod ranges;
 #[allow(unsafe_code)]
 mod sys;
 
-pub use entries::{parse_size, Entry, NodeCache, PruneReport};
+pub use entries::{parse_interval, parse_size, Entry, NodeCache, PruneReport};
 
 use entries::{Locking, Slot};
 use std::collections::HashMap;
@@ -88,6 +92,9 @@ use turboio_storage::{
 pub const ENV_DIR: &str = "TURBOIO_CACHE_DIR";
 /// The environment variable bounding its size (`500G`, `2TiB`, bytes).
 pub const ENV_MAX_SIZE: &str = "TURBOIO_CACHE_MAX_SIZE";
+/// The environment variable setting how long a version the store reported is trusted
+/// (`300`, `5m`; unset or 0: the store is asked on every open).
+pub const ENV_REVALIDATE: &str = "TURBOIO_CACHE_REVALIDATE";
 /// How long a waiting process waits for a fetch of the same object that writes nothing.
 pub const STALL: Duration = Duration::from_secs(5);
 /// How often a waiting process looks at the fetch it waits for.
@@ -197,9 +204,18 @@ impl CacheStorage {
 
     fn open_through(&self, path: &Path, cancel: Option<&AtomicBool>) -> Result<Box<dyn StorageFile>> {
         let Some(url) = path.to_str() else { return self.inner.open_cancellable(path, cancel) };
+        // Within the revalidation interval, the version the store reported last is trusted:
+        // a complete entry of it loads without a request.
+        if let Some(version) = self.cache.recently_seen(url) {
+            let slot = self.cache.slot(NodeCache::key(url, &version));
+            if let Some(f) = self.hit(path, &slot, &version) {
+                return Ok(f);
+            }
+        }
         let Some(version) = self.inner.current_version(path)? else {
             return self.inner.open_cancellable(path, cancel);
         };
+        self.cache.saw(url, &version);
         let slot = self.cache.slot(NodeCache::key(url, &version));
         if let Some(f) = self.hit(path, &slot, &version) {
             return Ok(f);

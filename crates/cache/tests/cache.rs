@@ -190,6 +190,55 @@ fn a_replaced_object_is_a_miss_and_a_changed_length_too() {
 }
 
 #[test]
+fn within_the_revalidation_interval_a_hit_asks_the_store_nothing() {
+    let (dir, inner, _) = setup(None);
+    let node = NodeCache::new(dir.path().join("cache")).with_revalidate_after(Some(Duration::from_secs(3600)));
+    let cache = CacheStorage::new(inner.clone(), node.clone());
+    let path = dir.path().join("store/m.bin");
+    let first = pattern(3 << 20, 1);
+    inner.write_file(&path, &BytesSource(&first), &IoOptions::default()).unwrap();
+    assert_eq!(read_all(&cache, &path), (first.clone(), false));
+    assert_eq!(inner.heads.load(Ordering::Relaxed), 1);
+    for _ in 0..3 {
+        assert_eq!(read_all(&cache, &path), (first.clone(), true));
+    }
+    assert_eq!(inner.heads.load(Ordering::Relaxed), 1, "hits within the interval ask nothing");
+    // Replaced within the interval: the cached version is still served (what the interval
+    // trades), and the new one once the interval is over.
+    let second = pattern(3 << 20, 2);
+    inner.write_file(&path, &BytesSource(&second), &IoOptions::default()).unwrap();
+    assert_eq!(read_all(&cache, &path), (first.clone(), true));
+    let seen: Vec<PathBuf> = std::fs::read_dir(dir.path().join("cache"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "seen"))
+        .collect();
+    assert_eq!(seen.len(), 1, "one record per URL: {seen:?}");
+    let past = std::time::SystemTime::now() - Duration::from_secs(7200);
+    std::fs::File::options().write(true).open(&seen[0]).unwrap().set_modified(past).unwrap();
+    assert_eq!(read_all(&cache, &path), (second.clone(), false), "revalidated: the new version");
+    assert_eq!(inner.heads.load(Ordering::Relaxed), 2);
+    assert_eq!(read_all(&cache, &path), (second.clone(), true));
+    assert_eq!(inner.heads.load(Ordering::Relaxed), 2);
+    // An evicted entry is a miss whatever the record says (the store is asked again), and
+    // prune drops records of entries that are gone.
+    node.prune(0).unwrap();
+    assert_eq!(read_all(&cache, &path), (second.clone(), false));
+    assert_eq!(inner.heads.load(Ordering::Relaxed), 3);
+    node.prune(0).unwrap();
+    let left = std::fs::read_dir(dir.path().join("cache"))
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "seen"))
+        .count();
+    assert_eq!(left, 0, "records of evicted entries pruned");
+    // Without an interval every open asks.
+    let asking = CacheStorage::new(inner.clone(), NodeCache::new(dir.path().join("cache")));
+    read_all(&asking, &path);
+    read_all(&asking, &path);
+    assert_eq!(inner.heads.load(Ordering::Relaxed), 5);
+}
+
+#[test]
 fn partial_reads_publish_nothing_unless_little_is_missing() {
     let (dir, inner, cache) = setup(None);
     let path = dir.path().join("store/big.bin");

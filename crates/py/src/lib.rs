@@ -175,14 +175,23 @@ struct PyObjectStorage {
 #[pymethods]
 impl PyObjectStorage {
     /// `cache_dir` puts a node-local cache in front of it (else `TURBOIO_CACHE_DIR`, if set);
-    /// `cache_max_size` bounds it in bytes (else `TURBOIO_CACHE_MAX_SIZE`).
+    /// `cache_max_size` bounds it in bytes (else `TURBOIO_CACHE_MAX_SIZE`); `cache_revalidate`
+    /// (seconds) trusts the version the store reported that long (else
+    /// `TURBOIO_CACHE_REVALIDATE`).
     #[new]
-    #[pyo3(signature = (options, cache_dir=None, cache_max_size=None))]
+    #[pyo3(signature = (options, cache_dir=None, cache_max_size=None, cache_revalidate=None))]
     fn new(
         options: BTreeMap<String, String>,
         cache_dir: Option<std::path::PathBuf>,
         cache_max_size: Option<u64>,
+        cache_revalidate: Option<f64>,
     ) -> PyResult<Self> {
+        let revalidate = cache_revalidate
+            .map(|s| {
+                std::time::Duration::try_from_secs_f64(s)
+                    .map_err(|_| PyValueError::new_err(format!("cache_revalidate must be seconds >= 0, not {s}")))
+            })
+            .transpose()?;
         let object: Arc<dyn turboio::storage::Storage> = if options.is_empty() {
             // The environment's backend: its connections are shared with every other call.
             Arc::new(turboio::object::ObjectStorage::global())
@@ -190,7 +199,8 @@ impl PyObjectStorage {
             let options = turboio::object::ObjectOptions::from_pairs(options).map_err(PyValueError::new_err)?;
             Arc::new(turboio::object::ObjectStorage::new(options))
         };
-        let node = turboio::cache::NodeCache::configured(cache_dir, cache_max_size).map_err(PyValueError::new_err)?;
+        let node = turboio::cache::NodeCache::configured(cache_dir, cache_max_size, revalidate)
+            .map_err(PyValueError::new_err)?;
         let cache = node.map(|n| turboio::cache::CacheStorage::new(object.clone(), n));
         let inner: Arc<dyn turboio::storage::Storage> = match &cache {
             Some(c) => Arc::new(c.clone()),

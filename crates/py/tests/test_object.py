@@ -255,6 +255,15 @@ def test_the_node_cache_serves_every_load_api_locally(s3, tmp, monkeypatch):
     assert all(same(got[k], sd[k]) for k in sd)
     assert s3.stats()["get_bytes"] == 0
 
+    # Trusting the version seen for an hour: once it is recorded, loads ask the server nothing.
+    monkeypatch.setenv("TURBOIO_CACHE_REVALIDATE", "1h")
+    turboio.load("s3://pyobj/cached.safetensors", storage_options=opts, cache_dir=cache)
+    s3.faults("{}")
+    got = turboio.load("s3://pyobj/cached.safetensors", storage_options=opts, cache_dir=cache)
+    assert all(same(got[k], sd[k]) for k in sd)
+    assert s3.stats()["requests"] == 0, s3.stats()
+    monkeypatch.delenv("TURBOIO_CACHE_REVALIDATE")
+
     # A new version of the object is a miss, and the load returns the new tensors.
     sd2 = big_dict(4)
     turboio.save_file(sd2, "s3://pyobj/cached.safetensors", storage_options=opts)

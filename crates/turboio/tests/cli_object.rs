@@ -123,6 +123,18 @@ fn the_node_cache_serves_later_loads_and_concurrent_processes_fetch_once() {
     assert!(out.status.success() && text.contains("check: all"), "{text}");
     assert_eq!(fx.server.stat("get_bytes"), 0, "a warm load reads the local entry");
 
+    // Trusting the version seen for an hour: after one load that asks, none asks anything.
+    let trusted =
+        ["--cache-dir", cache_arg, "--cache-revalidate", "1h", "load", "s3://cached/m.safetensors", "--check"];
+    let (ok, out) = run(&trusted);
+    assert!(ok && out.contains("check: all"), "{out}");
+    fx.server.faults("{}");
+    let (ok, out) = run(&trusted);
+    assert!(ok && out.contains("check: all"), "{out}");
+    assert_eq!(fx.server.stat("requests"), 0, "no request to the store within the interval");
+    let (ok, out) = run(&["--cache-revalidate", "soon", "load", "s3://cached/m.safetensors"]);
+    assert!(!ok && out.contains("soon") && out.contains("not an interval"), "{out}");
+
     // A new object version is a miss.
     let size: u64 = 48 << 20;
     let (ok, out) = run(&["gen", "s3://cached/m.safetensors", "--size", "48MiB"]);

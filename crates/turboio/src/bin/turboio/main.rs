@@ -45,12 +45,18 @@ struct Cli {
     /// system's free space, of which 5% is kept free): least recently used entries go first.
     #[arg(long = "cache-max-size", global = true, value_name = "SIZE", value_parser = size::parse_size)]
     cache_max_size: Option<u64>,
+    /// Trust the version the store reported for an object for this long before asking again
+    /// (default: $TURBOIO_CACHE_REVALIDATE, else 0: ask on every load): within it a cached
+    /// object loads with no request to the store, as fast as a local file; an object replaced
+    /// meanwhile is noticed when it ends. Seconds, or 90s, 5m, 1h.
+    #[arg(long = "cache-revalidate", global = true, value_name = "INTERVAL", value_parser = turboio::cache::parse_interval)]
+    cache_revalidate: Option<std::time::Duration>,
 }
 
 impl Cli {
     /// The node cache of `--cache-dir` / `--cache-max-size`, else the environment's.
     fn node_cache(&self) -> Result<Option<turboio::cache::NodeCache>, String> {
-        turboio::cache::NodeCache::configured(self.cache_dir.clone(), self.cache_max_size)
+        turboio::cache::NodeCache::configured(self.cache_dir.clone(), self.cache_max_size, self.cache_revalidate)
     }
 }
 
