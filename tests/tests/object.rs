@@ -70,6 +70,10 @@ fn files_models_and_encrypted_files_load_from_s3_as_from_disk() {
         let opts = LoadOptions { threads, ..fx.load_opts() };
         let remote = turboio::load("s3://models/sample.safetensors", &opts).unwrap();
         assert_same(&reference, &remote, &format!("{threads} threads"));
+        // The report says what happened: GETs, no page cache of this machine involved.
+        let r = remote.report();
+        assert_eq!(r.read.method, "ranged GETs");
+        assert!(!r.cache.kept && r.cache.reason.contains("not a local file"), "{}", r.cache);
     }
     // Into a device through pinned staging (the opaque test device: memory the CPU cannot
     // address), as a GPU load from a bucket goes; and decrypted on the device.

@@ -229,6 +229,24 @@ impl StorageFile for Filling {
         self.inner.read_ranges(requests, &IoOptions { hook: Some(&hook), ..*opts })
     }
 
+    fn read_ranges_reported(
+        &self,
+        requests: Vec<ReadRequest<'_>>,
+        opts: &IoOptions<'_>,
+    ) -> Result<turboio_storage::ReadInfo> {
+        let user = opts.hook;
+        let hook = |offset: u64, bytes: &mut [u8]| {
+            self.record(offset, bytes);
+            user.map_or(Ok(()), |h| h(offset, bytes))
+        };
+        let info = self.inner.read_ranges_reported(requests, &IoOptions { hook: Some(&hook), ..*opts })?;
+        let method = match info.method {
+            "ranged GETs" => "ranged GETs, written through to the node cache",
+            _ => "storage, written through to the node cache",
+        };
+        Ok(turboio_storage::ReadInfo { method, ..info })
+    }
+
     fn requests_in_flight(&self) -> usize {
         self.inner.requests_in_flight()
     }

@@ -347,6 +347,14 @@ impl StorageFile for Hit {
         self.file.read_ranges(requests, opts)
     }
 
+    fn read_ranges_reported(
+        &self,
+        requests: Vec<ReadRequest<'_>>,
+        opts: &IoOptions<'_>,
+    ) -> Result<turboio_storage::ReadInfo> {
+        self.file.read_ranges_reported(requests, opts)
+    }
+
     fn local_file(&self) -> Option<&std::fs::File> {
         self.file.local_file()
     }

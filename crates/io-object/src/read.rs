@@ -258,6 +258,15 @@ impl StorageFile for ObjectFile {
         version_tag(self.etag.as_deref(), self.version.as_deref())
     }
 
+    fn read_ranges_reported(
+        &self,
+        requests: Vec<ReadRequest<'_>>,
+        opts: &IoOptions<'_>,
+    ) -> Result<turboio_storage::ReadInfo, StorageError> {
+        self.read_ranges(requests, opts)?;
+        Ok(turboio_storage::ReadInfo { method: "ranged GETs", direct: false, direct_refused: false })
+    }
+
     fn read_ranges(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<(), StorageError> {
         for r in &requests {
             self.check_range(r.offset, r.dst.len())?;

@@ -376,7 +376,12 @@ pub(crate) fn plan_parsed(
             let span = selected.as_ref().map_or(span, |s| s.mem_len);
             let read = selected.as_ref().map_or(file_len, Selected::read_bytes);
             let dest = if on_cpu { span as u64 } else { 0 };
-            let cache = copy_cache_use(opts.cache, read, cached_fraction, dest, turboio_device::available_memory());
+            let cache = if opened.raw().local_file().is_none() && cached_fraction.is_none() {
+                // An object store, SFCS: nothing of this machine's page cache is involved.
+                CacheUse { kept: false, reason: "not a local file: read from its storage, not through the page cache" }
+            } else {
+                copy_cache_use(opts.cache, read, cached_fraction, dest, turboio_device::available_memory())
+            };
             // Allocated by `allocate`, once the memory plan says it fits.
             (Fill::Pending { len: (span + shift).max(1) }, cache, false)
         }
