@@ -168,6 +168,29 @@ def test_torch_checkpoints_from_s3(s3, tmp):
     assert s3.stats()["get_bytes"] == 0
 
 
+def test_save_pt_and_load_to_shmem_take_urls_with_storage_options(s3, tmp):
+    sd = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "n": torch.ones(5, dtype=torch.int64)}
+    turboio.save_pt(sd, "s3://pyobj/saved.pt", storage_options=s3.options)
+    body = s3.get("pyobj", "saved.pt")
+    import io
+
+    ref = torch.load(io.BytesIO(body), weights_only=True)
+    assert all(same(ref[k], sd[k]) for k in sd)
+    got = turboio.load("s3://pyobj/saved.pt", storage_options=s3.options)
+    assert all(same(got[k], sd[k]) for k in sd)
+    turboio.save_file(sd, "s3://pyobj/shm.safetensors", storage_options=s3.options)
+    for url in ("s3://pyobj/shm.safetensors", "s3://pyobj/saved.pt"):
+        shm = turboio.load_to_shmem(url, storage_options=s3.options)
+        try:
+            data = s3.get("pyobj", url.rsplit("/", 1)[1])
+            assert bytes(shm.buf[: len(data)]) == data, url
+        finally:
+            shm.close()
+            shm.unlink()
+    with pytest.raises(FileNotFoundError, match="s3://pyobj/none.pt"):
+        turboio.load_to_shmem("s3://pyobj/none.pt", storage_options=s3.options)
+
+
 def test_errors_name_the_url_and_keep_secrets(s3):
     opts = s3.options
     with pytest.raises(FileNotFoundError, match="s3://pyobj/nope.safetensors"):

@@ -371,9 +371,19 @@ def _load_into_cuda(path, state_dict, infos, num_thread, cache, cipher, helper, 
     return state_dict
 
 
-def load_to_shmem(file, num_thread=32, helper=None, use_direct_io=False, use_cipher=None, cache=None):
+def load_to_shmem(
+    file,
+    num_thread=32,
+    helper=None,
+    use_direct_io=False,
+    use_cipher=None,
+    cache=None,
+    storage_options=None,
+    cache_dir=None,
+):
     """Copies a file into a new `multiprocessing.shared_memory.SharedMemory` (named with 10
-    random letters); the caller must `close()` and `unlink()` it."""
+    random letters); the caller must `close()` and `unlink()` it. `file` may be an object-store
+    URL (`storage_options` and `cache_dir` as for `load`)."""
     import ctypes
     import random
     import string
@@ -381,11 +391,12 @@ def load_to_shmem(file, num_thread=32, helper=None, use_direct_io=False, use_cip
 
     path = _local_path(file)
     cipher = _cipher_for_load(use_cipher)
+    storage = _remote.storage(path, storage_options, cache_dir)
     data = None
-    if _kind(path, cipher) == "safetensors":
-        _, size, _, _ = _turboio.read_header(path, cipher=cipher)  # validates before copying
+    if _kind(path, cipher, storage) == "safetensors":
+        _, size, _, _ = _turboio.read_header(path, cipher=cipher, storage=storage)  # validates before copying
     elif cipher or _is_remote(path):
-        data = _turboio.read_all(path, cipher=cipher)
+        data = _turboio.read_all(path, cipher=cipher, storage=storage)
         size = len(data)
     else:
         size = _os.path.getsize(path)
@@ -397,7 +408,9 @@ def load_to_shmem(file, num_thread=32, helper=None, use_direct_io=False, use_cip
         elif size:
             addr = ctypes.addressof(ctypes.c_char.from_buffer(shm.buf))
             policy = _cache_policy(use_direct_io, cache)
-            _turboio._read_into(path, [(0, addr, size)], threads=_threads(num_thread), cache=policy, cipher=cipher)
+            _turboio._read_into(
+                path, [(0, addr, size)], threads=_threads(num_thread), cache=policy, cipher=cipher, storage=storage
+            )
     except BaseException:
         shm.close()
         shm.unlink()
@@ -477,8 +490,9 @@ def save_model(model, file, use_cipher=False):
     st._save_model(model, path, cipher=cipher, cipher_header=header)
 
 
-def save_pt(state_dict, file, use_cipher=False):
-    """`torch.save`, written atomically (and encrypted with `use_cipher`, as veTurboIO does)."""
+def save_pt(state_dict, file, use_cipher=False, storage_options=None):
+    """`torch.save`, written atomically (and encrypted with `use_cipher`, as veTurboIO does).
+    `file` may be an object-store URL (`storage_options` as for `save_file`)."""
     import io
 
     import torch
@@ -487,4 +501,5 @@ def save_pt(state_dict, file, use_cipher=False):
     cipher, header = _cipher_for_save(use_cipher)
     buf = io.BytesIO()
     torch.save(state_dict, buf)
-    _turboio.write_file(path, buf.getvalue(), cipher=cipher, cipher_header=header)
+    storage = _remote.storage(path, storage_options)
+    _turboio.write_file(path, buf.getvalue(), cipher=cipher, cipher_header=header, storage=storage)
