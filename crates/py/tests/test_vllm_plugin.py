@@ -262,6 +262,28 @@ def test_real_vllm_registers_the_loader(tmp):
         loader.load_weights(short, types.SimpleNamespace(model=str(d), revision=None, quantization=None))
 
 
+@pytest.mark.skipif(not __import__("os").environ.get("TURBOIO_REAL_VLLM"), reason="needs the real vLLM: cargo xtask test --vllm")
+def test_real_vllm_checks_options_when_its_configuration_is_built():
+    """A bad option fails in `EngineArgs.create_load_config`, in the user's process, before any
+    engine or worker starts; other load formats and good options pass through unchanged."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    vllm_plugin.register()
+    vllm_plugin.register()  # idempotent: one wrapper
+    wrapped = EngineArgs.create_load_config
+    assert wrapped._turboio_checks_options and not getattr(wrapped.__wrapped__, "_turboio_checks_options", False)
+    args = EngineArgs(model="m", load_format="turboio", model_loader_extra_config={"num_threads": "eight"})
+    with pytest.raises(ValueError, match="num_threads must be an integer, not 'eight'"):
+        args.create_load_config()
+    args = EngineArgs(model="m", load_format="turboio", model_loader_extra_config={"bogus": 1})
+    with pytest.raises(ValueError, match="bogus"):
+        args.create_load_config()
+    ok = EngineArgs(model="m", load_format="turboio", model_loader_extra_config={"num_threads": 2})
+    assert ok.create_load_config().model_loader_extra_config == {"num_threads": 2}
+    other = EngineArgs(model="m", load_format="auto", model_loader_extra_config={"bogus": 1})
+    assert other.create_load_config().load_format == "auto"
+
+
 def _tp_worker(rank, world, d, url, options):
     import torch.distributed as dist
 

@@ -163,6 +163,9 @@ def test_a_bad_option_is_refused_naming_it(llama):
     p, out = generate(model, "turboio", tmp, {"num_threads": "eight"})
     assert out is None
     assert "num_threads must be an integer, not 'eight'" in p.stdout, p.stdout[-4000:]
+    # Refused while the configuration is built, in this process: no engine was started.
+    assert "create_load_config" in p.stdout, p.stdout[-4000:]
+    assert "EngineCore" not in p.stdout and "Initializing a V1 LLM engine" not in p.stdout, p.stdout[-4000:]
 
 
 def free_port():

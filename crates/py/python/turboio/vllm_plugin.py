@@ -267,10 +267,38 @@ def _local_dir(model_config, load_config=None):
     )
 
 
+def _check_options_at_parse_time():
+    """Makes vLLM's `EngineArgs.create_load_config` (run in the process the user started, when
+    the engine's configuration is built, before any worker or engine process exists) check
+    turboio's options when `load_format` is "turboio": a bad `--model-loader-extra-config` is
+    then an error in the user's terminal within seconds, not in a worker's log after the engine
+    started. Installed once; a vLLM without that method is left as it is (the loader checks the
+    options again when it is made)."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except Exception:  # noqa: BLE001 - any vLLM that lacks it: the loader checks later
+        return
+    original = getattr(EngineArgs, "create_load_config", None)
+    if original is None or getattr(original, "_turboio_checks_options", False):
+        return
+
+    def create_load_config(self):
+        if str(getattr(self, "load_format", "")).lower() == "turboio":
+            loader_options(getattr(self, "model_loader_extra_config", None))
+        return original(self)
+
+    create_load_config._turboio_checks_options = True
+    create_load_config.__wrapped__ = original
+    EngineArgs.create_load_config = create_load_config
+
+
 def register():
-    """vLLM's plug-in hook: registers the "turboio" model loader."""
+    """vLLM's plug-in hook: registers the "turboio" model loader, and has vLLM check its
+    options when the engine's configuration is built."""
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    _check_options_at_parse_time()
 
     @register_model_loader("turboio")
     class TurboioModelLoader(BaseModelLoader):
