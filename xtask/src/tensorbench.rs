@@ -94,10 +94,11 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, model_size: u64, runs: usi
             // Checks compare totals: the load plus a first read of every page of its result.
             let (t, load) = (times(&out["total"]), times(&out["load"]));
             let m = |k: &str| t.get(k).map(|v| median(v));
+            let lm = |k: &str| load.get(k).map(|v| median(v));
             let ours = m(TURBOIO).unwrap_or(f64::NAN);
             for loader in [TURBOIO, SAFETENSORS, PT, NO_TENSORS, MMAP, FLOOR] {
                 if let Some(x) = m(loader) {
-                    let l = load.get(loader).map_or(f64::NAN, |v| median(v));
+                    let l = lm(loader).unwrap_or(f64::NAN);
                     let _ = writeln!(
                         s,
                         "| {label} | {cache} | {loader} | {:.1} | {:.1} | {:.2}x |",
@@ -124,7 +125,6 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, model_size: u64, runs: usi
                     // (on a page cache of large folios populating is nearly free and it is
                     // not).
                     // Load times: the floor's "total" adds the same page reads as everyone's.
-                    let lm = |k: &str| load.get(k).map(|v| median(v));
                     if let (Some(c), Some(f)) = (lm(MMAP), lm(FLOOR)) {
                         checks.push((
                             what("bound: 0.3x the ceiling vs the tensor floor (>= 1: 1.3x reachable)"),

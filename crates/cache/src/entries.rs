@@ -227,9 +227,7 @@ impl NodeCache {
     }
 
     fn seen_path(&self, url: &str) -> PathBuf {
-        let mut h = Sha256::new();
-        h.update(format!("turboio-cache-url-1\n{}", clean_url(url)));
-        let hex: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        let hex = sha256_hex(&format!("turboio-cache-url-1\n{}", clean_url(url)));
         self.dir.join(format!("U-{hex}{SUFFIX_SEEN}"))
     }
 
@@ -315,9 +313,7 @@ impl NodeCache {
 
     /// The key of an object: hex SHA-256 of its cleaned URL, its length and its version tag.
     pub fn key(url: &str, version: &Version) -> String {
-        let mut h = Sha256::new();
-        h.update(format!("turboio-cache-1\n{}\n{}\n{}", clean_url(url), version.len, version.tag));
-        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+        sha256_hex(&format!("turboio-cache-1\n{}\n{}\n{}", clean_url(url), version.len, version.tag))
     }
 
     pub(crate) fn slot(&self, key: String) -> Slot {
@@ -474,6 +470,20 @@ fn remove_entry(slot: &Slot) -> bool {
     removed
 }
 
+/// Lowercase hex of the SHA-256 of `text`.
+fn sha256_hex(text: &str) -> String {
+    Sha256::digest(text.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A number and the unit after it (`"1.5GiB"` -> `(1.5, "GiB")`); `None` when the number does
+/// not parse.
+fn number_and_unit(text: &str) -> Option<(f64, &str)> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    Some((num.parse().ok()?, unit.trim()))
+}
+
 fn env_revalidate() -> Result<Option<Duration>, String> {
     match std::env::var(crate::ENV_REVALIDATE) {
         Ok(v) if !v.trim().is_empty() => {
@@ -485,11 +495,9 @@ fn env_revalidate() -> Result<Option<Duration>, String> {
 
 /// Parses an interval: seconds (`300`, `1.5`), or with a unit `s`, `m`, `h`, `d` (`90s`, `5m`).
 pub fn parse_interval(text: &str) -> Result<Duration, String> {
-    let t = text.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let num: f64 = num.parse().map_err(|_| format!("`{text}` is not an interval (e.g. 300, 90s, 5m, 1h)"))?;
-    let mult = match unit.trim() {
+    let (num, unit) =
+        number_and_unit(text).ok_or_else(|| format!("`{text}` is not an interval (e.g. 300, 90s, 5m, 1h)"))?;
+    let mult = match unit {
         "" | "s" => 1.0,
         "m" | "min" => 60.0,
         "h" => 3600.0,
@@ -502,11 +510,9 @@ pub fn parse_interval(text: &str) -> Result<Duration, String> {
 /// Parses a byte count as the CLI does: `1073741824`, `512M` / `512MiB` (powers of 1024),
 /// `500GB` (powers of 1000).
 pub fn parse_size(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let num: f64 = num.parse().map_err(|_| format!("`{text}` is not a size (e.g. 500GiB, 2TB, 1073741824)"))?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+    let (num, unit) =
+        number_and_unit(text).ok_or_else(|| format!("`{text}` is not a size (e.g. 500GiB, 2TB, 1073741824)"))?;
+    let mult: f64 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "k" | "kib" => 1024.0,
         "m" | "mib" => 1024f64.powi(2),

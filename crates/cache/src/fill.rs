@@ -220,13 +220,7 @@ impl StorageFile for Filling {
     }
 
     fn read_ranges(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<()> {
-        let user = opts.hook;
-        // The raw bytes go to the entry before the caller's hook decrypts or converts them.
-        let hook = |offset: u64, bytes: &mut [u8]| {
-            self.record(offset, bytes);
-            user.map_or(Ok(()), |h| h(offset, bytes))
-        };
-        self.inner.read_ranges(requests, &IoOptions { hook: Some(&hook), ..*opts })
+        self.read_ranges_reported(requests, opts).map(|_| ())
     }
 
     fn read_ranges_reported(
@@ -235,6 +229,7 @@ impl StorageFile for Filling {
         opts: &IoOptions<'_>,
     ) -> Result<turboio_storage::ReadInfo> {
         let user = opts.hook;
+        // The raw bytes go to the entry before the caller's hook decrypts or converts them.
         let hook = |offset: u64, bytes: &mut [u8]| {
             self.record(offset, bytes);
             user.map_or(Ok(()), |h| h(offset, bytes))

@@ -316,17 +316,30 @@ mod bound_tests {
         }
     }
 
+    impl Gated {
+        /// Writes wait until [`release`](Self::release); `pool`'s arenas in use are noted at
+        /// each write.
+        fn closed(pool: &ArenaPool) -> Arc<Gated> {
+            Arc::new(Gated {
+                open: Mutex::new(false),
+                opened: Condvar::new(),
+                pool: pool.clone(),
+                in_use_seen: Mutex::new(Vec::new()),
+            })
+        }
+
+        fn release(&self) {
+            *self.open.lock().unwrap() = true;
+            self.opened.notify_all();
+        }
+    }
+
     #[test]
     fn saves_queued_faster_than_written_hold_at_most_the_pools_snapshots() {
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join("a.safetensors");
         let pool = ArenaPool::bounded(2);
-        let gate = Arc::new(Gated {
-            open: Mutex::new(false),
-            opened: Condvar::new(),
-            pool: pool.clone(),
-            in_use_seen: Mutex::new(Vec::new()),
-        });
+        let gate = Gated::closed(&pool);
         let opts = SaveOptions { snapshots: Some(pool.clone()), storage: Some(gate.clone()), ..Default::default() };
         let save = |path: &Path, fill: u8, opts: &SaveOptions| {
             let data = vec![fill; 1 << 20];
@@ -346,8 +359,7 @@ mod bound_tests {
             std::thread::yield_now();
         }
         assert_eq!(pool.waiting(), 1, "the third save waits for a snapshot instead of taking a third");
-        *gate.open.lock().unwrap() = true;
-        gate.opened.notify_all();
+        gate.release();
         let third = third.join().unwrap();
         for h in [first, second, third] {
             h.wait().unwrap();
@@ -363,12 +375,7 @@ mod bound_tests {
         let d = tempfile::tempdir().unwrap();
         let path = d.path().join("b.safetensors");
         let pool = ArenaPool::bounded(4);
-        let gate = Arc::new(Gated {
-            open: Mutex::new(false),
-            opened: Condvar::new(),
-            pool: pool.clone(),
-            in_use_seen: Mutex::new(Vec::new()),
-        });
+        let gate = Gated::closed(&pool);
         let unit = 2 << 20; // 2 MiB: arenas may be rounded up to huge pages
         let opts = SaveOptions {
             snapshots: Some(pool.clone()),
@@ -400,8 +407,7 @@ mod bound_tests {
             std::thread::yield_now();
         }
         assert_eq!((pool.waiting(), pool.in_use()), (1, 1), "the second waits for room in the budget");
-        *gate.open.lock().unwrap() = true;
-        gate.opened.notify_all();
+        gate.release();
         let second = second.join().unwrap();
         first.wait().unwrap();
         second.wait().unwrap();

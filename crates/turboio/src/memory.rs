@@ -9,7 +9,8 @@
 //! with a limit (v2 `memory.max`, v1 `memory.limit_in_bytes`), that limit less what the cgroup
 //! holds that cannot be reclaimed (its usage less its inactive file pages), up the hierarchy
 //! (both versions tested against cgroup trees written by the tests; this VM runs v1, whose
-//! real files the CLI test uses); device memory available is what the device says ([`Device::free_memory`]). [`LoadOptions::max_host_memory`] and
+//! real files the CLI test uses); device memory available is what the device says
+//! ([`Device::free_memory`]). [`LoadOptions::max_host_memory`] and
 //! [`LoadOptions::max_device_memory`] set budgets below those. A load that does not fit fails
 //! with [`Error::WontFit`]: what it needs, what is available, and the options that would fit;
 //! nothing was allocated and no tensor byte read, so nothing is killed halfway.

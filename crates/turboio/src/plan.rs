@@ -558,21 +558,6 @@ impl Planned {
                     None => self.opened.read(vec![ReadRequest { offset: self.file_start, dst }], &io)?,
                 }
             }
-            Fill::Staged { memory } if self.selected.is_some() => {
-                let runs = self.selected.as_ref().map(|s| s.runs.clone()).unwrap_or_default();
-                let filled = crate::to_device::fill(
-                    &self.opened,
-                    device,
-                    memory.as_ref(),
-                    &runs,
-                    self.shift,
-                    self.cached_fraction,
-                    opts,
-                    &IoOptions { sparse: true, ..io },
-                )?;
-                self.fallbacks = filled.fallbacks;
-                filled.read
-            }
             Fill::Pending { .. } => {
                 return Err(Error::Unsupported {
                     path,
@@ -580,12 +565,17 @@ impl Planned {
                 })
             }
             Fill::Staged { memory } => {
+                // A selection's runs, or the data section as one run; one pipeline either way.
                 let whole = [crate::select::Run { file_offset: self.file_start, len: self.span, mem_offset: 0 }];
+                let (runs, io) = match &self.selected {
+                    Some(s) => (&s.runs[..], IoOptions { sparse: true, ..io }),
+                    None => (&whole[..], io),
+                };
                 let filled = crate::to_device::fill(
                     &self.opened,
                     device,
                     memory.as_ref(),
-                    &whole,
+                    runs,
                     self.shift,
                     self.cached_fraction,
                     opts,
