@@ -731,7 +731,7 @@ fn runai_ready(python: &Path) -> Option<String> {
     }
     eprintln!("installing runai-model-streamer 0.17.0 with its S3 plugin ...");
     let _ = Command::new(python)
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-cache-dir"])
         .args(["runai-model-streamer==0.17.0", "runai-model-streamer-s3==0.17.0"])
         .status();
     python_ok(python, check).err().map(|e| format!("Run:ai Model Streamer cannot be imported: {e}"))

