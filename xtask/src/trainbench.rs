@@ -13,6 +13,11 @@
 //! caller already has (`state_dict=`), against DeepNVMe's `sync_pread` into its page-locked
 //! buffer. The disk's `O_DIRECT` rows (one ring, 32 requests of 1 MiB) are measured in the
 //! same run, for context.
+//!
+//! DeepNVMe's own file operations three ways (its README's table: the `py_*` scripts' Python,
+//! DeepSpeed's `aio_handle`, and the same calls on `turboio.deepnvme`): a store of a CPU tensor
+//! to a new file and in place (with the same fsyncs), and a cold load into the handle's
+//! page-locked buffer.
 
 use crate::benchkit::run_order;
 use anyhow::{bail, Context, Result};
@@ -39,10 +44,15 @@ enum Kind {
     LoadStateDict,
     DnRead,
     RefRead,
+    TnNew,
+    TnOverwrite,
+    TnRead,
+    PyWrite,
+    PyRead,
 }
 
 /// The rows, in table order.
-const ROWS: [(Kind, &str); 11] = [
+const ROWS: [(Kind, &str); 16] = [
     (Kind::SaveNew, "turboio save, new file"),
     (Kind::SaveReplace, "turboio save, replacing (old file deleted after the save)"),
     (Kind::SaveReplaceInline, "turboio save, replacing (old file freed by the rename, as before)"),
@@ -54,6 +64,11 @@ const ROWS: [(Kind, &str); 11] = [
     (Kind::LoadStateDict, "turboio.load(state_dict=..., use_direct_io=True) into existing tensors (cold)"),
     (Kind::DnRead, "DeepNVMe sync_pread into its page-locked buffer (cold)"),
     (Kind::RefRead, "reference: O_DIRECT read, one ring of 32 x 1 MiB, into a reused buffer (cold)"),
+    (Kind::TnNew, "turboio.deepnvme sync_pwrite + fsync, new file"),
+    (Kind::TnOverwrite, "turboio.deepnvme sync_pwrite + fsync, overwriting in place"),
+    (Kind::TnRead, "turboio.deepnvme sync_pread into its page-locked buffer (cold)"),
+    (Kind::PyWrite, "Python, as py_store_cpu_tensor.py: f.write(t.numpy()) + fsync, new file"),
+    (Kind::PyRead, "Python, as py_load_cpu_tensor.py: torch.frombuffer(f.read()) (cold)"),
 ];
 
 #[derive(Debug, Default, Clone)]
@@ -71,7 +86,7 @@ fn median(v: &[f64]) -> f64 {
 
 /// The `PYTHONPATH` directory holding deepspeed, with its `async_io` op built; `Err` says why
 /// the DeepNVMe rows are skipped.
-fn deepnvme(python: &Path) -> std::result::Result<(PathBuf, PathBuf), String> {
+pub(crate) fn deepnvme(python: &Path) -> std::result::Result<(PathBuf, PathBuf), String> {
     let tools = crate::test::root().join("target/bench-tools");
     let site = tools.join("deepnvme");
     let extensions = tools.join("torch-extensions");
@@ -137,6 +152,21 @@ fn deepnvme_cmd(python: &Path, site: &Path, extensions: &Path) -> Command {
         .env("DS_ACCELERATOR", "cpu")
         .env("TORCH_EXTENSIONS_DIR", extensions);
     c
+}
+
+/// One timed operation of `py_training.py` without DeepSpeed (turboio's handle, or plain Python).
+fn py_op(python: &Path, args: &[&str]) -> Result<f64> {
+    let o = Command::new(python)
+        .arg(crate::test::root().join("crates/py/bench/py_training.py"))
+        .args(args)
+        .output()
+        .context("run py_training.py")?;
+    if !o.status.success() {
+        bail!("py_training.py {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr));
+    }
+    let text = String::from_utf8_lossy(&o.stdout);
+    let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or(""))?;
+    v["s"].as_f64().context("py_training.py printed no time")
 }
 
 fn deepnvme_op(python: &Path, dirs: &(PathBuf, PathBuf), args: &[&str]) -> Result<f64> {
@@ -212,7 +242,10 @@ pub fn run(python: Option<&Path>, dir: &Path, size: u64, runs: usize) -> Result<
     }
     if python.is_none() {
         for (r, (kind, _)) in rows.iter_mut().zip(ROWS) {
-            if kind == Kind::LoadStateDict {
+            if matches!(
+                kind,
+                Kind::LoadStateDict | Kind::TnNew | Kind::TnOverwrite | Kind::TnRead | Kind::PyWrite | Kind::PyRead
+            ) {
                 r.skipped = Some("--no-python".into());
             }
         }
@@ -271,6 +304,62 @@ pub fn run(python: Option<&Path>, dir: &Path, size: u64, runs: usize) -> Result<
                     }
                     deepnvme_op(py, dirs, &["--op", "pwrite", "--out", raw.to_str().unwrap(), "--size", &size_arg])?
                 }
+                Kind::TnNew | Kind::TnOverwrite | Kind::PyWrite => {
+                    let py = python.context("python")?;
+                    let out = dir.join("train.turboio.bin");
+                    if kind == Kind::TnOverwrite {
+                        if !out.exists() || std::fs::metadata(&out)?.len() != size {
+                            py_op(
+                                py,
+                                &[
+                                    "--impl",
+                                    "turboio",
+                                    "--op",
+                                    "pwrite",
+                                    "--out",
+                                    out.to_str().unwrap(),
+                                    "--size",
+                                    &size_arg,
+                                ],
+                            )?;
+                            sync();
+                        }
+                    } else {
+                        remove(&out);
+                    }
+                    let imp = if kind == Kind::PyWrite { "python" } else { "turboio" };
+                    let s = py_op(
+                        py,
+                        &["--impl", imp, "--op", "pwrite", "--out", out.to_str().unwrap(), "--size", &size_arg],
+                    )?;
+                    if kind == Kind::PyWrite {
+                        remove(&out);
+                    }
+                    s
+                }
+                Kind::TnRead | Kind::PyRead => {
+                    let py = python.context("python")?;
+                    let file = dir.join("train.read.bin");
+                    if !file.exists() || std::fs::metadata(&file)?.len() != size {
+                        py_op(
+                            py,
+                            &[
+                                "--impl",
+                                "turboio",
+                                "--op",
+                                "pwrite",
+                                "--out",
+                                file.to_str().unwrap(),
+                                "--size",
+                                &size_arg,
+                            ],
+                        )?;
+                        sync();
+                    }
+                    evict(&file)?;
+                    let imp = if kind == Kind::PyRead { "python" } else { "turboio" };
+                    py_op(py, &["--impl", imp, "--op", "pread", "--file", file.to_str().unwrap()])?
+                }
                 Kind::RefWrite => {
                     let reference = dir.join("train.reference");
                     remove(&reference);
@@ -327,7 +416,7 @@ pub fn run(python: Option<&Path>, dir: &Path, size: u64, runs: usize) -> Result<
             rows[i].times.push(secs);
         }
     }
-    for p in [&st, &spare, &raw] {
+    for p in [&st, &spare, &raw, &dir.join("train.turboio.bin"), &dir.join("train.read.bin")] {
         let _ = std::fs::remove_file(p);
     }
     turboio::wait_for_saves();
@@ -385,6 +474,19 @@ fn render(rows: &[Row], size: u64, runs: usize) -> String {
             f64::NAN,
             false,
         ),
+        // DeepNVMe's API on turboio against DeepSpeed's own, the same calls (issue 25).
+        ("turboio.deepnvme / DeepNVMe sync_pwrite, new file", ratio(Kind::TnNew, Kind::DnNew), 1.0, true),
+        ("turboio.deepnvme / DeepNVMe sync_pwrite, in place", ratio(Kind::TnOverwrite, Kind::DnOverwrite), 1.0, true),
+        ("turboio.deepnvme sync_pread speed / DeepNVMe's", ratio(Kind::DnRead, Kind::TnRead), 1.0, false),
+        (
+            "turboio.deepnvme sync_pwrite speed / one-ring O_DIRECT write",
+            ratio(Kind::RefWrite, Kind::TnNew),
+            0.85,
+            false,
+        ),
+        ("turboio.deepnvme sync_pread speed / one-ring O_DIRECT read", ratio(Kind::RefRead, Kind::TnRead), 0.85, false),
+        ("turboio.deepnvme sync_pwrite speed / Python's", ratio(Kind::PyWrite, Kind::TnNew), f64::NAN, false),
+        ("turboio.deepnvme sync_pread speed / Python's", ratio(Kind::PyRead, Kind::TnRead), f64::NAN, false),
     ];
     let _ = writeln!(s, "\n| check | ratio | needed | |\n|---|---:|---:|---|");
     for (what, ratio, bound, at_most) in checks {

@@ -254,6 +254,21 @@ impl PosixStorage {
     ) -> Result<(), StorageError> {
         write::replace_with(&self.cfg, path, len, opts, transfer)
     }
+
+    /// Writes `source` into `path` at `offset`, in place (created with mode 0600 when missing,
+    /// never truncated, grown when the range ends past its end), whole blocks with `O_DIRECT`
+    /// where allowed: the raw positional write that DeepNVMe-style handles offer. **Not** a
+    /// save: not atomic and not synced (a crash leaves a partly written range); checkpoints
+    /// go through [`Storage::write_file`].
+    pub fn write_at(
+        &self,
+        path: &Path,
+        offset: u64,
+        source: &dyn WriteSource,
+        opts: &IoOptions<'_>,
+    ) -> Result<(), StorageError> {
+        write::write_at(&self.cfg, path, offset, source, opts)
+    }
 }
 
 impl Storage for PosixStorage {

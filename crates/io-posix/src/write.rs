@@ -398,11 +398,84 @@ pub(crate) fn write_file(
             file: tmp.file,
             direct: direct.as_ref(),
             source,
+            base: 0,
             opts,
             direct_failed: AtomicBool::new(false),
         };
         w.write_all()
     })
+}
+
+/// `source` at the front of a file's bytes from `skip` on.
+struct Skip<'a> {
+    inner: &'a dyn WriteSource,
+    skip: u64,
+}
+
+impl WriteSource for Skip<'_> {
+    fn len(&self) -> u64 {
+        self.inner.len() - self.skip
+    }
+
+    fn fill(&self, offset: u64, dst: &mut [u8]) -> Result<(), String> {
+        self.inner.fill(self.skip + offset, dst)
+    }
+}
+
+/// Writes `source` into `path` at `offset`, in place: the file is created (mode 0600 before the
+/// umask) when missing and never truncated, bytes outside `[offset, offset + len)` stay as they
+/// were, and the file grows when the range ends past its end. Not atomic and not synced: the
+/// raw positional write of the DeepNVMe-style API (see the crate docs for the atomic saves).
+/// Whole aligned blocks go with `O_DIRECT` when `opts.direct` asks for it (or `Auto` and
+/// [`PosixConfig::direct_writes`]) and the file system allows it, the unaligned head and tail
+/// through the page cache.
+pub(crate) fn write_at(
+    cfg: &PosixConfig,
+    path: &Path,
+    offset: u64,
+    source: &dyn WriteSource,
+    opts: &IoOptions<'_>,
+) -> Result<(), StorageError> {
+    let len = source.len();
+    offset.checked_add(len).ok_or_else(|| io_err(path, "write", io::Error::from(Errno::EFBIG)))?;
+    let file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| io_err(path, "open", e))?;
+    // The head up to the first aligned file offset, through the page cache.
+    let head = ((ALIGN - offset % ALIGN) % ALIGN).min(len);
+    if head > 0 {
+        let mut buf = vec![0u8; head as usize];
+        source.fill(0, &mut buf).map_err(|message| StorageError::Source { path: path.to_owned(), message })?;
+        cfg.faults.check_write(offset, buf.len()).map_err(|e| io_err(path, "write", e))?;
+        file.write_all_at(&buf, offset).map_err(|e| io_err(path, "write", e))?;
+        opts.add_progress(head);
+    }
+    let rest = Skip { inner: source, skip: head };
+    let want_direct = match opts.direct {
+        DirectIo::On => true,
+        DirectIo::Off => false,
+        DirectIo::Auto => cfg.direct_writes,
+    };
+    let direct = if want_direct && rest.len() >= ALIGN {
+        sys::reopen_direct(&file, path, true).map_err(|e| io_err(path, "open (O_DIRECT)", e))?
+    } else {
+        None
+    };
+    Writer {
+        cfg,
+        path,
+        file: &file,
+        direct: direct.as_ref(),
+        source: &rest,
+        base: offset + head,
+        opts,
+        direct_failed: AtomicBool::new(false),
+    }
+    .write_all()
 }
 
 /// One save's chunks being filled and written.
@@ -414,6 +487,8 @@ struct Writer<'a, 'o> {
     /// Its `O_DIRECT` description, where the file system allows one.
     direct: Option<&'a File>,
     source: &'a dyn WriteSource,
+    /// The file offset of the source's first byte: a multiple of [`ALIGN`] when `direct` is set.
+    base: u64,
     opts: &'a IoOptions<'o>,
     /// The file system refused an `O_DIRECT` write: everything goes through the page cache.
     direct_failed: AtomicBool,
@@ -474,10 +549,11 @@ impl Writer<'_, '_> {
         self.source.fill(offset, dst).map_err(|message| StorageError::Source { path: self.path.to_owned(), message })
     }
 
-    /// `pwrite`s all of `data` at `offset` through the page cache.
+    /// `pwrite`s all of `data` at the source's `offset` through the page cache.
     fn write_buffered(&self, data: &[u8], offset: u64) -> Result<(), StorageError> {
-        self.cfg.faults.check_write(offset, data.len()).map_err(|e| io_err(self.path, "write", e))?;
-        self.file.write_all_at(data, offset).map_err(|e| io_err(self.path, "write", e))
+        let at = self.base + offset;
+        self.cfg.faults.check_write(at, data.len()).map_err(|e| io_err(self.path, "write", e))?;
+        self.file.write_all_at(data, at).map_err(|e| io_err(self.path, "write", e))
     }
 
     /// The synchronous path: fill, then `pwrite` the whole blocks with `O_DIRECT` where allowed
@@ -490,8 +566,9 @@ impl Writer<'_, '_> {
             let mut done = 0usize;
             if let Some(d) = self.direct.filter(|_| !self.direct_failed.load(Ordering::Relaxed)) {
                 let aligned = n & !(ALIGN as usize - 1);
-                self.cfg.faults.check_write(offset, aligned).map_err(|e| io_err(self.path, "write", e))?;
-                match d.write_all_at(&data[..aligned], offset) {
+                let at = self.base + offset;
+                self.cfg.faults.check_write(at, aligned).map_err(|e| io_err(self.path, "write", e))?;
+                match d.write_all_at(&data[..aligned], at) {
                     Ok(()) => done = aligned,
                     Err(e) if e.raw_os_error() == Some(Errno::EINVAL as i32) => {
                         self.direct_failed.store(true, Ordering::Relaxed)
@@ -586,13 +663,14 @@ impl<'w, 'a, 'o> UringWriter<'w, 'a, 'o> {
             self.w.opts.add_progress(len as u64);
             return Ok(());
         };
-        self.w.cfg.faults.check_write(offset, aligned).map_err(|e| io_err(self.w.path, "write", e))?;
+        let at = self.w.base + offset;
+        self.w.cfg.faults.check_write(at, aligned).map_err(|e| io_err(self.w.path, "write", e))?;
         let n = u32::try_from(aligned).map_err(|_| io_err(self.w.path, "write", io::Error::from(Errno::EINVAL)))?;
         let ptr = self.bufs[b].as_mut_ptr();
         // SAFETY: buffer `b` is off the free list, so nothing else reads or writes it until its
         // completion is reaped (`finish` puts it back); `self` owns it and drains the ring
         // before dropping it. The descriptor belongs to the save, which outlives this writer.
-        let pushed = unsafe { self.ring.push_write(d.as_raw_fd(), ptr, n, offset, b as u64) };
+        let pushed = unsafe { self.ring.push_write(d.as_raw_fd(), ptr, n, at, b as u64) };
         if let Err(e) = pushed {
             self.free.push(b);
             return Err(io_err(self.w.path, "write (io_uring)", e));

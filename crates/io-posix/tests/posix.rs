@@ -972,3 +972,45 @@ fn links_in_sticky_directories_follow_the_kernels_protected_symlinks_rule() {
     assert_eq!(std::fs::read(&victim).unwrap(), b"new");
     assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
 }
+
+/// In-place positional writes (the DeepNVMe-style API): every file system, both methods, with
+/// and without `O_DIRECT`, heads and tails off the block grid, ranges inside, across and past
+/// the end of an existing file, and a new file; bytes outside the range never change.
+#[test]
+fn writes_in_place_at_any_offset() {
+    let (systems, _mount) = file_systems();
+    let cases: [(u64, usize); 7] =
+        [(0, 4096), (3, 4096), (4093, 9000), (8192, 3 << 20), (1, 1), (70_000, 0), (200_000, (1 << 20) + 5)];
+    for (fs_name, dir, _) in &systems {
+        for method in [ReadMethod::Threads, ReadMethod::IoUring] {
+            for direct in [DirectIo::On, DirectIo::Off] {
+                let s = storage(method, true, true);
+                let path = dir.path().join(format!("at-{method:?}-{direct:?}"));
+                let _ = std::fs::remove_file(&path);
+                let mut expected: Vec<u8> = Vec::new();
+                for (i, &(offset, len)) in cases.iter().enumerate() {
+                    let data = pattern(len, 7 + i as u64);
+                    let opts = IoOptions { direct, chunk_size: 64 << 10, threads: 3, ..Default::default() };
+                    s.write_at(&path, offset, &BytesSource(&data), &opts)
+                        .unwrap_or_else(|e| panic!("{fs_name} {method:?} {direct:?} {offset}+{len}: {e}"));
+                    let end = offset as usize + len;
+                    if expected.len() < end {
+                        expected.resize(end, 0);
+                    }
+                    expected[offset as usize..end].copy_from_slice(&data);
+                    let got = std::fs::read(&path).unwrap();
+                    assert!(got == expected, "{fs_name} {method:?} {direct:?}: after {offset}+{len} the file differs");
+                }
+                assert_eq!(mode_of(&path), 0o600 & !umask(), "{fs_name}: a new file is private");
+            }
+        }
+    }
+    // A missing directory is an error naming the path; nothing is created.
+    let d = scratch_in(&local_dir());
+    let bad = d.path().join("missing/x.bin");
+    let e = storage(ReadMethod::Auto, true, false)
+        .write_at(&bad, 0, &BytesSource(b"abc"), &IoOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("missing/x.bin"), "{e}");
+}

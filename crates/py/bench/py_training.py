@@ -9,6 +9,11 @@ DeepSpeed's DeepNVMe (`aio_handle`), and turboio reading into tensors the caller
   --op pread --file F            the whole of F into a page-locked tensor with sync_pread; {"s"}
   --op turboio-into --file F     turboio.load(F, state_dict=..., use_direct_io=True) into tensors of
                                  the file's shapes allocated and touched before the timer; {"s"}
+  --impl turboio                 pwrite and pread through turboio.deepnvme's aio_handle (the same
+                                 calls, DeepSpeed's import swapped for turboio's)
+  --impl python                  pwrite and pread as DeepNVMe's py_store_cpu_tensor.py and
+                                 py_load_cpu_tensor.py do: f.write(tensor.numpy()) to a new file
+                                 (plus the same fsyncs), torch.frombuffer(f.read())
 
 The handle uses DeepSpeed's defaults (block 1 MiB, queue depth 128, one thread per op) unless
 --intra-op-parallelism is given. The buffer is allocated and touched before the timer starts,
@@ -31,9 +36,26 @@ def main():
     p.add_argument("--file")
     p.add_argument("--size", type=int)
     p.add_argument("--intra-op-parallelism", type=int, default=1)
+    p.add_argument("--impl", choices=["deepspeed", "turboio", "python"], default="deepspeed")
     a = p.parse_args()
     t0 = time.perf_counter()
     import torch
+
+    if a.impl == "python":
+        if a.op == "pwrite":
+            buf = torch.full((a.size,), 7, dtype=torch.uint8)
+            t = time.perf_counter()
+            with open(a.out, "wb") as f:
+                f.write(buf.numpy())
+            fsync(a.out)
+            s = time.perf_counter() - t
+        else:
+            t = time.perf_counter()
+            with open(a.file, "rb") as f:
+                buf = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+            s = time.perf_counter() - t
+        print(json.dumps({"s": s}))
+        return
 
     if a.op == "turboio-into":
         import safetensors
@@ -46,7 +68,10 @@ def main():
         turboio.load(a.file, state_dict=sd, use_direct_io=True)
         print(json.dumps({"s": time.perf_counter() - t}))
         return
-    from deepspeed.ops.op_builder import AsyncIOBuilder
+    if a.impl == "turboio":
+        from turboio.deepnvme import AsyncIOBuilder
+    else:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
 
     aio = AsyncIOBuilder().load(verbose=False)
     if a.op == "build":

@@ -1663,6 +1663,93 @@ fn write_file(
     interruptible(py, &cancel, None, || turboio::write_bytes(&path, data, &opts))
 }
 
+/// The name of the file that `path`, a temporary file of turboio's atomic writer, was to become,
+/// when the writer that made it is gone (killed mid-save); `None` for any other file or while
+/// its writer may still be running. For `turboio.dcp`, whose data files have a name per save
+/// and so are never replaced by a later save that would remove such leftovers.
+#[pyfunction]
+fn _abandoned_temp_target(path: std::path::PathBuf) -> Option<String> {
+    if !turboio::posix::abandoned_temp(&path) {
+        return None;
+    }
+    let name = path.file_name()?;
+    turboio::posix::temp_target(name).map(|t| t.to_string_lossy().into_owned())
+}
+
+/// Writes the `nbytes` bytes at address `addr` to `path` atomically (as [`write_file`]), in
+/// parallel: a DCP data file assembled in memory, without a copy into `bytes` first.
+///
+/// Private to the Python package (`turboio.dcp`), which passes the address of a buffer it keeps
+/// referenced and unchanged for the call.
+#[pyfunction]
+#[pyo3(signature = (path, addr, nbytes, cipher=false, cipher_header=false, storage=None, threads=0))]
+#[allow(clippy::too_many_arguments)]
+fn _write_file_from(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    addr: usize,
+    nbytes: usize,
+    cipher: bool,
+    cipher_header: bool,
+    storage: Option<&PyObjectStorage>,
+    threads: usize,
+) -> PyResult<()> {
+    let cancel = Arc::new(AtomicBool::new(false));
+    let opts = SaveOptions {
+        storage: storage_arg(storage),
+        encryption: encryption(cipher, cipher_header),
+        threads,
+        cancel: Some(cancel.clone()),
+        ..Default::default()
+    };
+    interruptible(py, &cancel, None, move || {
+        // SAFETY: see this function's doc: the caller keeps the `nbytes` bytes at `addr` alive
+        // and unchanged for the call; the slice is only read.
+        let data: &[u8] =
+            if nbytes == 0 { &[] } else { unsafe { std::slice::from_raw_parts(addr as *const u8, nbytes) } };
+        turboio::write_bytes(&path, data, &opts)
+    })
+}
+
+/// Writes `nbytes` bytes at address `addr` into the local file `path` at `offset`, in place
+/// (`turboio::write_at`: created 0600 when missing, never truncated, not synced); whole blocks
+/// with `O_DIRECT` unless `cache` is "keep". Returns the bytes written.
+///
+/// Private to the Python package (`turboio.deepnvme`), which passes only the `data_ptr()` of a
+/// contiguous CPU tensor it keeps referenced for the call.
+#[pyfunction]
+#[pyo3(signature = (path, offset, addr, nbytes, threads=0, cache="bypass", chunk=0))]
+#[allow(clippy::too_many_arguments)]
+fn _write_at(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    offset: u64,
+    addr: usize,
+    nbytes: usize,
+    threads: usize,
+    cache: &str,
+    chunk: usize,
+) -> PyResult<u64> {
+    let cancel = Arc::new(AtomicBool::new(false));
+    let written = Arc::new(AtomicU64::new(0));
+    let opts = SaveOptions {
+        threads,
+        cache: parse_cache(cache)?,
+        chunk_size: chunk,
+        cancel: Some(cancel.clone()),
+        progress: Some(written.clone()),
+        ..Default::default()
+    };
+    interruptible(py, &cancel, None, move || {
+        // SAFETY: see this function's doc: the Python layer keeps the tensor whose `nbytes`
+        // bytes start at `addr` alive and unchanged by it for the call; the slice is only read.
+        let data: &[u8] =
+            if nbytes == 0 { &[] } else { unsafe { std::slice::from_raw_parts(addr as *const u8, nbytes) } };
+        turboio::write_at(&path, offset, data, &opts)?;
+        Ok(written.load(Ordering::Relaxed))
+    })
+}
+
 /// Serializes tensors given by address into `bytes` (same layout as a saved file).
 #[pyfunction]
 #[pyo3(signature = (tensors, metadata=None))]
@@ -1715,6 +1802,9 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(file_kind, m)?)?;
     m.add_function(wrap_pyfunction!(read_all, m)?)?;
     m.add_function(wrap_pyfunction!(write_file, m)?)?;
+    m.add_function(wrap_pyfunction!(_write_at, m)?)?;
+    m.add_function(wrap_pyfunction!(_write_file_from, m)?)?;
+    m.add_function(wrap_pyfunction!(_abandoned_temp_target, m)?)?;
     m.add_function(wrap_pyfunction!(parse_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(_read_into, m)?)?;
     m.add_function(wrap_pyfunction!(_save, m)?)?;

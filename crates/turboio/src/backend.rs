@@ -142,8 +142,14 @@ pub(crate) fn write_storage(storage: Option<&Arc<dyn Storage>>, path: &Path) -> 
 /// The local file system's backend, shared by the process.
 #[cfg(feature = "posix")]
 fn local_storage() -> Arc<dyn Storage> {
-    static POSIX: std::sync::OnceLock<Arc<dyn Storage>> = std::sync::OnceLock::new();
-    POSIX.get_or_init(|| Arc::new(turboio_io_posix::PosixStorage::new())).clone()
+    local_posix().clone()
+}
+
+/// The same, with the local-only operations of its own type (in-place writes).
+#[cfg(feature = "posix")]
+pub(crate) fn local_posix() -> &'static Arc<turboio_io_posix::PosixStorage> {
+    static POSIX: std::sync::OnceLock<Arc<turboio_io_posix::PosixStorage>> = std::sync::OnceLock::new();
+    POSIX.get_or_init(|| Arc::new(turboio_io_posix::PosixStorage::new()))
 }
 
 /// A path scheme served by a backend of its own.

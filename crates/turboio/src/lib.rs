@@ -124,7 +124,9 @@ pub use loaded::{CacheUse, Held, LoadReport, LoadedFile, TensorView};
 pub use model::{load_model, save_model_dir, LoadedModel, ModelFiles, ModelReport, ModelSaveReport};
 pub use options::{parse_direct, CachePolicy, DirectIo, LoadMode, LoadOptions, SaveOptions};
 pub use pt::{load_pt, LoadedPt, PtView};
-pub use save::{save, save_from_device, save_with, write_bytes, DeviceTensor, SaveReport, SaveTensor, TensorData};
+pub use save::{
+    save, save_from_device, save_with, write_at, write_bytes, DeviceTensor, SaveReport, SaveTensor, TensorData,
+};
 pub use select::Selection;
 
 pub use turboio_device as device;

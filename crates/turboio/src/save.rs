@@ -193,6 +193,47 @@ pub fn save_from_device(
     Ok(SaveReport { method: "staged", fallback })
 }
 
+/// Writes `data` into the local file `path` at byte `offset`, in place: the raw positional
+/// write of DeepNVMe-style handles (`turboio.deepnvme`), **not** a save. The file is created
+/// (mode 0600 before the umask) when missing and never truncated; bytes outside the range stay;
+/// nothing is synced; a crash can leave the range partly written. Whole blocks go with
+/// `O_DIRECT` unless `opts.cache` is [`CachePolicy::Keep`](crate::CachePolicy::Keep), in parallel
+/// (`opts.threads`, `opts.chunk_size`), the unaligned head and tail through the page cache.
+/// Local files only, unencrypted: other storage and `opts.encryption` are refused.
+pub fn write_at(path: impl AsRef<Path>, offset: u64, data: &[u8], opts: &SaveOptions) -> Result<()> {
+    let path = path.as_ref();
+    let refuse = |message: &str| Err(Error::Unsupported { path: path.to_owned(), message: message.to_owned() });
+    #[cfg(feature = "cipher")]
+    if opts.encryption.is_some() {
+        return refuse("in-place writes are not encrypted (save the file whole to encrypt it)");
+    }
+    if opts.storage.is_some() || crate::backend::scheme_storage(path)?.is_some() {
+        return refuse("in-place writes need a local file");
+    }
+    #[cfg(feature = "posix")]
+    {
+        let io = IoOptions {
+            threads: opts.threads,
+            direct: match opts.cache {
+                crate::CachePolicy::Keep => turboio_storage::DirectIo::Off,
+                _ => turboio_storage::DirectIo::On,
+            },
+            chunk_size: opts.chunk_size,
+            progress: opts.progress.as_deref(),
+            cancel: opts.cancel.as_deref(),
+            ..Default::default()
+        };
+        crate::backend::local_posix()
+            .write_at(path, offset, &turboio_storage::BytesSource(data), &io)
+            .map_err(|e| Error::storage(path, e))
+    }
+    #[cfg(not(feature = "posix"))]
+    {
+        let _ = (offset, data);
+        refuse("in-place writes need the posix feature")
+    }
+}
+
 /// Writes any bytes (a torch pickle, a file being converted) to `path` atomically, encrypted
 /// when the options ask for it.
 pub fn write_bytes(path: impl AsRef<Path>, data: &[u8], opts: &SaveOptions) -> Result<()> {
