@@ -420,7 +420,125 @@ pub fn run(python: Option<&Path>, dir: &Path, size: u64, runs: usize) -> Result<
         let _ = std::fs::remove_file(p);
     }
     turboio::wait_for_saves();
-    Ok(render(&rows, size, runs))
+    let mut report = render(&rows, size, runs);
+    match python {
+        Some(py) => report.push_str(&run_dcp(py, dir, 4 * size, runs)?),
+        None => report.push_str("\n### torch.distributed.checkpoint\n\nSkipped: --no-python.\n"),
+    }
+    Ok(report)
+}
+
+/// The DCP rows: (label, py_dcp.py arguments but --dir and --size, JSON field).
+const DCP_ROWS: [(&str, &[&str], &str); 10] = [
+    ("DCP FileSystemWriter, thread_count=1 (its default)", &["--op", "save", "--writer", "dcp", "--threads", "1"], "s"),
+    ("DCP FileSystemWriter, thread_count=2", &["--op", "save", "--writer", "dcp", "--threads", "2"], "s"),
+    ("DCP FileSystemWriter, thread_count=4", &["--op", "save", "--writer", "dcp", "--threads", "4"], "s"),
+    ("DCP FileSystemWriter, thread_count=8", &["--op", "save", "--writer", "dcp", "--threads", "8"], "s"),
+    ("turboio.dcp.FileSystemWriter (defaults)", &["--op", "save", "--writer", "turboio", "--threads", "1"], "s"),
+    (
+        "DCP FileSystemWriter async_save, caller blocked",
+        &["--op", "async", "--writer", "dcp", "--threads", "1"],
+        "blocked_s",
+    ),
+    (
+        "turboio.dcp.FileSystemWriter async_save, caller blocked",
+        &["--op", "async", "--writer", "turboio", "--threads", "1"],
+        "blocked_s",
+    ),
+    ("DCP FileSystemReader, cold", &["--op", "load", "--reader", "dcp"], "s"),
+    ("turboio.dcp.FileSystemReader, cold", &["--op", "load", "--reader", "turboio"], "s"),
+    ("reference: O_DIRECT write of the same bytes, one ring of 32 x 1 MiB, + fsync", &[], "s"),
+];
+
+/// torch.distributed.checkpoint from 2 gloo ranks (`py_dcp.py`): a state dict of `size` bytes
+/// (16 float32 tensors per rank and a few other items), saved durable by DCP's own
+/// `FileSystemWriter` at thread counts 1 to 8 and by turboio's, `async_save`'s blocked time, and
+/// cold loads by both readers; the rows alternate in a shuffled order each run.
+fn run_dcp(python: &Path, dir: &Path, size: u64, runs: usize) -> Result<String> {
+    let script = crate::test::root().join("crates/py/bench/py_dcp.py");
+    let ckpt = |writer: &str| dir.join(format!("dcp-{writer}"));
+    let size_arg = size.to_string();
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); DCP_ROWS.len()];
+    let op = |args: &[&str], path: &Path, field: &str| -> Result<f64> {
+        let o = Command::new(python)
+            .arg(&script)
+            .args(args)
+            .arg("--dir")
+            .arg(path)
+            .args(["--size", &size_arg])
+            .output()
+            .context("run py_dcp.py")?;
+        if !o.status.success() {
+            bail!("py_dcp.py {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr));
+        }
+        let text = String::from_utf8_lossy(&o.stdout);
+        let v: serde_json::Value = serde_json::from_str(text.lines().rfind(|l| l.starts_with('{')).unwrap_or(""))?;
+        v[field].as_f64().with_context(|| format!("py_dcp.py printed no {field}"))
+    };
+    eprintln!("DCP: {:.1} GB state dict from 2 ranks, {runs} runs ...", size as f64 / 1e9);
+    for r in 0..runs {
+        for i in run_order(DCP_ROWS.len(), r) {
+            let (name, args, field) = DCP_ROWS[i];
+            let secs = if args.is_empty() {
+                let reference = dir.join("dcp.reference");
+                remove(&reference);
+                let t = Instant::now();
+                crate::ceiling::odirect_write(&reference, size, 32, 1 << 20)?;
+                let s = t.elapsed().as_secs_f64();
+                remove(&reference);
+                s
+            } else if args[1] == "load" {
+                let which = if args[3] == "turboio" { "turboio" } else { "dcp" };
+                let path = ckpt(which);
+                if !path.join(".metadata").exists() {
+                    op(&["--op", "save", "--writer", which, "--threads", "1"], &path, "s")?;
+                }
+                op(args, &path, field)?
+            } else {
+                let path = ckpt("save");
+                let _ = std::fs::remove_dir_all(&path);
+                let s = op(args, &path, field)?;
+                let _ = std::fs::remove_dir_all(&path);
+                s
+            };
+            eprintln!("  {name}: {secs:.3} s");
+            times[i].push(secs);
+        }
+    }
+    for w in ["turboio", "dcp", "save"] {
+        let _ = std::fs::remove_dir_all(ckpt(w));
+    }
+    let m: Vec<f64> = times.iter().map(|t| median(t)).collect();
+    let mut s = format!(
+        "\n### torch.distributed.checkpoint: {:.1} GB from 2 gloo ranks (median of {runs}; saves durable)\n\n\
+         | row | s | GB/s |\n|---|---:|---:|\n",
+        size as f64 / 1e9
+    );
+    for ((name, _, field), t) in DCP_ROWS.iter().zip(&m) {
+        let rate = if *field == "s" { format!("{:.2}", size as f64 / t / 1e9) } else { "-".into() };
+        let _ = writeln!(s, "| {name} | {t:.3} | {rate} |");
+    }
+    let best_dcp = m[..4].iter().copied().fold(f64::INFINITY, f64::min);
+    let ours = m[4];
+    let ceiling = m[9];
+    let _ = writeln!(s, "\n| check | ratio | needed | |\n|---|---:|---:|---|");
+    let verdict = |ok: bool| if ok { "ok" } else { "BELOW" };
+    let vs_best = best_dcp / ours;
+    let vs_ceiling = ceiling / ours;
+    let _ = writeln!(
+        s,
+        "| turboio save speed / DCP's at its best thread_count | {vs_best:.2}x | >= 1.3x (or >= 0.85x of the ceiling) | {} |",
+        verdict(vs_best >= 1.3 || vs_ceiling >= 0.85)
+    );
+    let _ = writeln!(s, "| turboio save speed / one-ring O_DIRECT write + fsync | {vs_ceiling:.2}x | (context) | |");
+    let _ = writeln!(
+        s,
+        "| DCP's best save speed / one-ring O_DIRECT write + fsync | {:.2}x | (context) | |",
+        ceiling / best_dcp
+    );
+    let _ = writeln!(s, "| async_save blocked: DCP / turboio | {:.2}x | (context) | |", m[5] / m[6]);
+    let _ = writeln!(s, "| cold load speed: turboio / DCP | {:.2}x | (context) | |", m[7] / m[8]);
+    Ok(s)
 }
 
 fn render(rows: &[Row], size: u64, runs: usize) -> String {

@@ -71,6 +71,14 @@
 //! panicking hook cannot free memory under the kernel). All ring code is in the `uring` module,
 //! all other raw system calls in `sys`.
 //!
+//! # In-place writes
+//!
+//! [`PosixStorage::write_at`] writes bytes at an offset of a file, in place (created when
+//! missing, never truncated): the raw positional write that DeepNVMe-style handles offer, not a
+//! save. It shares the savers' chunk writers (io_uring, `O_DIRECT` whole blocks) with a base
+//! offset; the head up to the first block boundary and the last partial block go through the
+//! page cache.
+//!
 //! # Atomic saves
 //!
 //! [`Storage::write_file`] is the one atomic-replace implementation of turboio:

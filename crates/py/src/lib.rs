@@ -307,7 +307,7 @@ impl PyStagingPool {
 
 /// Encryption with veTurboIO's key chain (read from the environment now), when asked for.
 fn encryption(cipher: bool, header: bool) -> Option<Encryption> {
-    cipher.then(|| Encryption { keys: Keys::from_env(), header })
+    cipher.then(|| Encryption { keys: Keys::from_env(), header, check_content: true })
 }
 
 fn parse_cache(s: &str) -> PyResult<CachePolicy> {
@@ -1229,21 +1229,24 @@ fn file_kind(
     })
 }
 
-/// The whole plain file (decrypted with `cipher`), e.g. an encrypted torch pickle.
+/// The whole plain file (decrypted with `cipher`), e.g. an encrypted torch pickle. With
+/// `any_content`, a decrypted file is not checked to be a safetensors or torch file (the caller
+/// checks what it got).
 #[pyfunction]
-#[pyo3(signature = (path, cipher=false, threads=0, storage=None))]
+#[pyo3(signature = (path, cipher=false, threads=0, storage=None, any_content=false))]
 fn read_all<'py>(
     py: Python<'py>,
     path: std::path::PathBuf,
     cipher: bool,
     threads: usize,
     storage: Option<&PyObjectStorage>,
+    any_content: bool,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let cancel = Arc::new(AtomicBool::new(false));
     let opts = LoadOptions {
         storage: storage_arg(storage),
         threads,
-        encryption: encryption(cipher, false),
+        encryption: encryption(cipher, false).map(|e| Encryption { check_content: !any_content, ..e }),
         cancel: Some(cancel.clone()),
         ..Default::default()
     };
@@ -1311,7 +1314,8 @@ fn parse_bytes(data: &[u8]) -> PyResult<HeaderInfo> {
 /// Private to the Python package, which passes only `data_ptr()`s of contiguous CPU tensors
 /// (or shared-memory buffers) it has checked and keeps referenced for the call.
 #[pyfunction]
-#[pyo3(signature = (path, requests, threads=0, cache="auto", cipher=false, storage=None))]
+#[pyo3(signature = (path, requests, threads=0, cache="auto", cipher=false, storage=None, any_content=false))]
+#[allow(clippy::too_many_arguments)]
 fn _read_into(
     py: Python<'_>,
     path: std::path::PathBuf,
@@ -1320,6 +1324,7 @@ fn _read_into(
     cache: &str,
     cipher: bool,
     storage: Option<&PyObjectStorage>,
+    any_content: bool,
 ) -> PyResult<u64> {
     let cancel = Arc::new(AtomicBool::new(false));
     let read = Arc::new(AtomicU64::new(0));
@@ -1327,7 +1332,7 @@ fn _read_into(
         storage: storage_arg(storage),
         threads,
         cache: parse_cache(cache)?,
-        encryption: encryption(cipher, false),
+        encryption: encryption(cipher, false).map(|e| Encryption { check_content: !any_content, ..e }),
         cancel: Some(cancel.clone()),
         progress: Some(read.clone()),
         ..Default::default()

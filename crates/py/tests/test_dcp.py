@@ -8,6 +8,7 @@ gets exactly the previous checkpoint or the new one."""
 
 import json
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -271,3 +272,87 @@ def test_killed_saves_leave_the_previous_checkpoint_or_the_new_one(tmp):
     assert r.returncode == 0, r.stderr[-2000:]
     left = sorted(f for f in os.listdir(path) if not f.startswith(".metadata"))
     assert len(left) == 3, left
+
+
+def test_the_readme_example_runs(tmp):
+    example = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "dcp_two_ranks.py")
+    r = subprocess.run([sys.executable, example, str(tmp / "ckpt")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "loaded step 2" in r.stdout, r.stdout
+
+
+def test_encrypted_checkpoints(tmp, monkeypatch):
+    """use_cipher=True: every data file and the metadata encrypted (no plaintext of the tensors
+    on disk), read back with the key; without it, or with another key, a clear failure."""
+    import base64
+
+    from test_cipher import IV, KEY
+
+    monkeypatch.setenv("VETURBOIO_KEY", base64.b64encode(KEY).decode())
+    monkeypatch.setenv("VETURBOIO_IV", base64.b64encode(IV).decode())
+    monkeypatch.setenv("DATAPIPE_SOCKET_PATH", str(tmp / "no-datapipe.sock"))
+    warnings.simplefilter("ignore")
+    sd = kill_model(5)
+    path = tmp / "enc"
+    dcp.save(sd, storage_writer=tdcp.FileSystemWriter(path, thread_count=2, use_cipher=True), no_dist=True)
+    plain = sd["a"].numpy().tobytes()[:4096]
+    for name in os.listdir(path):
+        assert plain not in (path / name).read_bytes(), name
+    assert load_step_with(path, tdcp.FileSystemReader(path, use_cipher=True)) == 5
+    with pytest.raises((BaseException,), match=r"\.metadata"):
+        load_step_with(path, tdcp.FileSystemReader(path))  # read as plain: not DCP metadata
+    monkeypatch.setenv("VETURBOIO_KEY", base64.b64encode(b"abcdefgh12345679").decode())
+    with pytest.raises((BaseException,), match=r"\.metadata"):
+        load_step_with(path, tdcp.FileSystemReader(path, use_cipher=True))
+
+
+def load_step_with(path, reader):
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in kill_model(0).items()}
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    want = kill_model(target["step"])
+    assert all(torch.equal(target[k], v) for k, v in want.items() if isinstance(v, torch.Tensor))
+    return target["step"]
+
+
+def test_metadata_that_would_run_code_is_refused(tmp):
+    """A .metadata crafted to call a function when unpickled (DCP's own reader would run it)."""
+    warnings.simplefilter("ignore")
+    dcp.save(kill_model(1), storage_writer=tdcp.FileSystemWriter(tmp / "c"), no_dist=True)
+    marker = tmp / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (tmp / "c" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(BaseException, match=r"\.metadata: not DCP checkpoint metadata: (posix|os)\.system is not allowed"):
+        load_step_with(tmp / "c", tdcp.FileSystemReader(tmp / "c"))
+    assert not marker.exists()
+    (tmp / "c" / ".metadata").write_bytes(b"not a pickle at all")
+    with pytest.raises(BaseException, match=r"\.metadata: (not|damaged) DCP checkpoint metadata"):
+        load_step_with(tmp / "c", tdcp.FileSystemReader(tmp / "c"))
+    os.unlink(tmp / "c" / ".metadata")
+    with pytest.raises(BaseException, match=r"\.metadata: no checkpoint metadata"):
+        load_step_with(tmp / "c", tdcp.FileSystemReader(tmp / "c"))
+
+
+def test_whole_tensors_are_read_straight_into_their_destination(tmp):
+    warnings.simplefilter("ignore")
+    sd = kill_model(4)
+    sd["t"] = torch.randn(40, 30).t()  # saved as a non-contiguous tensor (its own storage)
+    dcp.save(sd, storage_writer=tdcp.FileSystemWriter(tmp / "c", thread_count=2), no_dist=True)
+    reader = tdcp.FileSystemReader(tmp / "c")
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in sd.items()}
+    target["t"] = torch.zeros(30, 40)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(target[k], v) for k, v in sd.items() if isinstance(v, torch.Tensor)) and target["step"] == 4
+    assert reader.items_read_directly == 3  # a, b and c; "t" (strided) through torch.load
+    # A destination that is not contiguous, or of another dtype: the copying path, same values.
+    reader = tdcp.FileSystemReader(tmp / "c")
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in sd.items()}
+    target["a"] = torch.zeros(1024, 256).t()
+    target["c"] = torch.zeros(64, 64, dtype=torch.int64)
+    target["t"] = torch.zeros(30, 40)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert torch.equal(target["a"], sd["a"]) and torch.equal(target["c"], sd["c"].long()) and torch.equal(target["b"], sd["b"])
+    assert reader.items_read_directly == 1  # b only

@@ -65,12 +65,17 @@ pub struct Encryption {
     /// Saves only: write veTurboIO's 256 KiB header (a fresh random key, wrapped by KMS
     /// Encrypt, is stored in it). Loads detect the header by themselves.
     pub header: bool,
+    /// Loads only: before any byte is returned, check that the key decrypts the file to a
+    /// safetensors or torch file (a wrong key gives random bytes). `true` normally; `false` for
+    /// files of other content whose reader checks what it decrypted itself (DCP's metadata
+    /// pickle and data files, in `turboio.dcp`).
+    pub check_content: bool,
 }
 
 impl Encryption {
-    /// Decryption or encryption with `keys`, without a header on save.
+    /// Decryption or encryption with `keys`, without a header on save, checking content on load.
     pub fn new(keys: Keys) -> Self {
-        Encryption { keys, header: false }
+        Encryption { keys, header: false, check_content: true }
     }
 }
 
@@ -150,7 +155,9 @@ pub(crate) fn for_read(
         }
     };
     let crypt = Crypt { offset, cipher: CtrCipher::new(&key, &iv), key, iv, source };
-    check_plaintext(file, &crypt, &io)?;
+    if enc.check_content {
+        check_plaintext(file, &crypt, &io)?;
+    }
     Ok(crypt)
 }
 

@@ -15,8 +15,10 @@ unchanged. What turboio changes is how the bytes move and how a save is committe
 
 - **Writes**: each data file is assembled in memory and written by turboio's parallel writer
   (``O_DIRECT`` where the file system allows it, several chunks in flight), synced, and given
-  its name atomically; ``thread_count`` files per rank are written at the same time, as DCP's
-  buckets are.
+  its name atomically. A rank's items go into at least ``thread_count`` files (DCP's buckets)
+  and one more per 512 MiB, so the memory a save takes besides the state dict stays at a few
+  such files while the next ones are assembled; up to ``max(2, thread_count)`` are written at
+  the same time.
 - **Atomic commit**: every save writes data files under names of its own
   (``__{rank}_{n}.{save}.distcp``), never over the files of the checkpoint already there; the
   ``.metadata`` file is written last, after every rank's data is durable, and renamed over the
@@ -24,11 +26,24 @@ unchanged. What turboio changes is how the bytes move and how a save is committe
   rewrites the old data files in place). A job killed at any point of a save leaves the
   previous checkpoint loadable, exactly, or the new one complete; never a mix. After the
   commit, the coordinator deletes the data files no ``.metadata`` refers to any more.
-- **Reads**: the byte ranges a rank needs are read in parallel (up to ``window`` bytes at a
-  time), then each item is deserialized as DCP does (``torch.load(weights_only=True)``).
+- **Reads**: a tensor item wanted whole by a contiguous CPU tensor of its dtype and shape (the
+  common case: no resharding, or whole tensors on each rank) is read straight from the file into
+  that tensor, all of a file's items in one parallel pass, after its ``torch.save`` records are
+  checked (the first 4 KiB of the item: the pickle, read without building anything, and the zip
+  records; the record's size after the read). Other items (narrowed by resharding, a
+  non-contiguous or other-device destination, non-tensor items) are read in parallel up to
+  ``window`` bytes at a time and deserialized as DCP does (``torch.load(weights_only=True)``).
 
-Local directories only for now (an ``s3://`` or other URL is refused with a clear error), and
-unencrypted; ``sync_files=False`` is accepted but data files are synced anyway (a save that is
+- **Encryption**: ``FileSystemWriter(..., use_cipher=True)`` encrypts every data file and the
+  metadata with turboio's AES-CTR and key sources (``VETURBOIO_USE_CIPHER=1`` does the same, and
+  ``VETURBOIO_CIPHER_HEADER=1`` adds veTurboIO's key header); ``FileSystemReader(...,
+  use_cipher=True)`` (or the variable) reads them.
+- **Untrusted metadata**: the reader unpickles ``.metadata`` with DCP's metadata classes only.
+  Non-tensor items (``step``, a config dict) are unpickled by DCP's planner itself
+  (``torch.load(weights_only=False)`` in its ``load_bytes``): load DCP checkpoints you trust.
+
+Local directories only for now (an ``s3://`` or other URL is refused with a clear error);
+``sync_files=False`` is accepted but data files are synced anyway (a save that is
 not durable cannot be committed safely). ``_extensions`` and the safetensors serialization are
 refused (DCP's own reader cannot load the latter; use DCP's Hugging Face storage classes).
 """
@@ -40,23 +55,28 @@ import os
 import pickle
 import re
 import secrets
+import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.distributed.checkpoint import filesystem as _fs
+from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import _turboio
+from . import _cipher_for_load, _cipher_for_save, _turboio
 
 __all__ = ["FileSystemWriter", "FileSystemReader"]
 
 #: Data files turboio's writer names: ``__{rank}_{n}.{save}.distcp``.
 _OURS = re.compile(r"^__\d+_\d+\.[0-9a-f]+\.distcp$")
 _METADATA = ".metadata"
+#: A rank's data is split into files of about this size (at least ``thread_count`` files): the
+#: host memory a save uses besides the state dict is a few of them.
+_FILE_BYTES = 512 << 20
 
 
 def _local(path, what: str) -> str:
@@ -70,10 +90,13 @@ def _as_uint8(buffer) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
 
 
-def _write_atomic(path: str, buffer, threads: int = 0):
-    """``buffer`` (a bytes-like object) to ``path``: written in parallel, synced, renamed."""
+def _write_atomic(path: str, buffer, cipher=(False, False)):
+    """``buffer`` (a bytes-like object) to ``path``: written in parallel (encrypted when
+    ``cipher[0]``, with veTurboIO's key header when ``cipher[1]``), synced, renamed."""
     view = _as_uint8(buffer)
-    _turboio._write_file_from(path, view.data_ptr() if view.numel() else 0, view.numel(), threads=threads)
+    _turboio._write_file_from(
+        path, view.data_ptr() if view.numel() else 0, view.numel(), cipher=cipher[0], cipher_header=cipher[1]
+    )
 
 
 class FileSystemWriter(_fs.FileSystemWriter):
@@ -90,6 +113,8 @@ class FileSystemWriter(_fs.FileSystemWriter):
         overwrite: bool = True,
         _extensions=None,
         serialization_format=_fs.SerializationFormat.TORCH_SAVE,
+        *,
+        use_cipher: bool = False,
     ) -> None:
         if _extensions:
             raise ValueError("turboio.dcp.FileSystemWriter: _extensions are not supported")
@@ -109,6 +134,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
             cache_staged_state_dict=cache_staged_state_dict,
             overwrite=overwrite,
         )
+        self.cipher, self.cipher_header = _cipher_for_save(use_cipher)
 
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id:
@@ -119,19 +145,34 @@ class FileSystemWriter(_fs.FileSystemWriter):
         prefix = plan.storage_data.prefix
         save = secrets.token_hex(6)
         if self.single_file_per_rank:
-            buckets = _fs._split_by_size_and_type(self.thread_count, plan.items)
+            # DCP's buckets, and more of them for a large rank (one per _FILE_BYTES), so that
+            # the memory a file is assembled in stays bounded while the next one is written.
+            total = sum(_fs._item_size(i) for i in plan.items if i.type != WriteItemType.BYTE_IO)
+            bins = max(self.thread_count, -(-total // _FILE_BYTES))
+            buckets = [b for b in _fs._split_by_size_and_type(bins, plan.items) if b] or [[]]
         else:
             buckets = [[item] for item in plan.items]
-        names = [f"{prefix}{n}.{save}{_fs.DEFAULT_SUFFIX}" for n in range(len(buckets))]
-        # Items are resolved (and copied to the CPU) in this thread, one file after another, as
-        # DCP's planner expects; each file's write runs in the background meanwhile.
+        workers = max(2, self.thread_count)
+        in_flight = threading.BoundedSemaphore(workers)
         results: list[WriteResult] = []
         pending = []
-        with ThreadPoolExecutor(max_workers=max(1, min(len(buckets), self.thread_count))) as pool:
-            for name, bucket in zip(names, buckets):
+
+        def write(path, buf):
+            try:
+                _write_atomic(path, buf.getbuffer(), cipher=(self.cipher, self.cipher_header))
+            finally:
+                in_flight.release()
+
+        # Items are resolved (and copied to the CPU) in this thread, one file after another, as
+        # DCP's planner expects; up to `workers` files are written in the background meanwhile.
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for n, bucket in enumerate(buckets):
+                name = f"{prefix}{n}.{save}{_fs.DEFAULT_SUFFIX}"
                 buf, file_results = _serialize(bucket, planner, name)
                 results.extend(file_results)
-                pending.append(pool.submit(_write_atomic, os.path.join(self.path, name), buf.getbuffer()))
+                in_flight.acquire()
+                pending.append(pool.submit(write, os.path.join(self.path, name), buf))
+                del buf
             for f in pending:
                 f.result()
         fut: Future = Future()
@@ -149,7 +190,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
         name = f"__{self.rank}{_METADATA}" if per_rank else _METADATA
         # The commit: written to a temporary name, synced, renamed over the old one (which stays
         # whole until then), and the directory synced.
-        _write_atomic(os.path.join(self.path, name), bytearray(pickle.dumps(metadata)))
+        _write_atomic(os.path.join(self.path, name), bytearray(pickle.dumps(metadata)), cipher=(self.cipher, self.cipher_header))
         _remove_unreferenced(self.path, {info.relative_path for info in storage_md.values()},
                              f"__{self.rank}_" if per_rank else "__")
 
@@ -158,12 +199,38 @@ class FileSystemReader(_fs.FileSystemReader):
     """DCP's ``FileSystemReader``, reading through turboio (see the module doc); ``window``
     bounds the bytes read ahead of deserialization (default 256 MiB, or one item if larger)."""
 
-    def __init__(self, path, _extension_registry=None, *, window: int = 256 << 20, threads: int = 0) -> None:
+    def __init__(
+        self, path, _extension_registry=None, *, window: int = 256 << 20, threads: int = 0, use_cipher=None
+    ) -> None:
         if _extension_registry is not None:
             raise ValueError("turboio.dcp.FileSystemReader: _extension_registry is not supported")
         super().__init__(_local(path, "turboio.dcp.FileSystemReader"))
         self.window = window
         self.threads = threads
+        self.cipher = _cipher_for_load(use_cipher)
+        #: Tensor items read straight into their destination (no copy), over this reader's loads.
+        self.items_read_directly = 0
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        """The checkpoint's ``.metadata``, unpickled with only DCP's metadata classes allowed
+        (nothing else is called: a file crafted to run code is refused)."""
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            data = _turboio.read_all(os.fspath(path), cipher=self.cipher, any_content=True)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no checkpoint metadata (not a DCP checkpoint, or its save never committed)") from None
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"{path}: not DCP checkpoint metadata: {e}") from None
+        except Exception as e:  # noqa: BLE001 - a damaged or foreign file, named
+            raise ValueError(f"{path}: damaged checkpoint metadata: {e}") from e
+        if not isinstance(metadata, Metadata):
+            raise ValueError(f"{path}: not DCP checkpoint metadata (a {type(metadata).__name__})")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = _md.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id:
@@ -184,7 +251,9 @@ class FileSystemReader(_fs.FileSystemReader):
                 if info.transform_descriptors:
                     raise ValueError(f"{path}: items with stream transforms ({info.transform_descriptors}) are not supported")
                 items.setdefault((info.offset, info.length), []).append(req)
-            order = sorted(items)
+            direct = _read_direct(path, items, planner, self.threads, self.cipher)
+            self.items_read_directly += len(direct)
+            order = sorted(k for k in items if k not in direct)
             start = 0
             while start < len(order):
                 end, total = start, 0
@@ -199,7 +268,7 @@ class FileSystemReader(_fs.FileSystemReader):
                     spans.append(at)
                     at += length
                 if total:
-                    _read(path, requests, self.threads)
+                    _read(path, requests, self.threads, self.cipher)
                 raw = memoryview(buf.numpy())
                 for (off, length), at in zip(window, spans):
                     data = raw[at : at + length]
@@ -211,9 +280,146 @@ class FileSystemReader(_fs.FileSystemReader):
         return fut
 
 
-def _read(path: str, requests, threads: int):
+#: Bytes read from the start of each item to find its tensor's bytes (the pickle and the zip
+#: records before the data: a few hundred bytes for one tensor).
+_HEAD = 4096
+
+
+def _read_direct(path: str, items, planner: LoadPlanner, threads: int, cipher: bool) -> set:
+    """Reads the items that are whole tensors wanted whole, each into its destination tensor
+    straight from the file (no copy in between), all in one parallel pass; returns the keys of
+    the items so delivered. The others (narrowed by resharding, non-contiguous destinations,
+    byte items, anything not laid out as expected) are left to the copying path."""
+    candidates = []
+    for key, reqs in items.items():
+        req = reqs[0]
+        if len(reqs) != 1 or req.type == LoadItemType.BYTE_IO or key[1] < 64:
+            continue
+        candidates.append(key)
+    if not candidates:
+        return set()
+    heads = torch.empty(len(candidates) * _HEAD, dtype=torch.uint8)
+    _read(path, [(off, heads.data_ptr() + i * _HEAD, min(_HEAD, length)) for i, (off, length) in enumerate(candidates)],
+          threads, cipher)
+    head_bytes = heads.numpy()
+    planned = []  # (key, req, target, data offset in the file, nbytes)
+    for i, (off, length) in enumerate(candidates):
+        req = items[(off, length)][0]
+        layout = _tensor_layout(head_bytes[i * _HEAD : i * _HEAD + min(_HEAD, length)].tobytes())
+        if layout is None:
+            continue
+        data_at, dtype, size, nbytes = layout
+        if data_at + nbytes + 16 > length or any(req.storage_offsets) or list(req.lengths) != size:
+            continue
+        target = planner.resolve_tensor(req).detach()
+        if (target.device.type != "cpu" or target.dtype != dtype or list(target.shape) != size
+                or not target.is_contiguous() or target.numel() * target.element_size() != nbytes):
+            continue
+        planned.append(((off, length), req, target, off + data_at, nbytes))
+    if not planned:
+        return set()
+    # Each tensor's bytes into its destination, and the 16 bytes after them (the zip record's
+    # data descriptor: its sizes confirm where the record ends).
+    tails = torch.empty(len(planned) * 16, dtype=torch.uint8)
+    requests = []
+    for j, (_, _, target, at, nbytes) in enumerate(planned):
+        requests.append((at, target.data_ptr(), nbytes))
+        requests.append((at + nbytes, tails.data_ptr() + 16 * j, 16))
+    _read(path, requests, threads, cipher)
+    done = set()
+    tail_bytes = tails.numpy().tobytes()
+    for j, (key, req, target, _, nbytes) in enumerate(planned):
+        sig, _crc, csize, usize = struct.unpack_from("<IIII", tail_bytes, 16 * j)
+        if sig != 0x08074B50 or csize != nbytes or usize != nbytes:
+            continue  # not where expected: the copying path reads it again, whole
+        planner.commit_tensor(req, target)
+        done.add(key)
+    return done
+
+
+def _tensor_layout(head: bytes):
+    """`(offset of the tensor's bytes in the item, dtype, size, nbytes)` for an item that is one
+    ``torch.save`` archive of a contiguous, little-endian tensor filling its storage from
+    offset 0, read from the item's first bytes; None for anything else."""
     try:
-        _turboio._read_into(path, requests, threads=threads)
+        data_at = byteorder = None
+        at = head.find(b"PK\x03\x04")
+        if at != 0:
+            return None
+        n, e = struct.unpack_from("<HH", head, 26)
+        rebuilt = _TensorPickle(io.BytesIO(head[30 + n + e :])).load()
+        while at != -1:
+            flags, method = struct.unpack_from("<HH", head, at + 6)
+            n, e = struct.unpack_from("<HH", head, at + 26)
+            name = head[at + 30 : at + 30 + n]
+            start = at + 30 + n + e
+            if method != 0:
+                return None
+            if name.endswith(b"/byteorder"):
+                byteorder = head[start : start + 6]
+            elif name.endswith(b"/data/0"):
+                data_at = start
+                break
+            at = head.find(b"PK\x03\x04", at + 4)
+        if data_at is None or byteorder != b"little" or not isinstance(rebuilt, _Rebuilt):
+            return None
+        (kind, dtype, key, _location, numel), offset, size, stride = rebuilt.args
+        size = list(size)
+        expect_stride, acc = [], 1
+        for d in reversed(size):
+            expect_stride.insert(0, acc)
+            acc *= d
+        if kind != "storage" or key != "0" or offset != 0 or numel != acc or (acc > 1 and list(stride) != expect_stride):
+            return None
+        nbytes = acc * torch.empty(0, dtype=dtype).element_size()
+        return data_at, dtype, size, nbytes
+    except Exception:  # noqa: BLE001 - anything unexpected goes the copying way
+        return None
+
+
+class _Rebuilt:
+    def __init__(self, *args):
+        self.args = args[:4]
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Reads what a one-tensor ``torch.save`` pickle describes, building nothing: the storage's
+    (kind, dtype, key, location, numel), the storage offset, size and stride."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _Rebuilt
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        return tuple(pid)
+
+
+def _storage_dtypes():
+    import warnings
+
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in dir(torch):
+            cls = getattr(torch, name, None)
+            if name.endswith("Storage") and isinstance(cls, type) and isinstance(getattr(cls, "dtype", None), torch.dtype):
+                out[name] = cls.dtype
+    return out
+
+
+_STORAGE_DTYPES = _storage_dtypes()
+
+
+def _read(path: str, requests, threads: int, cipher: bool = False):
+    try:
+        # Decrypted content is checked here (the metadata unpickler, the zip records of each
+        # item), not by turboio's safetensors-or-torch check.
+        _turboio._read_into(path, requests, threads=threads, cipher=cipher, any_content=True)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: a data file of the checkpoint is missing") from None
 
@@ -256,6 +462,39 @@ def _serialize(items, planner: SavePlanner, name: str):
         torch.save(tensor, buf)
         record(item, offset)
     return buf, results
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``Metadata`` and nothing else: its classes, torch's dtypes, ``Size`` and
+    layouts, and paths; any other global (a function to call, a class to build) is refused."""
+
+    _CLASSES = {
+        ("torch.distributed.checkpoint.metadata", n)
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    } | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+    }
+
+    def find_class(self, module, name):
+        if (module, name) in self._CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
 
 _cleanup_lock = threading.Lock()

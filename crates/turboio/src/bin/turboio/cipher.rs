@@ -43,7 +43,7 @@ impl CipherArgs {
             return Ok(None);
         }
         let keys = if self.read.key_env { Keys::env_only()? } else { Keys::from_env() };
-        Ok(Some(Encryption { keys, header: self.cipher_header }))
+        Ok(Some(Encryption { keys, header: self.cipher_header, check_content: true }))
     }
 }
 
