@@ -1681,39 +1681,70 @@ fn _abandoned_temp_target(path: std::path::PathBuf) -> Option<String> {
     turboio::posix::temp_target(name).map(|t| t.to_string_lossy().into_owned())
 }
 
-/// Writes the `nbytes` bytes at address `addr` to `path` atomically (as [`write_file`]), in
-/// parallel: a DCP data file assembled in memory, without a copy into `bytes` first.
+/// The concatenation of memory segments `(address, length)`, as a save's source.
+struct Segments {
+    /// `(start in the file, address, length)`, in file order.
+    parts: Vec<(u64, usize, usize)>,
+    len: u64,
+}
+
+impl turboio::storage::WriteSource for Segments {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn fill(&self, offset: u64, dst: &mut [u8]) -> Result<(), String> {
+        let mut i = self.parts.partition_point(|&(start, _, len)| start + len as u64 <= offset);
+        let (mut at, mut done) = (offset, 0usize);
+        while done < dst.len() {
+            let &(start, addr, len) = self.parts.get(i).ok_or("a segment past the end was asked for")?;
+            let skip = (at - start) as usize;
+            let n = (len - skip).min(dst.len() - done);
+            // SAFETY: see `_write_file_segments`: every segment is `len` readable bytes at
+            // `addr` that the caller keeps alive and unchanged for the call; `dst` is the
+            // writer's own buffer, so the two do not overlap.
+            unsafe { std::ptr::copy_nonoverlapping((addr + skip) as *const u8, dst[done..].as_mut_ptr(), n) };
+            done += n;
+            at += n as u64;
+            i += 1;
+        }
+        Ok(())
+    }
+}
+
+/// Writes the concatenation of memory segments `[(address, length)]` to `path` atomically (as
+/// [`write_file`]), in parallel: a DCP data file whose tensors' bytes are copied once, from
+/// their own memory into the writer's aligned buffers.
 ///
-/// Private to the Python package (`turboio.dcp`), which passes the address of a buffer it keeps
-/// referenced and unchanged for the call.
+/// Private to the Python package (`turboio.dcp`), which passes the addresses of buffers and
+/// tensor storages it keeps referenced and unchanged for the call.
 #[pyfunction]
-#[pyo3(signature = (path, addr, nbytes, cipher=false, cipher_header=false, storage=None, threads=0))]
-#[allow(clippy::too_many_arguments)]
-fn _write_file_from(
+#[pyo3(signature = (path, segments, cipher=false, cipher_header=false, threads=0))]
+fn _write_file_segments(
     py: Python<'_>,
     path: std::path::PathBuf,
-    addr: usize,
-    nbytes: usize,
+    segments: Vec<(usize, usize)>,
     cipher: bool,
     cipher_header: bool,
-    storage: Option<&PyObjectStorage>,
     threads: usize,
 ) -> PyResult<()> {
+    let mut parts = Vec::with_capacity(segments.len());
+    let mut len = 0u64;
+    for (addr, n) in segments {
+        if n > 0 {
+            parts.push((len, addr, n));
+            len += n as u64;
+        }
+    }
+    let source = Segments { parts, len };
     let cancel = Arc::new(AtomicBool::new(false));
     let opts = SaveOptions {
-        storage: storage_arg(storage),
         encryption: encryption(cipher, cipher_header),
         threads,
         cancel: Some(cancel.clone()),
         ..Default::default()
     };
-    interruptible(py, &cancel, None, move || {
-        // SAFETY: see this function's doc: the caller keeps the `nbytes` bytes at `addr` alive
-        // and unchanged for the call; the slice is only read.
-        let data: &[u8] =
-            if nbytes == 0 { &[] } else { unsafe { std::slice::from_raw_parts(addr as *const u8, nbytes) } };
-        turboio::write_bytes(&path, data, &opts)
-    })
+    interruptible(py, &cancel, None, move || turboio::write_source(&path, &source, &opts))
 }
 
 /// Writes `nbytes` bytes at address `addr` into the local file `path` at `offset`, in place
@@ -1808,7 +1839,7 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_all, m)?)?;
     m.add_function(wrap_pyfunction!(write_file, m)?)?;
     m.add_function(wrap_pyfunction!(_write_at, m)?)?;
-    m.add_function(wrap_pyfunction!(_write_file_from, m)?)?;
+    m.add_function(wrap_pyfunction!(_write_file_segments, m)?)?;
     m.add_function(wrap_pyfunction!(_abandoned_temp_target, m)?)?;
     m.add_function(wrap_pyfunction!(parse_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(_read_into, m)?)?;

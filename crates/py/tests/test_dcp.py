@@ -173,7 +173,7 @@ SAVER = textwrap.dedent(
     kill_at, when = int(os.environ.get("KILL_AT", "0")), os.environ.get("KILL_WHEN", "before")
     calls = [0]
     lock = threading.Lock()
-    real = tdcp._write_atomic
+    real = tdcp._write_file
     def counted(*a, **k):
         with lock:  # data files are written by several threads at once
             calls[0] += 1
@@ -183,7 +183,7 @@ SAVER = textwrap.dedent(
         real(*a, **k)
         if n == kill_at and when == "after":
             os.kill(os.getpid(), signal.SIGKILL)
-    tdcp._write_atomic = counted
+    tdcp._write_file = counted
     first = int(os.environ.get("FIRST", "1"))
     for step in range(first, first + int(os.environ.get("SAVES", "1000000"))):
         dcp.save(kill_model(step), storage_writer=tdcp.FileSystemWriter(sys.argv[1], thread_count=3), no_dist=True)

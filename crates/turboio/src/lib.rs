@@ -125,7 +125,8 @@ pub use model::{load_model, save_model_dir, LoadedModel, ModelFiles, ModelReport
 pub use options::{parse_direct, CachePolicy, DirectIo, LoadMode, LoadOptions, SaveOptions};
 pub use pt::{load_pt, LoadedPt, PtView};
 pub use save::{
-    save, save_from_device, save_with, write_at, write_bytes, DeviceTensor, SaveReport, SaveTensor, TensorData,
+    save, save_from_device, save_with, write_at, write_bytes, write_source, DeviceTensor, SaveReport, SaveTensor,
+    TensorData,
 };
 pub use select::Selection;
 

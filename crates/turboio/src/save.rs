@@ -240,8 +240,9 @@ pub fn write_bytes(path: impl AsRef<Path>, data: &[u8], opts: &SaveOptions) -> R
     write_source(path.as_ref(), &turboio_storage::BytesSource(data), opts)
 }
 
-/// Writes a plain source through the storage, encrypting it on the way when asked.
-pub(crate) fn write_source(path: &Path, plain: &dyn WriteSource, opts: &SaveOptions) -> Result<()> {
+/// Writes the bytes `plain` produces to `path` atomically, encrypted when the options ask for
+/// it: [`write_bytes`] for bytes that are not in one slice (gathered from several buffers).
+pub fn write_source(path: &Path, plain: &dyn WriteSource, opts: &SaveOptions) -> Result<()> {
     #[cfg(feature = "cipher")]
     let encrypted = match &opts.encryption {
         Some(enc) => {

@@ -13,12 +13,13 @@ The checkpoint is DCP's own format (the same planning, ``.metadata``, item layou
 reader loads what DCP writes; resharding (save with 2 ranks, load with 3) is DCP's planner's,
 unchanged. What turboio changes is how the bytes move and how a save is committed:
 
-- **Writes**: each data file is assembled in memory and written by turboio's parallel writer
-  (``O_DIRECT`` where the file system allows it, several chunks in flight), synced, and given
-  its name atomically. A rank's items go into at least ``thread_count`` files (DCP's buckets)
-  and one more per 512 MiB, so the memory a save takes besides the state dict stays at a few
-  such files while the next ones are assembled; up to ``max(2, thread_count)`` are written at
-  the same time.
+- **Writes**: each data file is ``torch.save``'s output for its items, gathered without copying
+  the tensors' bytes (torch hands them over as views of the tensors' own memory; only zip
+  records and pickles are copied), and written by turboio's parallel writer straight from that
+  memory (one copy into aligned buffers, ``O_DIRECT`` where the file system allows it, several
+  chunks in flight), synced and given its name atomically. A rank's items go into at least
+  ``thread_count`` files (DCP's buckets) and one more per 512 MiB; up to ``max(2,
+  thread_count)`` are written at the same time while the next is serialized.
 - **Atomic commit**: every save writes data files under names of its own
   (``__{rank}_{n}.{save}.distcp``), never over the files of the checkpoint already there; the
   ``.metadata`` file is written last, after every rank's data is durable, and renamed over the
@@ -86,17 +87,11 @@ def _local(path, what: str) -> str:
     return p
 
 
-def _as_uint8(buffer) -> torch.Tensor:
-    return torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
-
-
-def _write_atomic(path: str, buffer, cipher=(False, False)):
-    """``buffer`` (a bytes-like object) to ``path``: written in parallel (encrypted when
-    ``cipher[0]``, with veTurboIO's key header when ``cipher[1]``), synced, renamed."""
-    view = _as_uint8(buffer)
-    _turboio._write_file_from(
-        path, view.data_ptr() if view.numel() else 0, view.numel(), cipher=cipher[0], cipher_header=cipher[1]
-    )
+def _write_file(path: str, segments, cipher=(False, False)):
+    """The concatenation of memory ``segments`` ``[(address, length)]`` to ``path``: written in
+    parallel (encrypted when ``cipher[0]``, with veTurboIO's key header when ``cipher[1]``),
+    synced, renamed into place, its directory synced."""
+    _turboio._write_file_segments(path, segments, cipher=cipher[0], cipher_header=cipher[1])
 
 
 class FileSystemWriter(_fs.FileSystemWriter):
@@ -157,9 +152,9 @@ class FileSystemWriter(_fs.FileSystemWriter):
         results: list[WriteResult] = []
         pending = []
 
-        def write(path, buf):
+        def write(path, gathered):
             try:
-                _write_atomic(path, buf.getbuffer(), cipher=(self.cipher, self.cipher_header))
+                _write_file(path, gathered.segments(), (self.cipher, self.cipher_header))
             finally:
                 in_flight.release()
 
@@ -190,7 +185,8 @@ class FileSystemWriter(_fs.FileSystemWriter):
         name = f"__{self.rank}{_METADATA}" if per_rank else _METADATA
         # The commit: written to a temporary name, synced, renamed over the old one (which stays
         # whole until then), and the directory synced.
-        _write_atomic(os.path.join(self.path, name), bytearray(pickle.dumps(metadata)), cipher=(self.cipher, self.cipher_header))
+        data = bytearray(pickle.dumps(metadata))
+        _write_file(os.path.join(self.path, name), [(_address(memoryview(data)), len(data))], (self.cipher, self.cipher_header))
         _remove_unreferenced(self.path, {info.relative_path for info in storage_md.values()},
                              f"__{self.rank}_" if per_rank else "__")
 
@@ -440,28 +436,91 @@ def _deliver(req, data, planner: LoadPlanner, path: str):
     planner.commit_tensor(req, target)
 
 
+class _Gather:
+    """A write-only stream for ``torch.save`` that copies nothing large: the tensor bytes
+    torch hands over (a view of the tensor's own storage) are kept as references to that
+    storage, everything else (zip records, pickles) is copied into small buffers. The file is
+    the concatenation of ``segments()``, written by turboio with one copy of each byte."""
+
+    def __init__(self):
+        self._parts: list = []  # bytearray (copied) or (address, length) into a kept storage
+        self._small = bytearray()
+        self._len = 0
+        self._storages: list = []  # (start, end) of the storages whose bytes may be referenced
+        self.keep: list = []  # tensors referenced, kept alive until the file is written
+
+    def allow(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            self._storages.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        self.keep.append(tensor)
+
+    def write(self, b) -> int:
+        mv = memoryview(b).cast("B")
+        n = mv.nbytes
+        if n >= 65536:
+            addr = _address(mv)
+            if any(lo <= addr and addr + n <= hi for lo, hi in self._storages):
+                self._flush_small()
+                self._parts.append((addr, n))
+                self._len += n
+                return n
+        self._small += mv
+        self._len += n
+        return n
+
+    def _flush_small(self):
+        if self._small:
+            self._parts.append(self._small)
+            self._small = bytearray()
+
+    def tell(self) -> int:
+        return self._len
+
+    def flush(self):
+        pass
+
+    def segments(self):
+        self._flush_small()
+        out = []
+        for part in self._parts:
+            if isinstance(part, bytearray):
+                out.append((_address(memoryview(part)), len(part)))
+            else:
+                out.append(part)
+        return out
+
+
+def _address(mv) -> int:
+    import numpy as np
+
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data) if mv.nbytes else 0
+
+
 def _serialize(items, planner: SavePlanner, name: str):
-    """One data file's bytes, as DCP's writer lays them out (byte items first, then tensors,
-    each tensor one ``torch.save`` archive), and its write results."""
-    buf = io.BytesIO()
+    """One data file, as DCP's writer lays it out (byte items first, then tensors, each tensor
+    one ``torch.save`` archive), gathered without copying the tensors' bytes, and its write
+    results."""
+    out = _Gather()
     results = []
 
     def record(item, offset):
-        length = buf.tell() - offset
+        length = out.tell() - offset
         results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_fs._StorageInfo(name, offset, length)))
 
     for item in (i for i in items if i.type == WriteItemType.BYTE_IO):
-        offset = buf.tell()
-        buf.write(planner.resolve_data(item).getbuffer())
+        offset = out.tell()
+        out.write(planner.resolve_data(item).getbuffer())
         record(item, offset)
     for item in (i for i in items if i.type != WriteItemType.BYTE_IO):
         tensor = planner.resolve_data(item).detach().cpu()
         if tensor.untyped_storage().size() != tensor.nbytes:
             tensor = tensor.clone()
-        offset = buf.tell()
-        torch.save(tensor, buf)
+        offset = out.tell()
+        out.allow(tensor)
+        torch.save(tensor, out)
         record(item, offset)
-    return buf, results
+    return out, results
 
 
 class _MetadataUnpickler(pickle.Unpickler):
