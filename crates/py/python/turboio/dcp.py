@@ -75,8 +75,8 @@ __all__ = ["FileSystemWriter", "FileSystemReader"]
 #: Data files turboio's writer names: ``__{rank}_{n}.{save}.distcp``.
 _OURS = re.compile(r"^__\d+_\d+\.[0-9a-f]+\.distcp$")
 _METADATA = ".metadata"
-#: A rank's data is split into files of about this size (at least ``thread_count`` files): the
-#: host memory a save uses besides the state dict is a few of them.
+#: A rank's data is split into files of about this size (at least ``thread_count`` files), so
+#: that one is serialized while others are written.
 _FILE_BYTES = 512 << 20
 
 
@@ -141,7 +141,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
         save = secrets.token_hex(6)
         if self.single_file_per_rank:
             # DCP's buckets, and more of them for a large rank (one per _FILE_BYTES), so that
-            # the memory a file is assembled in stays bounded while the next one is written.
+            # serializing the next file overlaps writing the ones before.
             total = sum(_fs._item_size(i) for i in plan.items if i.type != WriteItemType.BYTE_IO)
             bins = max(self.thread_count, -(-total // _FILE_BYTES))
             buckets = [b for b in _fs._split_by_size_and_type(bins, plan.items) if b] or [[]]
