@@ -233,7 +233,10 @@ def test_killed_saves_leave_the_previous_checkpoint_or_the_new_one(tmp):
         r = subprocess.run([sys.executable, script, path, here], env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == -signal.SIGKILL, (kill_at, when, r.returncode, r.stderr[-2000:])
         for kind in ("turboio", "dcp"):
-            step = load_step(path, kind)
+            try:
+                step = load_step(path, kind)
+            except BaseException as e:
+                raise AssertionError(f"killed at {kill_at} {when}: {kind} could not load; files: {sorted(os.listdir(path))}") from e
             # The metadata's rename is the 4th write: killed after it, the new step is committed.
             want = committed + 1 if (kill_at, when) == (4, "after") else committed
             assert step == want, (kill_at, when, kind, step, committed)
@@ -263,8 +266,12 @@ def test_killed_saves_leave_the_previous_checkpoint_or_the_new_one(tmp):
         for line in rest.splitlines():
             last = int(line.split()[1])
         for kind in ("turboio", "dcp"):
-            step = load_step(path, kind)
-            assert step in (last, last + 1), (i, kind, step, last)
+            try:
+                step = load_step(path, kind)
+            except BaseException as e:
+                raise AssertionError(f"kill {i}: {kind} could not load the checkpoint (last committed {last}); "
+                                     f"files: {sorted(os.listdir(path))}") from e
+            assert step in (last, last + 1), (i, kind, step, last, sorted(os.listdir(path)))
         committed = step
     # Leftovers of killed saves are gone after the next complete save.
     env = dict(os.environ, SAVES="1", FIRST=str(committed + 1))
