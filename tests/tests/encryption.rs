@@ -113,7 +113,7 @@ fn header_files_with_keys_from_kms() {
     let kms = MockKms::start();
     kms.add_credentials("AKTEST", "SKTEST", None);
     let d = disk_dir();
-    let enc = Encryption { keys: Keys::Chain(Arc::new(kms_resolver(&kms))), header: true };
+    let enc = Encryption { keys: Keys::Chain(Arc::new(kms_resolver(&kms))), header: true, check_content: true };
     let (plain, encrypted) = plain_and_encrypted(d.path(), &enc);
     let bytes = std::fs::read(&encrypted).unwrap();
     assert_eq!(bytes.len() as u64, std::fs::metadata(&plain).unwrap().len() + HEADER_SIZE);
@@ -131,7 +131,7 @@ fn header_files_with_keys_from_kms() {
     assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&plain).unwrap());
     // A KMS that does not know our credentials leaves no key: the error lists every source.
     let kms2 = MockKms::start();
-    let enc2 = Encryption { keys: Keys::Chain(Arc::new(kms_resolver(&kms2))), header: false };
+    let enc2 = Encryption { keys: Keys::Chain(Arc::new(kms_resolver(&kms2))), header: false, check_content: true };
     let err = turboio::load(&encrypted, &LoadOptions { encryption: Some(enc2), ..Default::default() }).unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, Error::Key { .. }), "{err:?}");
@@ -157,9 +157,13 @@ fn encrypt_and_decrypt_files_of_any_kind() {
     let back = d.path().join("back.pt");
     turboio::crypt::decrypt_file(&e, &back, &enc, &SaveOptions::default()).unwrap();
     assert_eq!(std::fs::read(&back).unwrap(), data);
-    let err =
-        turboio::crypt::encrypt_file(&src, &e, &Encryption { keys: fixed(), header: true }, &SaveOptions::default())
-            .unwrap_err();
+    let err = turboio::crypt::encrypt_file(
+        &src,
+        &e,
+        &Encryption { keys: fixed(), header: true, check_content: true },
+        &SaveOptions::default(),
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("needs the KMS"), "{err}");
 
     // Bytes that are neither safetensors nor a torch file are refused once decrypted, as a
