@@ -17,7 +17,7 @@ from conftest import same
 
 
 def test_public_namespace_is_the_api():
-    submodules = {"torch", "fastsafetensors", "convert", "models", "vllm_plugin"}
+    submodules = {"torch", "fastsafetensors", "convert", "models", "vllm_plugin", "deepnvme", "dcp"}
     public = {n for n in dir(turboio) if not n.startswith("_")}
     assert public <= set(turboio.__all__) | submodules, sorted(public - set(turboio.__all__) - submodules)
 
