@@ -154,29 +154,27 @@ fn deepnvme_cmd(python: &Path, site: &Path, extensions: &Path) -> Command {
     c
 }
 
-/// One timed operation of `py_training.py` without DeepSpeed (turboio's handle, or plain Python).
-fn py_op(python: &Path, args: &[&str]) -> Result<f64> {
-    let o = Command::new(python)
-        .arg(crate::test::root().join("crates/py/bench/py_training.py"))
-        .args(args)
-        .output()
-        .context("run py_training.py")?;
+/// Runs one timed operation of a bench script and returns the number `field` of the JSON
+/// object it printed last; `what` names it in errors.
+fn timed(cmd: &mut Command, what: &str, field: &str) -> Result<f64> {
+    let o = cmd.output().with_context(|| format!("run {what}"))?;
     if !o.status.success() {
-        bail!("py_training.py {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr));
+        bail!("{what}: {}", String::from_utf8_lossy(&o.stderr));
     }
     let text = String::from_utf8_lossy(&o.stdout);
-    let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or(""))?;
-    v["s"].as_f64().context("py_training.py printed no time")
+    let v: serde_json::Value = serde_json::from_str(text.lines().rfind(|l| l.starts_with('{')).unwrap_or(""))?;
+    v[field].as_f64().with_context(|| format!("{what} printed no {field}"))
+}
+
+/// One timed operation of `py_training.py` without DeepSpeed (turboio's handle, or plain Python).
+fn py_op(python: &Path, args: &[&str]) -> Result<f64> {
+    let mut cmd = Command::new(python);
+    cmd.arg(crate::test::root().join("crates/py/bench/py_training.py")).args(args);
+    timed(&mut cmd, &format!("py_training.py {}", args.join(" ")), "s")
 }
 
 fn deepnvme_op(python: &Path, dirs: &(PathBuf, PathBuf), args: &[&str]) -> Result<f64> {
-    let o = deepnvme_cmd(python, &dirs.0, &dirs.1).args(args).output().context("run py_training.py")?;
-    if !o.status.success() {
-        bail!("DeepNVMe {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr));
-    }
-    let text = String::from_utf8_lossy(&o.stdout);
-    let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or(""))?;
-    v["s"].as_f64().context("py_training.py printed no time")
+    timed(deepnvme_cmd(python, &dirs.0, &dirs.1).args(args), &format!("DeepNVMe {}", args.join(" ")), "s")
 }
 
 /// Evicts `path` from the page cache (only it; no root needed) and checks it worked.
@@ -385,18 +383,7 @@ pub fn run(python: Option<&Path>, dir: &Path, size: u64, runs: usize) -> Result<
                     let py = python.context("python")?;
                     ensure_saved()?;
                     evict(&st)?;
-                    let o = Command::new(py)
-                        .arg(crate::test::root().join("crates/py/bench/py_training.py"))
-                        .args(["--op", "turboio-into", "--file"])
-                        .arg(&st)
-                        .output()
-                        .context("run py_training.py")?;
-                    if !o.status.success() {
-                        bail!("turboio.load(state_dict=...): {}", String::from_utf8_lossy(&o.stderr));
-                    }
-                    let text = String::from_utf8_lossy(&o.stdout);
-                    let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or(""))?;
-                    v["s"].as_f64().context("py_training.py printed no time")?
+                    py_op(py, &["--op", "turboio-into", "--file", st.to_str().context("bench path")?])?
                 }
                 Kind::DnRead => {
                     let (py, dirs) = dn_python()?;
@@ -460,20 +447,9 @@ fn run_dcp(python: &Path, dir: &Path, size: u64, runs: usize) -> Result<String> 
     let size_arg = size.to_string();
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); DCP_ROWS.len()];
     let op = |args: &[&str], path: &Path, field: &str| -> Result<f64> {
-        let o = Command::new(python)
-            .arg(&script)
-            .args(args)
-            .arg("--dir")
-            .arg(path)
-            .args(["--size", &size_arg])
-            .output()
-            .context("run py_dcp.py")?;
-        if !o.status.success() {
-            bail!("py_dcp.py {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr));
-        }
-        let text = String::from_utf8_lossy(&o.stdout);
-        let v: serde_json::Value = serde_json::from_str(text.lines().rfind(|l| l.starts_with('{')).unwrap_or(""))?;
-        v[field].as_f64().with_context(|| format!("py_dcp.py printed no {field}"))
+        let mut cmd = Command::new(python);
+        cmd.arg(&script).args(args).arg("--dir").arg(path).args(["--size", &size_arg]);
+        timed(&mut cmd, &format!("py_dcp.py {}", args.join(" ")), field)
     };
     eprintln!("DCP: {:.1} GB state dict from 2 ranks, {runs} runs ...", size as f64 / 1e9);
     for r in 0..runs {
