@@ -193,7 +193,8 @@ fn hot_files_go_straight_from_the_page_cache_mapping() {
 }
 
 /// A device where registering host memory costs more than staging (CUDA): automatic loads of a
-/// hot file stage, with no fallback line; asked for mapped, it maps.
+/// hot file stage, with no fallback line; asked for mapped, it maps, unless the device refuses
+/// the page cache's pages.
 #[test]
 fn a_device_that_prefers_staging_maps_hot_files_only_when_asked() {
     let d = disk_dir();
@@ -210,6 +211,15 @@ fn a_device_that_prefers_staging_maps_hot_files_only_when_asked() {
     assert_eq!(mapped.report().read.method, "mmap, DMA from the page cache");
     assert_eq!(dev.host_uploaded_bytes(), mapped.report().bytes);
     assert_matches(&mapped, &path, "mapped on request");
+    // A device that uploads host memory but refuses the page cache's pages (CUDA by default):
+    // asked for mapped, it stages, and the report says why.
+    let dev = Arc::new(OpaqueDevice::new(0).with_page_cache_refused("page-cache DMA is off (test)"));
+    let refused = turboio::load(&path, &LoadOptions { mode: LoadMode::Mapped, ..dev_opts(&dev) }).unwrap();
+    assert_ne!(refused.report().read.method, "mmap, DMA from the page cache");
+    assert_eq!(refused.report().fallbacks, ["not mapped: page-cache DMA is off (test)"]);
+    assert_eq!(dev.host_uploaded_bytes(), 0);
+    assert!(dev.uploads() > 0, "staged");
+    assert_matches(&refused, &path, "page cache refused");
 }
 
 #[test]

@@ -398,6 +398,19 @@ pub trait Device: Send + Sync + fmt::Debug {
         false
     }
 
+    /// `Ok` if [`upload_from_host`](Self::upload_from_host) may be given a mapping of a cached
+    /// file (the page cache's own pages, shared with every other reader of the file), else why
+    /// not, in words for a load report. Defaults to [`uploads_from_host`](Self::uploads_from_host);
+    /// a device that uploads anonymous host memory fine but cannot be trusted with file pages
+    /// says no here.
+    fn uploads_from_page_cache(&self) -> std::result::Result<(), String> {
+        if self.uploads_from_host() {
+            Ok(())
+        } else {
+            Err(format!("{} cannot copy straight from the page cache", self.id()))
+        }
+    }
+
     /// True if, for a file already in the page cache, an automatic load should copy straight
     /// from the populated mapping ([`upload_from_host`](Self::upload_from_host)) rather than
     /// through staging buffers. Defaults to [`uploads_from_host`](Self::uploads_from_host); a

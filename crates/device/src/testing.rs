@@ -106,6 +106,8 @@ pub struct OpaqueDevice {
     key_failure: Option<String>,
     pool: Option<StagingPool>,
     host_upload_refused: AtomicBool,
+    /// Why [`Device::uploads_from_page_cache`] says no, when it does (as CUDA's does).
+    page_cache_refusal: Option<String>,
     /// Bytes of memory the device has (`None`: unlimited, and [`Device::free_memory`] says
     /// nothing).
     capacity: Option<u64>,
@@ -202,6 +204,7 @@ impl OpaqueDevice {
             key_failure: None,
             pool: None,
             host_upload_refused: AtomicBool::new(false),
+            page_cache_refusal: None,
             capacity: None,
         }
     }
@@ -235,6 +238,14 @@ impl OpaqueDevice {
     pub fn with_host_uploads_on_request(mut self) -> Self {
         self.host_uploads = true;
         self.prefers_host_uploads = false;
+        self
+    }
+
+    /// Copies straight from host memory, but refuses mappings of cached files with `why`, as
+    /// CUDA does by default ([`Device::uploads_from_page_cache`]).
+    pub fn with_page_cache_refused(mut self, why: &str) -> Self {
+        self.host_uploads = true;
+        self.page_cache_refusal = Some(why.to_owned());
         self
     }
 
@@ -547,6 +558,14 @@ impl Device for OpaqueDevice {
 
     fn prefers_host_uploads(&self) -> bool {
         self.host_uploads && self.prefers_host_uploads
+    }
+
+    fn uploads_from_page_cache(&self) -> std::result::Result<(), String> {
+        match &self.page_cache_refusal {
+            Some(why) => Err(why.clone()),
+            None if self.host_uploads => Ok(()),
+            None => Err(format!("{} cannot copy straight from the page cache", self.id())),
+        }
     }
 
     fn upload_from_host(&self, src: &[u8], dst: &dyn Allocation, dst_offset: usize) -> Result<()> {

@@ -363,3 +363,21 @@ def test_whole_tensors_are_read_straight_into_their_destination(tmp):
     dcp.load(target, storage_reader=reader, no_dist=True)
     assert torch.equal(target["a"], sd["a"]) and torch.equal(target["c"], sd["c"].long()) and torch.equal(target["b"], sd["b"])
     assert reader.items_read_directly == 1  # b only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_state_dicts(tmp):
+    """CUDA tensors saved by turboio's writer (moved to host memory first) and loaded into CUDA
+    destinations (the copying path), each way with DCP's own reader and writer too."""
+    warnings.simplefilter("ignore")
+    sd = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kill_model(5).items()}
+    dcp.save(sd, storage_writer=tdcp.FileSystemWriter(tmp / "t", thread_count=2), no_dist=True)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp / "d"), no_dist=True)
+    for path, reader in ((tmp / "t", tdcp.FileSystemReader), (tmp / "t", dcp.FileSystemReader),
+                         (tmp / "d", tdcp.FileSystemReader)):
+        target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1 for k, v in sd.items()}
+        dcp.load(target, storage_reader=reader(path), no_dist=True)
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor):
+                assert target[k].is_cuda and torch.equal(target[k], v), (path, reader, k)
+        assert target["step"] == 5

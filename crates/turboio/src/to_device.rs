@@ -2,12 +2,12 @@
 //!
 //! The device and the storage say what they can do; this module picks, in order:
 //!
-//! 1. **From the page-cache mapping** ([`Device::uploads_from_host`]): a hot, unencrypted local
-//!    file is mapped and populated (no copy) and the device DMAs straight from the mapping. Auto
-//!    mode takes this for files at least half cached (unless the page cache is bypassed) on a
-//!    device that prefers it ([`Device::prefers_host_uploads`]; CUDA does not: registering the
-//!    mapping costs more than staging); `LoadMode::Mapped` forces it, `LoadMode::Copied` never
-//!    takes it.
+//! 1. **From the page-cache mapping** ([`Device::uploads_from_page_cache`]): a hot, unencrypted
+//!    local file is mapped and populated (no copy) and the device DMAs straight from the
+//!    mapping. Auto mode takes this for files at least half cached (unless the page cache is
+//!    bypassed) on a device that prefers it ([`Device::prefers_host_uploads`]; CUDA does not:
+//!    registering the mapping costs more than staging); `LoadMode::Mapped` asks for it (a device
+//!    may still refuse, as CUDA does unless told otherwise), `LoadMode::Copied` never takes it.
 //! 2. **From storage straight into device memory** ([`StorageFile::reads_to_device`], GDS) for
 //!    files that are not hot (DMA from the disk would re-read a cached file).
 //! 3. **Staged**: readers fill host staging buffers that the device copies while the next
@@ -124,8 +124,8 @@ fn fill_with(
         LoadMode::Auto => hot && opts.cache != CachePolicy::Bypass && device.prefers_host_uploads(),
     };
     if want_mapped {
-        let why_not = if !device.uploads_from_host() {
-            Some(format!("{id} cannot copy straight from the page cache"))
+        let why_not = if let Err(why) = device.uploads_from_page_cache() {
+            Some(why)
         } else if encrypted {
             Some("an encrypted file cannot be copied from the page cache as it is".to_owned())
         } else if opened.local_file().is_none() {

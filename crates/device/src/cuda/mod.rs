@@ -67,6 +67,31 @@ const HOST_UPLOAD_CHUNK: usize = 64 << 20;
 /// certainly faster, and registering the rest could take minutes.
 pub const REGISTER_FLOOR: f64 = 256e6;
 
+/// The environment variable that lets [`Device::upload_from_host`] register page-cache
+/// mappings (`1`); see [`page_cache_registration`].
+pub const REGISTER_PAGE_CACHE_ENV: &str = "TURBOIO_CUDA_REGISTER_PAGE_CACHE";
+
+/// Whether a load may register a mapping of a cached file for DMA, given the value of
+/// [`REGISTER_PAGE_CACHE_ENV`]; `Err` says why not, for the load's report.
+///
+/// Off by default, from measurements on lent H200 VMs (driver 580, kernel 6.18, 2026-11-26/27):
+/// on three machines, `cuMemHostRegister` of a 1.07 GB mapping, or of its first 8 MiB window,
+/// did not return within 60 s once the file had been read by earlier loads (the loading thread
+/// at 100% CPU, no kernel wait, nothing pinned), while the same machine registered a file that
+/// only its own faults had brought in within a second. Where it worked it was slower than
+/// staging: 0.59-0.91 s against 0.17-0.21 s for a hot 1.07 GB file. A hang is worse than any
+/// speed, and the registration call cannot be interrupted, so loads stage unless asked.
+pub fn page_cache_registration(env: Option<&std::ffi::OsStr>) -> std::result::Result<(), String> {
+    if env.is_some_and(|v| v == "1") {
+        return Ok(());
+    }
+    Err(format!(
+        "registering a page-cache mapping for DMA is off on CUDA devices: cuMemHostRegister of a \
+         cached file's pages hung on the machines it was tried on, and staging was faster there; \
+         {REGISTER_PAGE_CACHE_ENV}=1 turns it on"
+    ))
+}
+
 /// The first window registered: small, so a machine where pinning crawls finds out in well
 /// under a second (8 MiB at 17 MB/s, the slowest seen, is half a second).
 const FIRST_REGISTER_WINDOW: usize = 8 << 20;
@@ -724,6 +749,13 @@ impl Device for CudaDevice {
         true
     }
 
+    /// Refused unless [`REGISTER_PAGE_CACHE_ENV`] is `1`: registering a page-cache mapping hung
+    /// (see [`page_cache_registration`]); anonymous host memory (a converted arena) still uploads
+    /// from where it is.
+    fn uploads_from_page_cache(&self) -> std::result::Result<(), String> {
+        page_cache_registration(std::env::var_os(REGISTER_PAGE_CACHE_ENV).as_deref())
+    }
+
     /// Measured on an H200 (PCIe 5 x16, driver 580, 2026-11-26) with `turboio load --device
     /// cuda:0` on hot 1.07 GB files: copying from the registered page-cache mapping took
     /// 0.68-0.91 s (five loads: `cuMemHostRegister` pins and maps every 4 KiB page of the file
@@ -810,6 +842,16 @@ mod tests {
             return None;
         }
         Some(CudaDevice::new(0).expect("TURBOIO_TEST_CUDA=1 but cuda:0 cannot be opened"))
+    }
+
+    #[test]
+    fn page_cache_registration_is_off_unless_asked() {
+        use std::ffi::OsStr;
+        for off in [None, Some(OsStr::new("0")), Some(OsStr::new("")), Some(OsStr::new("yes"))] {
+            let why = page_cache_registration(off).unwrap_err();
+            assert!(why.contains("TURBOIO_CUDA_REGISTER_PAGE_CACHE=1") && why.contains("hung"), "{why}");
+        }
+        assert_eq!(page_cache_registration(Some(OsStr::new("1"))), Ok(()));
     }
 
     #[test]
