@@ -425,6 +425,13 @@ impl PyTensor {
         self.nbytes
     }
 
+    /// Offset of the tensor's first byte in the load's memory (the whole load's export,
+    /// `LoadedFile.export()`).
+    #[getter]
+    fn offset(&self) -> usize {
+        self.offset
+    }
+
     /// True if the DLPack export is raw bytes (uint8) to be viewed as the real dtype.
     #[getter]
     fn raw(&self) -> bool {
@@ -1075,7 +1082,7 @@ fn pt_tables(loaded: &turboio::LoadedPt) -> PtTables {
 /// cache, or copied (`O_DIRECT` with `cache="bypass"`; always for encrypted and `sfcs://`
 /// files). Returns the load's bytes and the tables the Python layer builds tensors from.
 #[pyfunction]
-#[pyo3(signature = (path, top_level_key=None, cipher=false, threads=0, cache="auto", mode="auto", storage=None, tensors=None))]
+#[pyo3(signature = (path, top_level_key=None, cipher=false, threads=0, cache="auto", mode="auto", storage=None, tensors=None, max_host_memory=None))]
 #[allow(clippy::too_many_arguments)]
 fn load_pt(
     py: Python<'_>,
@@ -1087,6 +1094,7 @@ fn load_pt(
     mode: &str,
     storage: Option<&PyObjectStorage>,
     tensors: Option<Bound<'_, PyAny>>,
+    max_host_memory: Option<Bound<'_, PyAny>>,
 ) -> PyResult<(PyFileBytes, PtTables)> {
     let cancel = Arc::new(AtomicBool::new(false));
     let (tensors, raised) = selection_arg(tensors.as_ref())?;
@@ -1099,6 +1107,7 @@ fn load_pt(
         cancel: Some(cancel.clone()),
         encryption: encryption(cipher, false),
         tensors,
+        max_host_memory: budget_arg("max_host_memory", max_host_memory.as_ref())?,
         ..Default::default()
     };
     let loaded = interruptible(py, &cancel, None, || turboio::load_pt(&path, &opts, &pt));

@@ -226,6 +226,10 @@ def test_pt_loads_to_a_gpu_keep_tied_weights_shared(tmp):
     assert ref["emb"].data_ptr() == ref["head"].data_ptr()
     for k in ref:
         assert torch.equal(got[k], ref[k]), k
+    # The device-memory plan: the storages' 8 KiB (once: tied) against a budget.
+    with pytest.raises(MemoryError, match=r"tied\.pt: this load needs .* of cuda:0 memory but max_device_memory is"):
+        turboio.load(str(tmp / "tied.pt"), map_location="cuda:0", max_device_memory=4096)
+    assert len(turboio.load(str(tmp / "tied.pt"), map_location="cuda:0", max_device_memory=8192)) == 3
 
 
 @needs_gpu

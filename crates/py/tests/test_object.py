@@ -146,6 +146,33 @@ def test_models_under_a_prefix(s3):
     assert list(turboio.load_model("s3://models/run1", storage_options=opts)) == ["only"]
 
 
+def test_selections_read_only_their_bytes_from_the_store(s3):
+    sd = big_dict(5)
+    opts = s3.options
+    turboio.save_file(sd, "s3://pyobj/sel.safetensors", storage_options=opts)
+    size = len(s3.get("pyobj", "sel.safetensors"))
+    want = sd["big.bf16"].numel() * 2  # 6 MB of a 23 MB object
+    for load in (
+        lambda: turboio.load("s3://pyobj/sel.safetensors", tensors="big.bf16", storage_options=opts),
+        lambda: tt.load_file("s3://pyobj/sel.safetensors", tensors=["big.bf16"], storage_options=opts),
+    ):
+        s3.faults("{}")  # resets the counters
+        got = load()
+        assert list(got) == ["big.bf16"] and same(got["big.bf16"], sd["big.bf16"])
+        read = s3.stats()["get_bytes"]
+        # The tensor, the header and at most one coalescing gap (4 MiB) either side.
+        assert want <= read < want + (9 << 20) and read < size // 2, (read, want, size)
+    # A model: shards holding nothing selected are never fetched.
+    turboio.save_model_dir(sd, "s3://models/sel", max_shard_size="6MB", storage_options=opts)
+    s3.faults("{}")
+    got = turboio.load_model("s3://models/sel", tensors=["big.bf16"], storage_options=opts)
+    assert list(got) == ["big.bf16"] and same(got["big.bf16"], sd["big.bf16"])
+    stats = s3.stats()
+    assert stats["get_bytes"] < want + (9 << 20), stats
+    with pytest.raises(KeyError, match="closest: `big.bf16`"):
+        turboio.load_model("s3://models/sel", tensors=["big.bf15"], storage_options=opts)
+
+
 def test_torch_checkpoints_from_s3(s3, tmp):
     g = torch.Generator().manual_seed(4)
     w = torch.randn(700, 300, generator=g)

@@ -179,6 +179,28 @@ def test_tensors_are_views_of_one_export_and_outlive_the_dict(file):
     assert same(keep, ref["model.layers.5.mlp.weight"])
 
 
+def test_safe_open_views_one_export(tmp, file):
+    ref = sample()
+    with tt.safe_open(str(file), framework="pt") as f:
+        got = {k: f.get_tensor(k) for k in f.keys()}
+        sl = f.get_slice("lm_head.weight")[10:20, ::3]
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1, "one export per file"
+    for k, v in got.items():
+        assert same(v, ref[k]) and v.is_contiguous(), k
+    assert same(sl, ref["lm_head.weight"][10:20, ::3])
+    # A tensor at an offset that is not a multiple of its element size is exported on its own.
+    odd = {"a": torch.arange(3, dtype=torch.uint8), "b": torch.arange(5, dtype=torch.float32)}
+    header = json.dumps({"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+                         "b": {"dtype": "F32", "shape": [5], "data_offsets": [3, 23]}}).encode()
+    header += b" " * (-len(header) % 8)
+    data = odd["a"].numpy().tobytes() + odd["b"].numpy().tobytes()
+    (tmp / "odd.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + data)
+    assert same(st.load_file(str(tmp / "odd.safetensors"))["b"], odd["b"])
+    with tt.safe_open(str(tmp / "odd.safetensors"), framework="pt") as f:
+        assert same(f.get_tensor("a"), odd["a"]) and same(f.get_tensor("b"), odd["b"])
+        assert same(f.get_slice("b")[1:4], odd["b"][1:4])
+
+
 def test_the_fastsafetensors_loaders_select_across_files(tmp):
     from turboio.fastsafetensors import ParallelLoader, SafeTensorsFileLoader, SingleGroup, fastsafe_open
 
@@ -221,6 +243,14 @@ def test_a_load_over_its_memory_budget_raises_memory_error_before_reading(file, 
     turboio.save_model_dir(sample(), str(d), max_shard_size="40KB")
     with pytest.raises(MemoryError, match="model.safetensors.index.json: this load needs"):
         turboio.load_model(str(d), cache="bypass", max_host_memory="64KiB")
+    # The same for a .pt file: its copy is checked before it is made; mapped, or a selection, fits.
+    pt = tmp / "m.pt"
+    torch.save(sample(), str(pt))
+    with pytest.raises(MemoryError, match=r"m\.pt: this load needs .* max_host_memory is 0\.3 MB"):
+        turboio.load(str(pt), cache="bypass", max_host_memory="256KiB")
+    assert len(turboio.load(str(pt), max_host_memory="256KiB")) == len(sample())
+    got = turboio.load(str(pt), cache="bypass", max_host_memory="256KiB", tensors="lm_head.weight")
+    assert same(got["lm_head.weight"], sample()["lm_head.weight"])
 
 
 def test_pt_loads_read_only_the_storages_of_the_selection(tmp):

@@ -271,6 +271,8 @@ def load(
                 device=None if device == "cpu" else device,
                 dtype=dtype,
                 tensors=tensors,
+                max_host_memory=max_host_memory,
+                max_device_memory=max_device_memory,
             )
         except ValueError:
             if not unsafe_pickle_fallback:

@@ -37,6 +37,38 @@ def _viewable(name):
     return got
 
 
+def typed_export(loaded):
+    """One DLPack export of a whole load, viewed as each of its tensors' dtypes that torch
+    can view: `{dtype name: (the export as that dtype, element size)}`."""
+    import torch
+
+    data, dtypes = loaded.export()
+    base = torch.from_dlpack(data)
+    typed = {}
+    for dtype in dtypes:
+        td, size = _viewable(dtype)
+        if td is not None:
+            n = base.numel() - base.numel() % size
+            typed[dtype] = (base[:n].view(td), size)
+    return typed
+
+
+def view_of(typed, pt):
+    """Tensor `pt` of a load (a `_turboio.Tensor`) as a view of the load's export (`typed`, from
+    `typed_export`), or exported on its own where it cannot be one (a dtype torch has not or
+    packs, an offset that is not a multiple of its element size)."""
+    import torch
+
+    got = typed.get(pt.dtype)
+    if got is None or pt.offset % got[1]:
+        return tensor_from(pt)
+    shape = pt.shape
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return torch.as_strided(got[0], shape, strides, pt.offset // got[1])
+
+
 def tensors_of(loaded, aliases=True):
     """`{name: tensor}` of a load, in file order, plus aliases from `__metadata__`.
 
@@ -49,16 +81,7 @@ def tensors_of(loaded, aliases=True):
     packs (F4, F6), are exported on their own (as bytes where torch has no dtype)."""
     import torch
 
-    data, dtypes = loaded.export()
-    base = torch.from_dlpack(data)
-    # Per dtype name: (the export viewed as that dtype, element size).
-    typed = {}
-    for dtype in dtypes:
-        td, size = _viewable(dtype)
-        if td is not None:
-            n = base.numel() - base.numel() % size
-            typed[dtype] = (base[:n].view(td), size)
-    out, odd = loaded.build(typed, torch.as_strided)
+    out, odd = loaded.build(typed_export(loaded), torch.as_strided)
     if odd:
         exported = {pt.name: pt for pt in loaded.tensors()}
         for name in odd:
@@ -233,8 +256,60 @@ def threads(num_thread):
     return max(1, min(int(num_thread or n), n))
 
 
+def _check_device_memory(path, storages, used, device, dtype, budget):
+    """Raises `MemoryError` when the used storages of a `.pt` load, moved to `device` (and
+    converted to `dtype` there, the largest briefly in both forms), would not fit in `budget`
+    (bytes, or a size string) or in the device's free memory."""
+    import torch
+
+    from ._dtypes import CASTABLE, torch_dtype
+
+    held, transient = 0, 0
+    for i in used:
+        _offset, nbytes, dtype_name, meta_numel = storages[i]
+        if meta_numel is not None:
+            continue
+        if dtype is not None and dtype_name in CASTABLE and dtype_name != dtype:
+            size = torch_dtype(dtype_name).itemsize
+            converted = nbytes // size * torch_dtype(dtype).itemsize
+            held += converted
+            transient = max(transient, nbytes)
+        else:
+            held += nbytes
+    needs = held + transient
+    dev = torch.device(device)
+    if budget is not None:
+        limit = _turboio.parse_shard_size(budget) if isinstance(budget, str) else int(budget)
+        available = f"max_device_memory is {_gb(limit)}"
+    elif dev.type == "cuda":
+        limit = torch.cuda.mem_get_info(dev)[0]
+        available = f"{dev} has {_gb(limit)} free"
+    else:
+        return
+    if needs > limit:
+        option = "; or a larger budget" if budget is not None else ""
+        raise MemoryError(
+            f"{path}: this load needs {_gb(needs)} of {dev} memory but {available}; nothing was "
+            f"allocated on {dev}. What would fit: fewer tensors (a selection: tensors=){option}"
+        )
+
+
+def _gb(n):
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 def pt_tensors(
-    path, cipher=False, top_level_key=None, threads=0, cache="auto", storage=None, device=None, dtype=None, tensors=None
+    path,
+    cipher=False,
+    top_level_key=None,
+    threads=0,
+    cache="auto",
+    storage=None,
+    device=None,
+    dtype=None,
+    tensors=None,
+    max_host_memory=None,
+    max_device_memory=None,
 ):
     """The tensors of a `torch.save` checkpoint, read without executing its pickle (turboio's
     allow-listed reader): `{dotted name: tensor}`, each a strided view of the load's bytes (the
@@ -245,16 +320,29 @@ def pt_tensors(
     `device` (other than the CPU) and `dtype` (a safetensors dtype name: floating storages are
     converted as `.to()` would) apply to each storage once, before the views are made: tied
     weights stay one tensor's memory on the device, as after `torch.load(map_location=...)`,
-    and nothing is moved or converted twice."""
+    and nothing is moved or converted twice.
+
+    `max_host_memory` bounds the load's copies (checked by the loader before it allocates);
+    onto a device, what the storages will take there is checked against `max_device_memory`
+    and the device's free memory before the first is moved (`MemoryError`, with the numbers)."""
     import torch
 
     from ._dtypes import CASTABLE, torch_dtype
 
     data, (storages, tensors, _skipped) = _turboio.load_pt(
-        path, top_level_key=top_level_key, cipher=cipher, threads=threads, cache=cache, storage=storage, tensors=tensors
+        path,
+        top_level_key=top_level_key,
+        cipher=cipher,
+        threads=threads,
+        cache=cache,
+        storage=storage,
+        tensors=tensors,
+        max_host_memory=max_host_memory,
     )
     # Only the storages the (selected) tensors view: a selection read no other.
     used = {t[4] for t in tensors}
+    if device is not None and torch.device(device).type != "cpu":
+        _check_device_memory(path, storages, used, device, dtype, max_device_memory)
     views = []
     for i, (offset, nbytes, dtype_name, meta_numel) in enumerate(storages):
         if i not in used:

@@ -9,7 +9,15 @@ import struct
 
 from . import _cuda, _remote, _turboio
 from ._dtypes import torch_dtype_for, torch_shape
-from ._torch import alias_shared, raw_tensors, remove_duplicate_names, single_cuda_device, tensor_from, tensors_of
+from ._torch import (
+    alias_shared,
+    raw_tensors,
+    remove_duplicate_names,
+    single_cuda_device,
+    tensors_of,
+    typed_export,
+    view_of,
+)
 
 __all__ = ["load_file", "save_file", "load", "save", "save_model", "load_model", "safe_open", "SafetensorError"]
 
@@ -264,7 +272,7 @@ class safe_open:
         )
         self._infos = {n: (d, s, b, e) for n, d, s, b, e in self._loaded.infos()}
         self._order = [n for n, *_ in self._loaded.infos()]
-        self._tensors = None
+        self._tensors = self._typed = None
         self._data_start = self._loaded.data_start
 
     def _check_open(self):
@@ -276,7 +284,7 @@ class safe_open:
 
     def __exit__(self, *exc):
         self._loaded = None
-        self._tensors = None
+        self._tensors = self._typed = None
 
     def metadata(self):
         self._check_open()
@@ -290,16 +298,19 @@ class safe_open:
         self._check_open()
         return list(self._order)
 
-    def _pt(self, name):
+    def _view(self, name):
+        """Tensor `name` as a view of the one export of this file's load (made on first use),
+        not an export of its own: a file of thousands of tensors costs one export."""
         if self._tensors is None:
             self._tensors = {pt.name: pt for pt in self._loaded.tensors()}
-        return self._tensors[name]
+            self._typed = typed_export(self._loaded)
+        return view_of(self._typed, self._tensors[name])
 
     def get_tensor(self, name):
         self._check_open()
         if name not in self._infos:
             raise SafetensorError(f"File does not contain tensor {name}")
-        t = tensor_from(self._pt(name))
+        t = self._view(name)
         return t if self._device == "cpu" else t.to(self._device)
 
     def get_tensors(self):
@@ -311,7 +322,7 @@ class safe_open:
         if name not in self._infos:
             raise SafetensorError(f"File does not contain tensor {name}")
         dtype, shape, _, _ = self._infos[name]
-        return _Slice(self._pt(name), dtype, shape, self._device)
+        return _Slice(lambda: self._view(name), dtype, shape, self._device)
 
 
 class _Slice:
@@ -321,8 +332,8 @@ class _Slice:
     even if the file was replaced since). Basic indexing returns a view: only the pages the
     slice covers are ever read."""
 
-    def __init__(self, pt, dtype, shape, device="cpu"):
-        self._pt, self._dtype, self._shape = pt, dtype, list(shape)
+    def __init__(self, view, dtype, shape, device="cpu"):
+        self._view, self._dtype, self._shape = view, dtype, list(shape)
         self._device = device
 
     def get_shape(self):
@@ -340,5 +351,5 @@ class _Slice:
                 f"cannot slice an F4 tensor of shape {list(self._shape)}: torch packs two F4 values per byte"
                 " along the last dimension, which must be even (get_tensor gives its bytes as uint8)"
             )
-        out = tensor_from(self._pt)[index]
+        out = self._view()[index]
         return out if self._device == "cpu" else out.to(self._device)
