@@ -15,6 +15,9 @@
 //! - Selection: a 9-shard model (`turboio gen --shards 9`) loaded cold whole and by every 10th
 //!   tensor (`turboio.load_model(tensors=...)`), alternating: seconds, and bytes read from the
 //!   block device holding it (its `stat` counters).
+//! - Coalescing: 256 kept 64 KiB tensors, each followed by a gap of 16 KiB to 1 MiB that is not
+//!   selected, loaded cold with each range read alone, all read as one, and the default
+//!   (`TURBOIO_COALESCE_GAP`): where merging across a gap pays on this disk.
 
 use crate::benchkit::{median_of as median, size_name};
 use crate::test::root;
@@ -186,6 +189,10 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, model_size: u64, runs: usi
             ));
         }
         checks.push(("10% of the tensors: time <= 0.25x the whole model's".into(), 0.25 * ws / ss, 1.0));
+
+        eprintln!("tensors: coalescing gaps, cold, {runs} runs ...");
+        let v = script(python, &["gaps", "--dir", &data_dir.to_string_lossy(), "--runs", &runs_s])?;
+        s.push_str(&gaps_table(&v, runs));
     }
     let _ = writeln!(s, "\n| check | ratio | needed | |");
     let _ = writeln!(s, "|---|---:|---:|---|");
@@ -193,4 +200,41 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, model_size: u64, runs: usi
         let _ = writeln!(s, "| {what} | {ratio:.2}x | {need:.2}x | {} |", if ratio >= need { "ok" } else { "BELOW" });
     }
     Ok(s)
+}
+
+/// The coalescing sweep (`py_tensors.py gaps`): per gap between kept 64 KiB tensors, cold loads
+/// reading each range on its own, all as one, and with the default gap (128 KiB locally).
+fn gaps_table(v: &serde_json::Value, runs: usize) -> String {
+    let mut s = String::new();
+    let kept = v["kept_bytes"].as_u64().unwrap_or(0);
+    let _ = writeln!(
+        s,
+        "\n### Coalescing: 256 kept 64 KiB tensors ({:.1} MB) with a gap after each, cold (median of {runs}, alternating; `TURBOIO_COALESCE_GAP`)\n",
+        kept as f64 / 1e6
+    );
+    let _ = writeln!(s, "| gap | each range alone: s (MB read) | all as one: s (MB read) | default: s (MB read) | default vs the better |");
+    let _ = writeln!(s, "|---:|---:|---:|---:|---:|");
+    let mut gaps: Vec<(u64, &serde_json::Value)> =
+        v.as_object().into_iter().flatten().filter_map(|(k, r)| Some((k.parse().ok()?, r))).collect();
+    gaps.sort_unstable_by_key(|g| g.0);
+    for (gap, r) in gaps {
+        let cell = |how: &str| -> (f64, String) {
+            let secs: Vec<f64> =
+                r[how]["seconds"].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default();
+            let mut disk: Vec<u64> = r[how]["disk_bytes"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|x| x.as_u64()).collect())
+                .unwrap_or_default();
+            disk.sort_unstable();
+            let t = median(&secs);
+            let mb = disk.get(disk.len() / 2).map_or("?".to_owned(), |b| format!("{:.1}", *b as f64 / 1e6));
+            (t, format!("{t:.3} ({mb})"))
+        };
+        let (sep, a) = cell("separate");
+        let (one, b) = cell("merged");
+        let (def, c) = cell("default");
+        let gap = if gap >= 1 << 20 { format!("{} MiB", gap >> 20) } else { format!("{} KiB", gap >> 10) };
+        let _ = writeln!(s, "| {gap} | {a} | {b} | {c} | {:.2}x |", def / sep.min(one));
+    }
+    s
 }

@@ -13,6 +13,14 @@
         `turboio.load_model`, alternating; prints {"whole": {...}, "subset": {...}} with
         seconds, bytes read from the block device and bytes of the tensors.
 
+    py_tensors.py gaps --dir D --runs N
+        where coalescing selected ranges pays: for each gap G in 16 KiB, 64 KiB, 256 KiB and 1 MiB,
+        a file of 256 pairs (a 64 KiB tensor to keep, then G bytes to skip) written once, and
+        cold loads of the kept tensors with every range read on its own
+        (TURBOIO_COALESCE_GAP=0), with all of them read as one (16 MiB) and with the default,
+        alternating; prints {G: {"separate"|"merged"|"default": {"seconds": [...],
+        "disk_bytes": [...]}}, "kept_bytes": n}.
+
 Loaders: "turboio.load" (tensors as views of one export), "safetensors.torch.load_file",
 "turboio without tensors: its populated mapping, header parsed" (`turboio._turboio.load`: the same
 mapped load, without making torch tensors), "ceiling: mmap + MADV_POPULATE_READ, 1 thread, no header, no tensor"
@@ -249,9 +257,61 @@ def subset_runs(d, runs):
     print(json.dumps(res))
 
 
+GAPS = [16 << 10, 64 << 10, 256 << 10, 1 << 20]
+PAIRS, KEEP = 256, 64 << 10
+COALESCE = {"separate": "0", "merged": "16MiB", "default": None}
+
+
+def gap_file(d, gap):
+    import torch
+    from safetensors.torch import save_file
+
+    path = os.path.join(d, f"gaps-{gap}.safetensors")
+    if not os.path.exists(path):
+        out = {}
+        for i in range(PAIRS):
+            # Names sort in file order (safetensors writes same-dtype tensors by name).
+            out[f"p{i:04d}.a.keep"] = torch.full((KEEP // 4,), float(i), dtype=torch.float32)
+            out[f"p{i:04d}.b.skip"] = torch.full((gap // 4,), -1.0, dtype=torch.float32)
+        save_file(out, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)
+    return path
+
+
+def gap_runs(d, runs):
+    import turboio
+
+    os.makedirs(d, exist_ok=True)
+    res = {"kept_bytes": PAIRS * KEEP}
+    rng = random.Random(3)
+    for gap in GAPS:
+        path = gap_file(d, gap)
+        r = res[str(gap)] = {k: {"seconds": [], "disk_bytes": []} for k in COALESCE}
+        turboio.load(path, tensors="*.keep")  # untimed: faults the libraries in
+        order = list(COALESCE)
+        for _ in range(runs):
+            rng.shuffle(order)
+            for how in order:
+                if COALESCE[how] is None:
+                    os.environ.pop("TURBOIO_COALESCE_GAP", None)
+                else:
+                    os.environ["TURBOIO_COALESCE_GAP"] = COALESCE[how]
+                evict(path)
+                before = disk_read(path)
+                t = time.perf_counter()
+                out = turboio.load(path, tensors="*.keep")
+                r[how]["seconds"].append(time.perf_counter() - t)
+                after = disk_read(path)
+                r[how]["disk_bytes"].append(None if before is None else after - before)
+                assert len(out) == PAIRS and float(out["p0007.a.keep"][0]) == 7.0
+                del out
+        os.environ.pop("TURBOIO_COALESCE_GAP", None)
+    print(json.dumps(res))
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["files", "load", "subset"])
+    p.add_argument("what", choices=["files", "load", "subset", "gaps"])
     p.add_argument("--dir")
     p.add_argument("--size", type=int)
     p.add_argument("--file")
@@ -264,6 +324,8 @@ def main():
         files(a.dir, a.size)
     elif a.what == "load":
         load_runs(a.file, a.pt, a.runs, a.cold)
+    elif a.what == "gaps":
+        gap_runs(a.dir, a.runs)
     else:
         subset_runs(a.model, a.runs)
 

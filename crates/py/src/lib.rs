@@ -1728,7 +1728,8 @@ impl turboio::storage::WriteSource for Segments {
 /// Private to the Python package (`turboio.dcp`), which passes the addresses of buffers and
 /// tensor storages it keeps referenced and unchanged for the call.
 #[pyfunction]
-#[pyo3(signature = (path, segments, cipher=false, cipher_header=false, threads=0))]
+#[pyo3(signature = (path, segments, cipher=false, cipher_header=false, threads=0, storage=None))]
+#[allow(clippy::too_many_arguments)]
 fn _write_file_segments(
     py: Python<'_>,
     path: std::path::PathBuf,
@@ -1736,6 +1737,7 @@ fn _write_file_segments(
     cipher: bool,
     cipher_header: bool,
     threads: usize,
+    storage: Option<&PyObjectStorage>,
 ) -> PyResult<()> {
     let mut parts = Vec::with_capacity(segments.len());
     let mut len = 0u64;
@@ -1751,9 +1753,45 @@ fn _write_file_segments(
         encryption: encryption(cipher, cipher_header),
         threads,
         cancel: Some(cancel.clone()),
+        storage: storage_arg(storage),
         ..Default::default()
     };
     interruptible(py, &cancel, None, move || turboio::write_source(&path, &source, &opts))
+}
+
+/// The backend that serves `path`: the one given, else the one its scheme names (the local
+/// file system for a plain path).
+fn backend_for(
+    storage: Option<&PyObjectStorage>,
+    path: &std::path::Path,
+) -> PyResult<Arc<dyn turboio::storage::Storage>> {
+    match storage_arg(storage) {
+        Some(s) => Ok(s),
+        None => Ok(turboio::storage_for(path).map_err(to_py)?.0),
+    }
+}
+
+/// The files directly under `path` (the objects under a URL's key prefix `path/`), as full
+/// paths, sorted.
+///
+/// Private to the Python package (`turboio.dcp`: a checkpoint's data files on object storage).
+#[pyfunction]
+#[pyo3(signature = (path, storage=None))]
+fn _list_files(py: Python<'_>, path: std::path::PathBuf, storage: Option<&PyObjectStorage>) -> PyResult<Vec<String>> {
+    let backend = backend_for(storage, &path)?;
+    let mut files = py.detach(|| backend.list(&path)).map_err(|e| to_py(Error::Storage(e)))?;
+    files.sort();
+    Ok(files.into_iter().map(|p| p.to_string_lossy().into_owned()).collect())
+}
+
+/// Removes the file (object) at `path`; one that does not exist is not an error.
+///
+/// Private to the Python package (`turboio.dcp`: data files no checkpoint refers to any more).
+#[pyfunction]
+#[pyo3(signature = (path, storage=None))]
+fn _remove_file(py: Python<'_>, path: std::path::PathBuf, storage: Option<&PyObjectStorage>) -> PyResult<()> {
+    let backend = backend_for(storage, &path)?;
+    py.detach(|| backend.remove_file(&path)).map_err(|e| to_py(Error::Storage(e)))
 }
 
 /// Writes `nbytes` bytes at address `addr` into the local file `path` at `offset`, in place
@@ -1849,6 +1887,8 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(write_file, m)?)?;
     m.add_function(wrap_pyfunction!(_write_at, m)?)?;
     m.add_function(wrap_pyfunction!(_write_file_segments, m)?)?;
+    m.add_function(wrap_pyfunction!(_list_files, m)?)?;
+    m.add_function(wrap_pyfunction!(_remove_file, m)?)?;
     m.add_function(wrap_pyfunction!(_abandoned_temp_target, m)?)?;
     m.add_function(wrap_pyfunction!(parse_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(_read_into, m)?)?;

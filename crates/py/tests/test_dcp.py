@@ -135,14 +135,17 @@ def test_async_save_and_a_second_save_replacing_the_first(tmp):
 
 
 def test_options_checked(tmp):
-    with pytest.raises(ValueError, match="only local directories"):
-        tdcp.FileSystemWriter("s3://bucket/ckpt")
+    with pytest.raises(ValueError, match="sfcs://m/ckpt: turboio.dcp takes local directories and object-store URLs"):
+        tdcp.FileSystemWriter("sfcs://m/ckpt")
     with pytest.raises(ValueError, match="TORCH_SAVE"):
         tdcp.FileSystemWriter(tmp, serialization_format=dcp.filesystem.SerializationFormat.SAFETENSORS)
     with pytest.raises(ValueError, match="thread_count"):
         tdcp.FileSystemWriter(tmp, thread_count=0)
-    with pytest.raises(ValueError, match="only local directories"):
-        tdcp.FileSystemReader("gs://bucket/ckpt")
+    with pytest.raises(ValueError, match="hdfs://n/ckpt: turboio.dcp takes local directories"):
+        tdcp.FileSystemReader("hdfs://n/ckpt")
+    # Object-store URLs are taken (tested against an S3 server in test_object.py).
+    assert tdcp.FileSystemReader("gs://bucket/ckpt/").checkpoint_id == "gs://bucket/ckpt"
+    assert tdcp.FileSystemWriter.validate_checkpoint_id("s3://bucket/ckpt")
 
 
 def test_a_missing_or_damaged_data_file_is_named(tmp):

@@ -364,3 +364,107 @@ def test_loads_killed_at_random_points_leave_a_usable_cache(s3, tmp):
             if name.endswith(".data") or name.endswith(".json"):
                 os.remove(cache / name)
     print(f"{cut} of 5 kills landed before the entry was published, {parts} during the fetch")
+
+
+def test_dcp_checkpoints_on_object_storage(s3, monkeypatch):
+    """turboio.dcp on an s3:// prefix: save, load (into the same and other layouts), a second save
+    replacing the first (its objects deleted after the commit), encryption, and errors."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import turboio.dcp as tdcp
+
+    warnings.simplefilter("ignore")
+    opts = s3.options
+    g = torch.Generator().manual_seed(9)
+
+    def model(step):
+        return {"w": torch.randn(512, 1024, generator=g) + step, "b": torch.arange(100) * step,
+                "h": torch.randn(33, 7, generator=g).bfloat16(), "step": step, "cfg": {"lr": 0.1 * step}}
+
+    def objects():
+        return sorted(o["Key"] for o in s3.client.list_objects_v2(Bucket="models", Prefix="dcp/")["Contents"])
+
+    url = "s3://models/dcp"
+    for step in (1, 2):
+        sd = model(step)
+        dcp.save(sd, storage_writer=tdcp.FileSystemWriter(url, thread_count=3, storage_options=opts), no_dist=True)
+        names = objects()
+        assert "dcp/.metadata" in names and all(n == "dcp/.metadata" or n.endswith(".distcp") for n in names), names
+        assert len(names) == 4, f"three data objects of this save and the metadata: {names}"
+        target = {k: torch.zeros_like(v) for k, v in sd.items() if isinstance(v, torch.Tensor)} | {"step": -1, "cfg": {"lr": 0.0}}
+        reader = tdcp.FileSystemReader(url, storage_options=opts)
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        for k in ("w", "b", "h"):
+            assert same(target[k], sd[k]), (step, k)
+        assert target["step"] == step and target["cfg"] == {"lr": 0.1 * step}
+        assert reader.items_read_directly == 3
+    # Narrowed and strided destinations go through the copying path.
+    target = {"w": torch.zeros(1024, 512).t(), "b": torch.zeros(100, dtype=torch.int64)}
+    dcp.load(target, storage_reader=tdcp.FileSystemReader(url, storage_options=opts), no_dist=True)
+    assert same(target["w"], sd["w"]) and same(target["b"], sd["b"])
+    # Encrypted, keys from the environment.
+    import base64
+
+    monkeypatch.setenv("VETURBOIO_KEY", base64.b64encode(b"k" * 16).decode())
+    monkeypatch.setenv("VETURBOIO_IV", base64.b64encode(b"i" * 16).decode())
+    enc = "s3://models/dcp-enc"
+    dcp.save(sd, storage_writer=tdcp.FileSystemWriter(enc, use_cipher=True, storage_options=opts), no_dist=True)
+    raw = s3.get("models", "dcp-enc/.metadata")
+    assert b"torch.distributed" not in raw, "the metadata object is encrypted"
+    target = {k: torch.zeros_like(v) for k, v in sd.items() if isinstance(v, torch.Tensor)} | {"step": -1, "cfg": {"lr": 0.0}}
+    dcp.load(target, storage_reader=tdcp.FileSystemReader(enc, use_cipher=True, storage_options=opts), no_dist=True)
+    assert same(target["w"], sd["w"]) and target["cfg"] == sd["cfg"]
+    # Errors name the URL.
+    with pytest.raises(BaseException, match=r"s3://models/nothing-here/\.metadata: no checkpoint metadata"):
+        dcp.load({"w": torch.zeros(1)}, storage_reader=tdcp.FileSystemReader("s3://models/nothing-here", storage_options=opts),
+                 no_dist=True)
+    with pytest.raises(ValueError, match="ftp://x/y: turboio.dcp takes local directories and object-store URLs"):
+        tdcp.FileSystemWriter("ftp://x/y")
+    with pytest.raises(ValueError, match="storage option concurrency: must be a whole number"):
+        tdcp.FileSystemWriter(url, storage_options={**opts, "concurrency": "many"})
+
+
+def _dcp_rank(rank, world, d, url, opts, step, save):
+    """One gloo rank: saves `step`'s sharded state dict (test_dcp's) to `url`, or loads it
+    resharded over this world and records the entries that differ."""
+    import json
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import turboio.dcp as tdcp
+    from test_dcp import state_dict
+
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{d}/init-{world}-{save}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    if save:
+        dcp.save(state_dict(mesh, step), storage_writer=tdcp.FileSystemWriter(url, thread_count=2, storage_options=opts))
+    else:
+        want, got = state_dict(mesh, step), state_dict(mesh, step, empty=True)
+        dcp.load(got, storage_reader=tdcp.FileSystemReader(url, storage_options=opts))
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        bad = [k for k, v in want.items()
+               if (not torch.equal(local(got[k]), local(v)) if isinstance(v, torch.Tensor) else got[k] != v)]
+        with open(f"{d}/bad-{rank}.json", "w") as f:
+            json.dump(bad, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_dcp_from_two_ranks_to_object_storage_loaded_by_three(s3, tmp):
+    import json
+
+    import torch.multiprocessing as mp
+
+    url = "s3://models/dcp-ranks"
+    mp.spawn(_dcp_rank, args=(2, str(tmp), url, s3.options, 3, True), nprocs=2, join=True)
+    keys = [o["Key"] for o in s3.client.list_objects_v2(Bucket="models", Prefix="dcp-ranks/")["Contents"]]
+    assert "dcp-ranks/.metadata" in keys and any(k.startswith("dcp-ranks/__1_") for k in keys), keys
+    mp.spawn(_dcp_rank, args=(3, str(tmp), url, s3.options, 3, False), nprocs=3, join=True)
+    for r in range(3):
+        assert json.loads((tmp / f"bad-{r}.json").read_text()) == [], r

@@ -187,9 +187,26 @@ pub(crate) struct Run {
     pub mem_offset: usize,
 }
 
+/// The environment variable that overrides [`LOCAL_GAP`] and [`REMOTE_GAP`] (bytes, or a size
+/// such as `1MiB`; `0` reads every range on its own): for measuring where coalescing pays on a
+/// given disk or store (`cargo xtask bench --tensors` sweeps it). An unreadable value is ignored.
+pub const COALESCE_GAP_ENV: &str = "TURBOIO_COALESCE_GAP";
+
 /// The gap under which two selected ranges are read as one: [`LOCAL_GAP`] for a local file,
-/// [`REMOTE_GAP`] for a remote one.
+/// [`REMOTE_GAP`] for a remote one, unless [`COALESCE_GAP_ENV`] says otherwise.
 pub(crate) fn gap(local: bool) -> u64 {
+    gap_with(local, std::env::var(COALESCE_GAP_ENV).ok().as_deref())
+}
+
+fn gap_with(local: bool, env: Option<&str>) -> u64 {
+    if let Some(v) = env.map(str::trim) {
+        if v == "0" {
+            return 0;
+        }
+        if let Ok(g) = crate::model::parse_shard_size(v) {
+            return g;
+        }
+    }
     if local {
         LOCAL_GAP
     } else {
@@ -281,6 +298,15 @@ mod tests {
             .collect();
         let layout = turboio_format::plan(&specs, None).unwrap();
         Header::parse(&layout.header, layout.file_len()).unwrap()
+    }
+
+    #[test]
+    fn the_coalescing_gap_can_be_set_from_the_environment() {
+        assert_eq!((gap_with(true, None), gap_with(false, None)), (LOCAL_GAP, REMOTE_GAP));
+        assert_eq!(gap_with(true, Some("0")), 0);
+        assert_eq!(gap_with(false, Some(" 1MiB ")), 1 << 20);
+        assert_eq!(gap_with(true, Some("65536")), 65536);
+        assert_eq!(gap_with(true, Some("lots")), LOCAL_GAP, "unreadable: the default");
     }
 
     #[test]

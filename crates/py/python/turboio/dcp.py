@@ -43,7 +43,13 @@ unchanged. What turboio changes is how the bytes move and how a save is committe
   Non-tensor items (``step``, a config dict) are unpickled by DCP's planner itself
   (``torch.load(weights_only=False)`` in its ``load_bytes``): load DCP checkpoints you trust.
 
-Local directories only for now (an ``s3://`` or other URL is refused with a clear error);
+- **Object storage**: the path may be an ``s3://``, ``gs://``, ``az://``, ``abfs[s]://`` or
+  ``http(s)://`` prefix, with credentials and endpoints from the environment or
+  ``storage_options=`` (as every turboio API takes them). Each data file is one object,
+  uploaded in parallel parts; ``.metadata`` is uploaded last, after every rank's objects are
+  complete, and an object store replaces an object in one step, so the commit is as atomic as
+  on a local disk. The objects no ``.metadata`` refers to any more are deleted after it.
+
 ``sync_files=False`` is accepted but data files are synced anyway (a save that is
 not durable cannot be committed safely). ``_extensions`` and the safetensors serialization are
 refused (DCP's own reader cannot load the latter; use DCP's Hugging Face storage classes).
@@ -68,7 +74,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import _cipher_for_load, _cipher_for_save, _turboio
+from . import _cipher_for_load, _cipher_for_save, _remote, _turboio
 
 __all__ = ["FileSystemWriter", "FileSystemReader"]
 
@@ -80,18 +86,73 @@ _METADATA = ".metadata"
 _FILE_BYTES = 512 << 20
 
 
-def _local(path, what: str) -> str:
+def _checked(path, what: str):
+    """A checkpoint's location: an object-store URL (kept as a string) or a local directory."""
     p = os.fspath(path)
-    if "://" in p:
-        raise ValueError(f"{what}: {p}: only local directories are supported by turboio.dcp for now")
+    if "://" in p and not _remote.is_object_url(p):
+        raise ValueError(
+            f"{what}: {p}: turboio.dcp takes local directories and object-store URLs "
+            f"({', '.join(s[:-3] for s in _remote.OBJECT_SCHEMES)})"
+        )
     return p
 
 
-def _write_file(path: str, segments, cipher=(False, False)):
+class _Files(_fs.FileSystem):
+    """DCP's file-system operations (the ones its base classes call: paths, ``mkdir``,
+    ``exists``, ``rm_file``, ``ls``) for a local directory or an object-store prefix; data and
+    metadata are read and written by turboio itself."""
+
+    def __init__(self, storage_options=None):
+        self.storage_options = storage_options
+
+    def storage(self, path):
+        return _remote.storage(str(path), self.storage_options) if _remote.is_object_url(str(path)) else None
+
+    def init_path(self, path):
+        p = os.fspath(path)
+        return p.rstrip("/") if _remote.is_object_url(p) else super().init_path(p)
+
+    def concat_path(self, path, suffix):
+        return f"{path}/{suffix}" if isinstance(path, str) and _remote.is_object_url(path) else super().concat_path(path, suffix)
+
+    def mkdir(self, path):
+        if not _remote.is_object_url(str(path)):  # an object store has no directories
+            super().mkdir(path)
+
+    def ls(self, path):
+        if _remote.is_object_url(str(path)):
+            return _turboio._list_files(str(path), storage=self.storage(path))
+        return super().ls(path)
+
+    def exists(self, path):
+        p = str(path)
+        if _remote.is_object_url(p):
+            parent, name = p.rsplit("/", 1)
+            return name in {q.rsplit("/", 1)[-1] for q in self.ls(parent)}
+        return super().exists(path)
+
+    def rm_file(self, path):
+        if _remote.is_object_url(str(path)):
+            _turboio._remove_file(str(path), storage=self.storage(path))
+        else:
+            super().rm_file(path)
+
+    def create_stream(self, path, mode):
+        if _remote.is_object_url(str(path)):
+            raise NotImplementedError(f"{path}: turboio.dcp reads and writes objects itself")
+        return super().create_stream(path, mode)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return _remote.is_object_url(str(checkpoint_id)) or super().validate_checkpoint_id(checkpoint_id)
+
+
+def _write_file(path: str, segments, cipher=(False, False), storage=None):
     """The concatenation of memory ``segments`` ``[(address, length)]`` to ``path``: written in
     parallel (encrypted when ``cipher[0]``, with veTurboIO's key header when ``cipher[1]``),
-    synced, renamed into place, its directory synced."""
-    _turboio._write_file_segments(path, segments, cipher=cipher[0], cipher_header=cipher[1])
+    synced, renamed into place, its directory synced (an object: uploaded in parts and
+    completed in one step)."""
+    _turboio._write_file_segments(str(path), segments, cipher=cipher[0], cipher_header=cipher[1], storage=storage)
 
 
 class FileSystemWriter(_fs.FileSystemWriter):
@@ -110,6 +171,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
         serialization_format=_fs.SerializationFormat.TORCH_SAVE,
         *,
         use_cipher: bool = False,
+        storage_options: dict | None = None,
     ) -> None:
         if _extensions:
             raise ValueError("turboio.dcp.FileSystemWriter: _extensions are not supported")
@@ -120,8 +182,9 @@ class FileSystemWriter(_fs.FileSystemWriter):
             )
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"turboio.dcp.FileSystemWriter: thread_count must be a positive integer, not {thread_count!r}")
+        path = _checked(path, "turboio.dcp.FileSystemWriter")
         super().__init__(
-            _local(path, "turboio.dcp.FileSystemWriter"),
+            path,
             single_file_per_rank=single_file_per_rank,
             sync_files=sync_files,
             thread_count=thread_count,
@@ -129,12 +192,20 @@ class FileSystemWriter(_fs.FileSystemWriter):
             cache_staged_state_dict=cache_staged_state_dict,
             overwrite=overwrite,
         )
+        self.fs = _Files(storage_options)
+        self.path = self.fs.init_path(path)
+        # Checked now, where the user sees a bad option first.
+        self.fs.storage(self.path)
         self.cipher, self.cipher_header = _cipher_for_save(use_cipher)
 
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id:
-            _local(checkpoint_id, "turboio.dcp.FileSystemWriter")
+            checkpoint_id = _checked(checkpoint_id, "turboio.dcp.FileSystemWriter")
         super().reset(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return _Files.validate_checkpoint_id(checkpoint_id)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         prefix = plan.storage_data.prefix
@@ -152,9 +223,11 @@ class FileSystemWriter(_fs.FileSystemWriter):
         results: list[WriteResult] = []
         pending = []
 
+        storage = self.fs.storage(self.path)
+
         def write(path, gathered):
             try:
-                _write_file(path, gathered.segments(), (self.cipher, self.cipher_header))
+                _write_file(path, gathered.segments(), (self.cipher, self.cipher_header), storage)
             finally:
                 in_flight.release()
 
@@ -166,7 +239,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
                 buf, file_results = _serialize(bucket, planner, name)
                 results.extend(file_results)
                 in_flight.acquire()
-                pending.append(pool.submit(write, os.path.join(self.path, name), buf))
+                pending.append(pool.submit(write, self.fs.concat_path(self.path, name), buf))
                 del buf
             for f in pending:
                 f.result()
@@ -186,8 +259,9 @@ class FileSystemWriter(_fs.FileSystemWriter):
         # The commit: written to a temporary name, synced, renamed over the old one (which stays
         # whole until then), and the directory synced.
         data = bytearray(pickle.dumps(metadata))
-        _write_file(os.path.join(self.path, name), [(_address(memoryview(data)), len(data))], (self.cipher, self.cipher_header))
-        _remove_unreferenced(self.path, {info.relative_path for info in storage_md.values()},
+        _write_file(self.fs.concat_path(self.path, name), [(_address(memoryview(data)), len(data))],
+                    (self.cipher, self.cipher_header), self.fs.storage(self.path))
+        _remove_unreferenced(self.fs, self.path, {info.relative_path for info in storage_md.values()},
                              f"__{self.rank}_" if per_rank else "__")
 
 
@@ -196,11 +270,22 @@ class FileSystemReader(_fs.FileSystemReader):
     bounds the bytes read ahead of deserialization (default 256 MiB, or one item if larger)."""
 
     def __init__(
-        self, path, _extension_registry=None, *, window: int = 256 << 20, threads: int = 0, use_cipher=None
+        self,
+        path,
+        _extension_registry=None,
+        *,
+        window: int = 256 << 20,
+        threads: int = 0,
+        use_cipher=None,
+        storage_options: dict | None = None,
     ) -> None:
         if _extension_registry is not None:
             raise ValueError("turboio.dcp.FileSystemReader: _extension_registry is not supported")
-        super().__init__(_local(path, "turboio.dcp.FileSystemReader"))
+        path = _checked(path, "turboio.dcp.FileSystemReader")
+        super().__init__(path)
+        self.fs = _Files(storage_options)
+        self.path = self.fs.init_path(path)
+        self.fs.storage(self.path)
         self.window = window
         self.threads = threads
         self.cipher = _cipher_for_load(use_cipher)
@@ -212,7 +297,7 @@ class FileSystemReader(_fs.FileSystemReader):
         (nothing else is called: a file crafted to run code is refused)."""
         path = self._get_metadata_path(kwargs.get("rank"))
         try:
-            data = _turboio.read_all(os.fspath(path), cipher=self.cipher, any_content=True)
+            data = _turboio.read_all(str(path), cipher=self.cipher, any_content=True, storage=self.fs.storage(path))
         except FileNotFoundError:
             raise FileNotFoundError(f"{path}: no checkpoint metadata (not a DCP checkpoint, or its save never committed)") from None
         try:
@@ -230,16 +315,21 @@ class FileSystemReader(_fs.FileSystemReader):
 
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id:
-            _local(checkpoint_id, "turboio.dcp.FileSystemReader")
+            checkpoint_id = _checked(checkpoint_id, "turboio.dcp.FileSystemReader")
         super().reset(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return _Files.validate_checkpoint_id(checkpoint_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         per_file: dict[str, list] = {}
         for req in plan.items:
             info = self.storage_data[req.storage_index]
             per_file.setdefault(info.relative_path, []).append(req)
+        storage = self.fs.storage(self.path)
         for relative_path, reqs in per_file.items():
-            path = os.path.join(self.path, relative_path)
+            path = str(self.fs.concat_path(self.path, relative_path))
             # Each stored item once (several requests may narrow the same one), in file order.
             items: dict[tuple[int, int], list] = {}
             for req in reqs:
@@ -247,7 +337,7 @@ class FileSystemReader(_fs.FileSystemReader):
                 if info.transform_descriptors:
                     raise ValueError(f"{path}: items with stream transforms ({info.transform_descriptors}) are not supported")
                 items.setdefault((info.offset, info.length), []).append(req)
-            direct = _read_direct(path, items, planner, self.threads, self.cipher)
+            direct = _read_direct(path, items, planner, self.threads, self.cipher, storage)
             self.items_read_directly += len(direct)
             order = sorted(k for k in items if k not in direct)
             start = 0
@@ -264,7 +354,7 @@ class FileSystemReader(_fs.FileSystemReader):
                     spans.append(at)
                     at += length
                 if total:
-                    _read(path, requests, self.threads, self.cipher)
+                    _read(path, requests, self.threads, self.cipher, storage)
                 raw = memoryview(buf.numpy())
                 for (off, length), at in zip(window, spans):
                     data = raw[at : at + length]
@@ -281,7 +371,7 @@ class FileSystemReader(_fs.FileSystemReader):
 _HEAD = 4096
 
 
-def _read_direct(path: str, items, planner: LoadPlanner, threads: int, cipher: bool) -> set:
+def _read_direct(path: str, items, planner: LoadPlanner, threads: int, cipher: bool, storage=None) -> set:
     """Reads the items that are whole tensors wanted whole, each into its destination tensor
     straight from the file (no copy in between), all in one parallel pass; returns the keys of
     the items so delivered. The others (narrowed by resharding, non-contiguous destinations,
@@ -296,7 +386,7 @@ def _read_direct(path: str, items, planner: LoadPlanner, threads: int, cipher: b
         return set()
     heads = torch.empty(len(candidates) * _HEAD, dtype=torch.uint8)
     _read(path, [(off, heads.data_ptr() + i * _HEAD, min(_HEAD, length)) for i, (off, length) in enumerate(candidates)],
-          threads, cipher)
+          threads, cipher, storage)
     head_bytes = heads.numpy()
     planned = []  # (key, req, target, data offset in the file, nbytes)
     for i, (off, length) in enumerate(candidates):
@@ -321,7 +411,7 @@ def _read_direct(path: str, items, planner: LoadPlanner, threads: int, cipher: b
     for j, (_, _, target, at, nbytes) in enumerate(planned):
         requests.append((at, target.data_ptr(), nbytes))
         requests.append((at + nbytes, tails.data_ptr() + 16 * j, 16))
-    _read(path, requests, threads, cipher)
+    _read(path, requests, threads, cipher, storage)
     done = set()
     tail_bytes = tails.numpy().tobytes()
     for j, (key, req, target, _, nbytes) in enumerate(planned):
@@ -411,11 +501,11 @@ def _storage_dtypes():
 _STORAGE_DTYPES = _storage_dtypes()
 
 
-def _read(path: str, requests, threads: int, cipher: bool = False):
+def _read(path: str, requests, threads: int, cipher: bool = False, storage=None):
     try:
         # Decrypted content is checked here (the metadata unpickler, the zip records of each
         # item), not by turboio's safetensors-or-torch check.
-        _turboio._read_into(path, requests, threads=threads, cipher=cipher, any_content=True)
+        _turboio._read_into(path, requests, threads=threads, cipher=cipher, any_content=True, storage=storage)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: a data file of the checkpoint is missing") from None
 
@@ -559,26 +649,28 @@ class _MetadataUnpickler(pickle.Unpickler):
 _cleanup_lock = threading.Lock()
 
 
-def _remove_unreferenced(directory: str, referenced: set[str], prefix: str):
+def _remove_unreferenced(files: _Files, directory, referenced: set[str], prefix: str):
     """Deletes turboio's data files of earlier saves that the new metadata does not name, and the
-    temporary files of data files whose saves were killed."""
+    temporary files of data files whose saves were killed (local directories; an object store's
+    unfinished uploads are never visible as objects)."""
+    remote = _remote.is_object_url(str(directory))
     with _cleanup_lock:
         try:
-            names = os.listdir(directory)
+            names = [p.rsplit("/", 1)[-1] for p in files.ls(directory)] if remote else os.listdir(directory)
         except OSError:
             return
         for n in names:
-            p = os.path.join(directory, n)
+            p = files.concat_path(directory, n)
             if n.startswith(prefix) and _OURS.match(n) and n not in referenced:
                 pass
-            elif n.startswith(".") and "turboio" in n:
+            elif not remote and n.startswith(".") and "turboio" in n:
                 # A temporary file of a data file whose save was killed (its writer is gone).
-                target = _turboio._abandoned_temp_target(p)
+                target = _turboio._abandoned_temp_target(str(p))
                 if target is None or not (target.startswith(prefix) and _OURS.match(target)):
                     continue
             else:
                 continue
             try:
-                os.unlink(p)
+                files.rm_file(p)
             except FileNotFoundError:
                 pass
