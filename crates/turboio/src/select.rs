@@ -16,11 +16,14 @@ use std::path::Path;
 use std::sync::Arc;
 use turboio_format::Header;
 
-/// Two selected byte ranges of a local file closer than this are read as one (the bytes between
-/// are read and ignored). A local read costs a system call and, cold, a disk request: 128 KiB
-/// is about what the kernel reads around a page fault anyway, and 60 us of an NVMe disk's
-/// bandwidth, so reading through it costs about what a second request would.
-pub const LOCAL_GAP: u64 = 128 << 10;
+/// Two selected byte ranges of a local file at most this far apart are read as one (the bytes
+/// between are read and ignored). Measured by `cargo xtask bench --tensors` (256 kept 64 KiB
+/// tensors, cold, 2026-11-27, this project's virtio disk): reading each range on its own took
+/// 16-18 ms whatever the gap, reading through 16 KiB gaps the same 16 ms, through 64 KiB gaps
+/// 30 ms and through 256 KiB gaps 72 ms; a disk with a deep queue serves a second request for
+/// less than the bytes of a 64 KiB gap cost (128 KiB, the earlier value, was 1.8x slower than
+/// separate reads at 64 KiB gaps).
+pub const LOCAL_GAP: u64 = 16 << 10;
 
 /// The same for a remote file (an object store): a request is a round trip of tens of
 /// milliseconds, in which a stream delivers several MiB, so ranges up to 4 MiB apart are one
