@@ -284,6 +284,93 @@ def test_killed_saves_leave_the_previous_checkpoint_or_the_new_one(tmp):
     assert len(left) == 3, left
 
 
+RANK_SAVER = textwrap.dedent(
+    """
+    import os, sys, warnings
+    sys.path.insert(0, sys.argv[2])
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import torch.multiprocessing as mp
+    import turboio.dcp as tdcp
+    from test_dcp import state_dict
+
+    def rank_main(rank, world, path, init, first):
+        from torch.distributed.device_mesh import init_device_mesh
+        warnings.simplefilter("ignore")
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+        for step in range(first, first + 1000000):
+            dcp.save(state_dict(mesh, step), storage_writer=tdcp.FileSystemWriter(path, thread_count=2))
+            if rank == 0:
+                print("committed", step, flush=True)
+
+    if __name__ == "__main__":
+        mp.spawn(rank_main, args=(2, sys.argv[1], sys.argv[3], int(sys.argv[4])), nprocs=2)
+    """
+)
+
+
+def load_full_step(path, kind):
+    """Loads a checkpoint saved from ranks into whole tensors (one process) and checks that every
+    tensor is the saved step's; returns the step."""
+    target = {k: torch.zeros_like(v) for k, v in full_model(0).items()}
+    target["step"], target["extra"] = -1, {"lr": 0.0, "names": []}
+    dcp.load(target, storage_reader=reader_for(kind, path), no_dist=True)
+    step = target["step"]
+    want = full_model(step)
+    for k, v in want.items():
+        assert torch.equal(target[k], v), f"{kind}: tensor {k} is not step {step}'s"
+    assert target["extra"]["lr"] == 0.01 * step, (kind, target["extra"], step)
+    return step
+
+
+def test_ranks_killed_mid_save_leave_the_previous_checkpoint_or_the_new_one(tmp):
+    """Two gloo ranks saving DTensor checkpoints in a loop, both killed (SIGKILL to the process
+    group) at random moments; after each kill both readers load exactly the last committed step
+    or the one being saved. TURBOIO_DCP_RANK_KILLS sets the number of kills (default 3)."""
+    warnings.simplefilter("ignore")
+    path = tmp / "ckpt"
+    script = tmp / "rank_saver.py"
+    script.write_text(RANK_SAVER)
+    here = os.path.dirname(os.path.abspath(__file__))
+    rng = random.Random(26)
+    committed = 0
+    seen = {"previous": 0, "new": 0, "before any commit": 0}
+    for i in range(int(os.environ.get("TURBOIO_DCP_RANK_KILLS", "3"))):
+        p = subprocess.Popen([sys.executable, script, path, here, tmp / f"init-{i}", str(committed + 1)],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+        last = committed
+        # The first launch commits at least one save; later ones 0 to 2 before the kill.
+        for _ in range(rng.randrange(1 if committed == 0 else 0, 3)):
+            line = p.stdout.readline()
+            if not line:
+                break
+            last = int(line.split()[1])
+        if rng.random() < 0.7:
+            x = 0
+            for j in range(rng.randrange(0, 4_000_000)):  # a random moment: CPU work, not the clock
+                x ^= j
+        os.killpg(p.pid, signal.SIGKILL)
+        rest = p.stdout.read()
+        p.wait()
+        for line in rest.splitlines():
+            last = int(line.split()[1])
+        if last == 0:
+            seen["before any commit"] += 1
+            continue  # killed before anything was committed: nothing to load yet
+        for kind in ("turboio", "dcp"):
+            try:
+                step = load_full_step(path, kind)
+            except BaseException as e:
+                raise AssertionError(f"kill {i}: {kind} could not load the checkpoint (last committed {last}); "
+                                     f"files: {sorted(os.listdir(path))}") from e
+            assert step in (last, last + 1), (i, kind, step, last, sorted(os.listdir(path)))
+        seen["new" if step == last + 1 else "previous"] += 1
+        committed = step
+    print(f"ranks killed: the load got {seen}")
+    assert committed > 0, "no save was ever committed"
+
+
 def test_the_readme_example_runs(tmp):
     example = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "dcp_two_ranks.py")
     r = subprocess.run([sys.executable, example, str(tmp / "ckpt")], capture_output=True, text=True, timeout=300)
