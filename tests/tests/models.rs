@@ -33,6 +33,33 @@ fn assert_model(dir: &Path, m: &[(String, Vec<usize>, Vec<u8>)], opts: &LoadOpti
 }
 
 #[test]
+fn shards_chosen_by_the_caller() {
+    let dir = disk_dir();
+    let m = model();
+    // Tensors 0-2 and 7 in the first shard, the rest in the second; an empty group is dropped.
+    let groups = vec![vec![0, 1, 2, 7], vec![], vec![3, 4, 5, 6, 8]];
+    let opts = SaveOptions::default();
+    let report = turboio::save_model_dir_grouped(dir.path(), &views(&m), &groups, None, &opts).unwrap();
+    assert_eq!(report.shards.len(), 2);
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join(INDEX_NAME)).unwrap()).unwrap();
+    assert_eq!(index["weight_map"]["model.layers.7.w"], "model-00001-of-00002.safetensors");
+    assert_eq!(index["weight_map"]["model.layers.8.w"], "model-00002-of-00002.safetensors");
+    assert_model(dir.path(), &m, &LoadOptions::default());
+    // Every tensor in exactly one group, or an error naming it and nothing written.
+    let other = disk_dir();
+    for (groups, want) in [
+        (vec![vec![0, 1, 2, 3, 4, 5, 6, 7]], "`model.layers.8.w` is in no shard"),
+        (vec![vec![0, 1, 2, 3, 4, 5, 6, 7, 8], vec![8]], "`model.layers.8.w` is in two shards"),
+        (vec![vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9]], "names tensor 9 of 9"),
+    ] {
+        let e = turboio::save_model_dir_grouped(other.path(), &views(&m), &groups, None, &opts).unwrap_err();
+        assert!(e.to_string().contains(want), "{e}");
+    }
+    assert_eq!(std::fs::read_dir(other.path()).unwrap().count(), 0);
+}
+
+#[test]
 fn saved_models_load_back_in_every_mode_and_the_index_is_hf_shaped() {
     let dir = disk_dir();
     let m = model();

@@ -929,12 +929,13 @@ fn load_model(
 }
 
 /// Saves tensors given by address as a sharded model directory with its index, atomically as a
-/// set (GIL released). Returns `(index path, [shard paths])`.
+/// set (GIL released): shards of at most `max_shard_size`, or, with `groups`, the shards the
+/// caller chose (positions in `tensors`). Returns `(index path, [shard paths])`.
 ///
 /// Private to the Python package, which passes only `data_ptr()`s of contiguous CPU tensors it
 /// keeps referenced for the call.
 #[pyfunction]
-#[pyo3(signature = (dir, tensors, max_shard_size, metadata=None, threads=0, cipher=false, storage=None))]
+#[pyo3(signature = (dir, tensors, max_shard_size, metadata=None, threads=0, cipher=false, storage=None, groups=None))]
 #[allow(clippy::too_many_arguments)]
 fn _save_model_dir(
     py: Python<'_>,
@@ -945,6 +946,7 @@ fn _save_model_dir(
     threads: usize,
     cipher: bool,
     storage: Option<&PyObjectStorage>,
+    groups: Option<Vec<Vec<usize>>>,
 ) -> PyResult<(String, Vec<String>)> {
     let dtypes = tensors.iter().map(|t| dtype_of(&t.1)).collect::<PyResult<Vec<_>>>()?;
     let cancel = Arc::new(AtomicBool::new(false));
@@ -959,7 +961,10 @@ fn _save_model_dir(
         // SAFETY: see this function's doc: each address holds `t.4` readable bytes, kept alive
         // and unchanged by the caller for the call.
         let views = unsafe { host_views(&tensors, &dtypes) };
-        turboio::save_model_dir(&dir, &views, metadata.as_ref(), max_shard_size, &opts)
+        match &groups {
+            Some(g) => turboio::save_model_dir_grouped(&dir, &views, g, metadata.as_ref(), &opts),
+            None => turboio::save_model_dir(&dir, &views, metadata.as_ref(), max_shard_size, &opts),
+        }
     })?;
     let shards = report.shards.iter().map(|p| p.display().to_string()).collect();
     Ok((report.index.display().to_string(), shards))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
+import turboio
 import turboio.dcp as tdcp
 
 
@@ -471,3 +472,44 @@ def test_cuda_state_dicts(tmp):
             if isinstance(v, torch.Tensor):
                 assert target[k].is_cuda and torch.equal(target[k], v), (path, reader, k)
         assert target["step"] == 5
+
+
+def test_hugging_face_layout(tmp):
+    """A full state dict saved through HuggingFaceStorageWriter is a model directory: turboio
+    and torch's HuggingFaceStorageReader load it; a mapping fixes the files; a second save
+    replaces the set; what it cannot write is refused clearly."""
+    from safetensors.torch import load_file
+
+    warnings.simplefilter("ignore")
+    sd = {k: v for k, v in full_model(3).items()}
+    sd["lm_head.weight"] = torch.randn(50, 8)
+    d = tmp / "hf"
+    dcp.save(sd, storage_writer=tdcp.HuggingFaceStorageWriter(d, max_shard_size="500B"), no_dist=True)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all(f.startswith("model-") and f.endswith(".safetensors") for f in files), files
+    assert sorted(p.name for p in d.iterdir()) == sorted(files + ["model.safetensors.index.json"])
+    got = turboio.load_model(str(d))
+    assert set(got) == set(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+    # torch's own reader loads it back through DCP.
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(target, storage_reader=dcp.HuggingFaceStorageReader(str(d)), no_dist=True)
+    assert all(torch.equal(target[k], sd[k]) for k in sd)
+    # An existing model's layout: each tensor in the file the mapping says; the old set is gone.
+    mapping = {k: (2 if k.startswith("layer") else 1) for k in sd}
+    dcp.save(sd, storage_writer=tdcp.HuggingFaceStorageWriter(d, fqn_to_index_mapping=mapping), no_dist=True)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["layer.w"] == "model-00002-of-00002.safetensors"
+    assert index["weight_map"]["embed"] == "model-00001-of-00002.safetensors"
+    assert sorted(p.name for p in d.iterdir()) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    shard = load_file(str(d / "model-00002-of-00002.safetensors"))
+    assert sorted(shard) == ["layer.b", "layer.w"] and torch.equal(shard["layer.w"], sd["layer.w"])
+    # Refused: non-tensor items, sharded saves, a mapping that leaves a tensor out.
+    with pytest.raises(BaseException, match="`step` is not a tensor"):
+        dcp.save({**sd, "step": 3}, storage_writer=tdcp.HuggingFaceStorageWriter(tmp / "x"), no_dist=True)
+    with pytest.raises(ValueError, match="use torch's HuggingFaceStorageWriter"):
+        tdcp.HuggingFaceStorageWriter(tmp / "x", save_distributed=True, enable_consolidation=True)
+    with pytest.raises(BaseException, match=r"fqn_to_index_mapping has no file for \['lm_head.weight'\]"):
+        dcp.save(sd, storage_writer=tdcp.HuggingFaceStorageWriter(tmp / "y", fqn_to_index_mapping={
+            k: 1 for k in sd if k != "lm_head.weight"}), no_dist=True)

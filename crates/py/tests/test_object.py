@@ -416,6 +416,12 @@ def test_dcp_checkpoints_on_object_storage(s3, monkeypatch):
     target = {k: torch.zeros_like(v) for k, v in sd.items() if isinstance(v, torch.Tensor)} | {"step": -1, "cfg": {"lr": 0.0}}
     dcp.load(target, storage_reader=tdcp.FileSystemReader(enc, use_cipher=True, storage_options=opts), no_dist=True)
     assert same(target["w"], sd["w"]) and target["cfg"] == sd["cfg"]
+    # The Hugging Face layout under a prefix: a model directory turboio serves from the bucket.
+    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    dcp.save(tensors, storage_writer=tdcp.HuggingFaceStorageWriter("s3://models/hf", max_shard_size="1MB",
+                                                                   storage_options=opts), no_dist=True)
+    got = turboio.load_model("s3://models/hf", storage_options=opts)
+    assert set(got) == set(tensors) and all(same(got[k], tensors[k]) for k in tensors)
     # Errors name the URL.
     with pytest.raises(BaseException, match=r"s3://models/nothing-here/\.metadata: no checkpoint metadata"):
         dcp.load({"w": torch.zeros(1)}, storage_reader=tdcp.FileSystemReader("s3://models/nothing-here", storage_options=opts),

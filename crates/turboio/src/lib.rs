@@ -121,7 +121,9 @@ pub use background::{default_snapshot_pool, save_async, wait_for_saves, SaveHand
 pub use error::{Error, Result};
 pub use load::{load, read_all, read_header_of, read_into, read_prefix};
 pub use loaded::{CacheUse, Held, LoadReport, LoadedFile, TensorView};
-pub use model::{load_model, save_model_dir, LoadedModel, ModelFiles, ModelReport, ModelSaveReport};
+pub use model::{
+    load_model, save_model_dir, save_model_dir_grouped, LoadedModel, ModelFiles, ModelReport, ModelSaveReport,
+};
 pub use options::{parse_direct, CachePolicy, DirectIo, LoadMode, LoadOptions, SaveOptions};
 pub use pt::{load_pt, LoadedPt, PtView};
 pub use save::{

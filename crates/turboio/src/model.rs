@@ -689,6 +689,34 @@ pub fn save_model_dir(
     }
     let sizes: Vec<u64> = tensors.iter().map(|t| t.data.len() as u64).collect();
     let groups = plan_shards(&sizes, max_shard_size.max(1));
+    save_model_dir_grouped(dir, tensors, &groups, metadata, opts)
+}
+
+/// [`save_model_dir`] with the shards chosen by the caller: `groups[i]` lists the positions in
+/// `tensors` of shard `i`'s tensors (every tensor in exactly one group; empty groups are
+/// dropped and the shards numbered without them). For a layout fixed elsewhere, such as an
+/// existing model's `weight_map` (DCP's `fqn_to_index_mapping`).
+pub fn save_model_dir_grouped(
+    dir: impl AsRef<Path>,
+    tensors: &[SaveTensor<'_>],
+    groups: &[Vec<usize>],
+    metadata: Option<&BTreeMap<String, String>>,
+    opts: &SaveOptions,
+) -> Result<ModelSaveReport> {
+    let dir = dir.as_ref();
+    let index = dir.join(INDEX_NAME);
+    let mut placed = vec![false; tensors.len()];
+    for &j in groups.iter().flatten() {
+        match placed.get_mut(j) {
+            Some(p) if !*p => *p = true,
+            Some(_) => return Err(model_error(&index, format!("tensor `{}` is in two shards", tensors[j].name))),
+            None => return Err(model_error(&index, format!("shard group names tensor {j} of {}", tensors.len()))),
+        }
+    }
+    if let Some(j) = placed.iter().position(|p| !p) {
+        return Err(model_error(&index, format!("tensor `{}` is in no shard", tensors[j].name)));
+    }
+    let groups: Vec<&Vec<usize>> = groups.iter().filter(|g| !g.is_empty()).collect();
     save_shard_set(dir, groups.len(), metadata, opts, &mut |i, path| {
         let list: Vec<SaveTensor<'_>> = groups[i].iter().map(|&j| tensors[j]).collect();
         crate::save(path, &list, metadata, opts)?;

@@ -50,14 +50,19 @@ unchanged. What turboio changes is how the bytes move and how a save is committe
   complete, and an object store replaces an object in one step, so the commit is as atomic as
   on a local disk. The objects no ``.metadata`` refers to any more are deleted after it.
 
+- **Hugging Face layout**: ``HuggingFaceStorageWriter`` writes a full state dict saved from one
+  process as a servable model directory (safetensors shards and their index; see the class).
+
 ``sync_files=False`` is accepted but data files are synced anyway (a save that is
 not durable cannot be committed safely). ``_extensions`` and the safetensors serialization are
-refused (DCP's own reader cannot load the latter; use DCP's Hugging Face storage classes).
+refused (DCP's own reader cannot load the latter; use ``HuggingFaceStorageWriter`` for a model
+directory).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import re
@@ -76,7 +81,7 @@ from torch.futures import Future
 
 from . import _cipher_for_load, _cipher_for_save, _remote, _turboio
 
-__all__ = ["FileSystemWriter", "FileSystemReader"]
+__all__ = ["FileSystemWriter", "FileSystemReader", "HuggingFaceStorageWriter"]
 
 #: Data files turboio's writer names: ``__{rank}_{n}.{save}.distcp``.
 _OURS = re.compile(r"^__\d+_\d+\.[0-9a-f]+\.distcp$")
@@ -178,7 +183,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
         if serialization_format != _fs.SerializationFormat.TORCH_SAVE:
             raise ValueError(
                 "turboio.dcp.FileSystemWriter: only SerializationFormat.TORCH_SAVE (DCP's FileSystemReader cannot "
-                "load its safetensors format; use torch's HuggingFaceStorageWriter for a model directory)"
+                "load its safetensors format; use turboio.dcp.HuggingFaceStorageWriter for a model directory)"
             )
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"turboio.dcp.FileSystemWriter: thread_count must be a positive integer, not {thread_count!r}")
@@ -263,6 +268,105 @@ class FileSystemWriter(_fs.FileSystemWriter):
                     (self.cipher, self.cipher_header), self.fs.storage(self.path))
         _remove_unreferenced(self.fs, self.path, {info.relative_path for info in storage_md.values()},
                              f"__{self.rank}_" if per_rank else "__")
+
+
+class HuggingFaceStorageWriter(FileSystemWriter):
+    """Writes a DCP save as a Hugging Face model directory: safetensors shards
+    (``model-0000N-of-0000M.safetensors``) and ``model.safetensors.index.json``, the layout
+    ``transformers``, vLLM and ``turboio.load_model`` serve, and that torch's
+    ``HuggingFaceStorageReader`` loads back. Arguments as torch's ``HuggingFaceStorageWriter``:
+    ``fqn_to_index_mapping`` (``{name: file number}``, numbers from 1) fixes which shard holds
+    each tensor (an existing model's layout); without it shards are cut at ``max_shard_size``
+    (a turboio extension, default "5GB", as ``save_pretrained``).
+
+    For a full state dict saved from one process (``dcp.save(sd, storage_writer=...,
+    no_dist=True)``, e.g. after ``get_model_state_dict(model,
+    options=StateDictOptions(full_state_dict=True, cpu_offload=True))`` on rank 0): every item must
+    be a whole tensor. Tensors sharded over ranks (``save_distributed=True``,
+    ``enable_consolidation=True``) are refused with a clear error: use torch's writer for those.
+    The directory is written as ``turboio.save_model_dir`` writes one: shards in parallel, new
+    shards never over the ones the current index names, the index last (the commit), the old set
+    removed after; local paths or object-store prefixes (``storage_options``)."""
+
+    def __init__(
+        self,
+        path,
+        fqn_to_index_mapping: dict | None = None,
+        thread_count: int = 1,
+        save_distributed: bool = False,
+        enable_consolidation: bool = False,
+        thread_count_consolidation: int = 1,
+        *,
+        max_shard_size="5GB",
+        storage_options: dict | None = None,
+    ) -> None:
+        if save_distributed or enable_consolidation:
+            raise ValueError(
+                "turboio.dcp.HuggingFaceStorageWriter writes a full state dict saved from one process "
+                "(dcp.save(..., no_dist=True)); for tensors sharded over ranks (save_distributed, "
+                "enable_consolidation) use torch's HuggingFaceStorageWriter"
+            )
+        if fqn_to_index_mapping is not None and not (
+            isinstance(fqn_to_index_mapping, dict)
+            and all(isinstance(k, str) and isinstance(v, int) and v >= 1 for k, v in fqn_to_index_mapping.items())
+        ):
+            raise ValueError("turboio.dcp.HuggingFaceStorageWriter: fqn_to_index_mapping must map names to file numbers >= 1")
+        super().__init__(path, thread_count=thread_count, storage_options=storage_options)
+        self.fqn_to_index_mapping = fqn_to_index_mapping
+        self.max_shard_size = max_shard_size
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        holding = [i for i, p in enumerate(plans) if p.items]
+        if len(holding) > 1:
+            raise ValueError(
+                f"turboio.dcp.HuggingFaceStorageWriter: ranks {holding} all hold items of the save; a model "
+                "directory is written by one process (gather a full state dict and dcp.save(..., no_dist=True) on "
+                "one rank)"
+            )
+        return super().prepare_global_plan(plans)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        from .models import _save_model_dir
+
+        tensors = {}
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                raise ValueError(
+                    f"turboio.dcp.HuggingFaceStorageWriter: `{fqn}` is not a tensor (a model directory holds tensors only)"
+                )
+            chunk, size = item.tensor_data.chunk, item.tensor_data.size
+            if any(chunk.offsets) or list(chunk.sizes) != list(size):
+                raise ValueError(
+                    f"turboio.dcp.HuggingFaceStorageWriter: `{fqn}` is a shard {list(chunk.sizes)} of a tensor "
+                    f"{list(size)}; save a full state dict (or use torch's HuggingFaceStorageWriter with consolidation)"
+                )
+            tensors[fqn] = planner.resolve_data(item).detach().cpu()
+        results = []
+        if tensors:
+            shard_of = None
+            if self.fqn_to_index_mapping is not None:
+                missing = sorted(set(tensors) - set(self.fqn_to_index_mapping))
+                if missing:
+                    raise ValueError(f"turboio.dcp.HuggingFaceStorageWriter: fqn_to_index_mapping has no file for {missing[:5]}")
+                shard_of = self.fqn_to_index_mapping
+            index = _save_model_dir(
+                tensors, str(self.path), self.max_shard_size, None, self.thread_count, False,
+                self.fs.storage_options, shard_of=shard_of,
+            )
+            data = _turboio.read_all(index, storage=self.fs.storage(self.path), any_content=True)
+            weight_map = json.loads(bytes(data))["weight_map"]
+            for item in plan.items:
+                fqn = item.index.fqn
+                nbytes = tensors[fqn].numel() * tensors[fqn].element_size()
+                results.append(WriteResult(index=item.index, size_in_bytes=nbytes,
+                                           storage_data=_fs._StorageInfo(weight_map.get(fqn, ""), 0, nbytes)))
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results) -> None:
+        """Nothing left: the index written last by `write_data` was the commit."""
 
 
 class FileSystemReader(_fs.FileSystemReader):

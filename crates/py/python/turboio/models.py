@@ -314,6 +314,12 @@ def save_model_dir(
     each shard a multipart upload visible only when complete and the index the commit point
     (`storage_options` as for `turboio.load`).
     """
+    return _save_model_dir(state_dict, dir, max_shard_size, metadata, num_thread, use_cipher, storage_options)
+
+
+def _save_model_dir(state_dict, dir, max_shard_size, metadata, num_thread, use_cipher, storage_options, shard_of=None):
+    """`save_model_dir`; with `shard_of` (`{name: shard number}`, every kept tensor named) the
+    shards are those groups, in the order of their numbers, instead of `max_shard_size`'s."""
     if isinstance(max_shard_size, str):
         max_shard_size = _turboio.parse_shard_size(max_shard_size)
     if not isinstance(max_shard_size, int) or max_shard_size < 1:
@@ -326,6 +332,13 @@ def save_model_dir(
             del tensors[name]
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     records, keep = raw_tensors(tensors)
+    groups = None
+    if shard_of is not None:
+        numbers = sorted({shard_of[n] for n in tensors})
+        where = {k: i for i, k in enumerate(numbers)}
+        groups = [[] for _ in numbers]
+        for j, name in enumerate(tensors):
+            groups[where[shard_of[name]]].append(j)
     dir = os.fspath(dir)
     index, _shards = _turboio._save_model_dir(
         dir,
@@ -335,6 +348,7 @@ def save_model_dir(
         threads=threads(num_thread),
         cipher=bool(use_cipher),
         storage=_remote.storage(dir, storage_options),
+        groups=groups,
     )
     del keep
     return index
