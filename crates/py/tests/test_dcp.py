@@ -485,6 +485,7 @@ def test_hugging_face_layout(tmp):
     sd["lm_head.weight"] = torch.randn(50, 8)
     d = tmp / "hf"
     dcp.save(sd, storage_writer=tdcp.HuggingFaceStorageWriter(d, max_shard_size="500B"), no_dist=True)
+    turboio._turboio.wait_for_saves()  # replaced files are unlinked in the background
     index = json.loads((d / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and all(f.startswith("model-") and f.endswith(".safetensors") for f in files), files
@@ -498,6 +499,7 @@ def test_hugging_face_layout(tmp):
     # An existing model's layout: each tensor in the file the mapping says; the old set is gone.
     mapping = {k: (2 if k.startswith("layer") else 1) for k in sd}
     dcp.save(sd, storage_writer=tdcp.HuggingFaceStorageWriter(d, fqn_to_index_mapping=mapping), no_dist=True)
+    turboio._turboio.wait_for_saves()
     index = json.loads((d / "model.safetensors.index.json").read_text())
     assert index["weight_map"]["layer.w"] == "model-00002-of-00002.safetensors"
     assert index["weight_map"]["embed"] == "model-00001-of-00002.safetensors"
@@ -508,8 +510,46 @@ def test_hugging_face_layout(tmp):
     # Refused: non-tensor items, sharded saves, a mapping that leaves a tensor out.
     with pytest.raises(BaseException, match="`step` is not a tensor"):
         dcp.save({**sd, "step": 3}, storage_writer=tdcp.HuggingFaceStorageWriter(tmp / "x"), no_dist=True)
-    with pytest.raises(ValueError, match="use torch's HuggingFaceStorageWriter"):
-        tdcp.HuggingFaceStorageWriter(tmp / "x", save_distributed=True, enable_consolidation=True)
+    with pytest.raises(ValueError, match="either a full state dict from one process"):
+        tdcp.HuggingFaceStorageWriter(tmp / "x", save_distributed=True)
     with pytest.raises(BaseException, match=r"fqn_to_index_mapping has no file for \['lm_head.weight'\]"):
         dcp.save(sd, storage_writer=tdcp.HuggingFaceStorageWriter(tmp / "y", fqn_to_index_mapping={
             k: 1 for k in sd if k != "lm_head.weight"}), no_dist=True)
+
+
+def hf_save_worker(rank, world, d, path, step, mapping, storage_options=None):
+    """Saves `step`'s DTensors sharded over `world` gloo ranks, consolidated into a model
+    directory by HuggingFaceStorageWriter."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{d}/init-hf-{world}-{step}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {k: v for k, v in state_dict(mesh, step).items() if isinstance(v, torch.Tensor)}
+    writer = tdcp.HuggingFaceStorageWriter(path, fqn_to_index_mapping=mapping, save_distributed=True,
+                                           enable_consolidation=True, storage_options=storage_options)
+    dcp.save(sd, storage_writer=writer)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_hugging_face_layout_consolidated_from_ranks(tmp):
+    """DTensors sharded over 3 ranks become one servable directory with whole tensors; the
+    staging files are gone after the commit; a second save (another layout) replaces the set."""
+    path = tmp / "hf"
+    mp.spawn(hf_save_worker, args=(3, str(tmp), str(path), 4, None), nprocs=3, join=True)
+    want = full_model(4)
+    got = turboio.load_model(str(path))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert sorted(p.name for p in path.iterdir()) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    target = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(target, storage_reader=dcp.HuggingFaceStorageReader(str(path)), no_dist=True)
+    assert all(torch.equal(target[k], want[k]) for k in want)
+    mapping = {k: i + 1 for i, k in enumerate(sorted(want))}
+    mp.spawn(hf_save_worker, args=(2, str(tmp), str(path), 5, mapping), nprocs=2, join=True)
+    want = full_model(5)
+    got = turboio.load_model(str(path))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"].values()) == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    assert len([p for p in path.iterdir()]) == 5, sorted(p.name for p in path.iterdir())

@@ -474,3 +474,17 @@ def test_dcp_from_two_ranks_to_object_storage_loaded_by_three(s3, tmp):
     mp.spawn(_dcp_rank, args=(3, str(tmp), url, s3.options, 3, False), nprocs=3, join=True)
     for r in range(3):
         assert json.loads((tmp / f"bad-{r}.json").read_text()) == [], r
+
+
+def test_dcp_hugging_face_layout_consolidated_under_a_prefix(s3, tmp):
+    import torch.multiprocessing as mp
+
+    from test_dcp import full_model, hf_save_worker
+
+    url = "s3://models/hf-ranks"
+    mp.spawn(hf_save_worker, args=(2, str(tmp), url, 6, None, s3.options), nprocs=2, join=True)
+    keys = sorted(o["Key"] for o in s3.client.list_objects_v2(Bucket="models", Prefix="hf-ranks/")["Contents"])
+    assert keys == ["hf-ranks/model-00001-of-00001.safetensors", "hf-ranks/model.safetensors.index.json"], keys
+    want = full_model(6)
+    got = turboio.load_model(url, storage_options=s3.options)
+    assert set(got) == set(want) and all(same(got[k], want[k]) for k in want)

@@ -61,12 +61,14 @@ directory).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
 import pickle
 import re
 import secrets
+import shutil
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -279,14 +281,24 @@ class HuggingFaceStorageWriter(FileSystemWriter):
     each tensor (an existing model's layout); without it shards are cut at ``max_shard_size``
     (a turboio extension, default "5GB", as ``save_pretrained``).
 
-    For a full state dict saved from one process (``dcp.save(sd, storage_writer=...,
-    no_dist=True)``, e.g. after ``get_model_state_dict(model,
-    options=StateDictOptions(full_state_dict=True, cpu_offload=True))`` on rank 0): every item must
-    be a whole tensor. Tensors sharded over ranks (``save_distributed=True``,
-    ``enable_consolidation=True``) are refused with a clear error: use torch's writer for those.
-    The directory is written as ``turboio.save_model_dir`` writes one: shards in parallel, new
-    shards never over the ones the current index names, the index last (the commit), the old set
-    removed after; local paths or object-store prefixes (``storage_options``)."""
+    Two ways in, as torch's:
+
+    - a full state dict saved from one process (``dcp.save(sd, storage_writer=...,
+      no_dist=True)``, e.g. after ``get_model_state_dict(model,
+      options=StateDictOptions(full_state_dict=True, cpu_offload=True))`` on rank 0): written
+      straight as the model directory;
+    - tensors sharded over ranks (DTensors, FSDP's sharded state dict) with
+      ``save_distributed=True, enable_consolidation=True``: every rank writes its pieces to a
+      hidden staging file (``.turboio-sharded/{save}/rank-{r}.safetensors``, in parallel), and
+      the coordinator, once all are written, reads them back, assembles each whole tensor in host
+      memory (it holds the whole model once) and writes the directory; the staging files are
+      removed after the commit. ``save_distributed=True`` without consolidation (torch's per-rank
+      files with no index) is refused: it is not a servable directory.
+
+    Every item must be a tensor (non-tensor items are refused). The directory is written as
+    ``turboio.save_model_dir`` writes one: shards in parallel, new shards never over the ones
+    the current index names, the index last (the commit), the old set removed after; local
+    paths or object-store prefixes (``storage_options``)."""
 
     def __init__(
         self,
@@ -300,11 +312,11 @@ class HuggingFaceStorageWriter(FileSystemWriter):
         max_shard_size="5GB",
         storage_options: dict | None = None,
     ) -> None:
-        if save_distributed or enable_consolidation:
+        if save_distributed != enable_consolidation:
             raise ValueError(
-                "turboio.dcp.HuggingFaceStorageWriter writes a full state dict saved from one process "
-                "(dcp.save(..., no_dist=True)); for tensors sharded over ranks (save_distributed, "
-                "enable_consolidation) use torch's HuggingFaceStorageWriter"
+                "turboio.dcp.HuggingFaceStorageWriter writes a servable model directory: either a full state dict "
+                "from one process (the defaults) or tensors sharded over ranks consolidated at the end "
+                "(save_distributed=True, enable_consolidation=True)"
             )
         if fqn_to_index_mapping is not None and not (
             isinstance(fqn_to_index_mapping, dict)
@@ -314,59 +326,122 @@ class HuggingFaceStorageWriter(FileSystemWriter):
         super().__init__(path, thread_count=thread_count, storage_options=storage_options)
         self.fqn_to_index_mapping = fqn_to_index_mapping
         self.max_shard_size = max_shard_size
+        self.consolidate = bool(enable_consolidation)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         holding = [i for i, p in enumerate(plans) if p.items]
-        if len(holding) > 1:
+        if len(holding) > 1 and not self.consolidate:
             raise ValueError(
-                f"turboio.dcp.HuggingFaceStorageWriter: ranks {holding} all hold items of the save; a model "
-                "directory is written by one process (gather a full state dict and dcp.save(..., no_dist=True) on "
-                "one rank)"
+                f"turboio.dcp.HuggingFaceStorageWriter: ranks {holding} all hold items of the save; a full state dict "
+                "is written by one process (dcp.save(..., no_dist=True) on one rank), or pass save_distributed=True, "
+                "enable_consolidation=True for tensors sharded over ranks"
             )
-        return super().prepare_global_plan(plans)
+        tag = secrets.token_hex(6)
+        return [dataclasses.replace(p, storage_data={"rank": i, "tag": tag}) for i, p in enumerate(plans)]
 
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        from .models import _save_model_dir
-
-        tensors = {}
+    def _tensors(self, plan: SavePlan, planner: SavePlanner):
+        out = []
         for item in plan.items:
             fqn = item.index.fqn
             if item.type == WriteItemType.BYTE_IO:
                 raise ValueError(
                     f"turboio.dcp.HuggingFaceStorageWriter: `{fqn}` is not a tensor (a model directory holds tensors only)"
                 )
-            chunk, size = item.tensor_data.chunk, item.tensor_data.size
-            if any(chunk.offsets) or list(chunk.sizes) != list(size):
-                raise ValueError(
-                    f"turboio.dcp.HuggingFaceStorageWriter: `{fqn}` is a shard {list(chunk.sizes)} of a tensor "
-                    f"{list(size)}; save a full state dict (or use torch's HuggingFaceStorageWriter with consolidation)"
-                )
-            tensors[fqn] = planner.resolve_data(item).detach().cpu()
+            out.append((item, planner.resolve_data(item).detach().cpu()))
+        return out
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        from .torch import save_file
+
+        items = self._tensors(plan, planner)
         results = []
-        if tensors:
-            shard_of = None
-            if self.fqn_to_index_mapping is not None:
-                missing = sorted(set(tensors) - set(self.fqn_to_index_mapping))
-                if missing:
-                    raise ValueError(f"turboio.dcp.HuggingFaceStorageWriter: fqn_to_index_mapping has no file for {missing[:5]}")
-                shard_of = self.fqn_to_index_mapping
-            index = _save_model_dir(
-                tensors, str(self.path), self.max_shard_size, None, self.thread_count, False,
-                self.fs.storage_options, shard_of=shard_of,
-            )
-            data = _turboio.read_all(index, storage=self.fs.storage(self.path), any_content=True)
-            weight_map = json.loads(bytes(data))["weight_map"]
-            for item in plan.items:
-                fqn = item.index.fqn
-                nbytes = tensors[fqn].numel() * tensors[fqn].element_size()
-                results.append(WriteResult(index=item.index, size_in_bytes=nbytes,
-                                           storage_data=_fs._StorageInfo(weight_map.get(fqn, ""), 0, nbytes)))
+        if items and self.consolidate:
+            # This rank's pieces, each under `fqn@offsets`, to one staging file of this save.
+            name = f".turboio-sharded/{plan.storage_data['tag']}/rank-{plan.storage_data['rank']}.safetensors"
+            pieces = {}
+            for item, t in items:
+                offsets = list(item.tensor_data.chunk.offsets)
+                pieces[f"{item.index.fqn}@{','.join(map(str, offsets))}"] = t.contiguous()
+            target = self.fs.concat_path(self.path, name)
+            if not _remote.is_object_url(str(target)):
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+            save_file(pieces, str(target), storage_options=self.fs.storage_options)
+            for item, t in items:
+                nbytes = t.numel() * t.element_size()
+                results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=_fs._StorageInfo(name, 0, nbytes)))
+        elif items:
+            for item, _ in items:
+                chunk, size = item.tensor_data.chunk, item.tensor_data.size
+                if any(chunk.offsets) or list(chunk.sizes) != list(size):
+                    raise ValueError(
+                        f"turboio.dcp.HuggingFaceStorageWriter: `{item.index.fqn}` is a shard {list(chunk.sizes)} of a "
+                        f"tensor {list(size)}; save a full state dict, or pass save_distributed=True, "
+                        "enable_consolidation=True"
+                    )
+            weight_map = self._write_model({item.index.fqn: t for item, t in items})
+            for item, t in items:
+                nbytes = t.numel() * t.element_size()
+                info = _fs._StorageInfo(weight_map.get(item.index.fqn, ""), 0, nbytes)
+                results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=info))
         fut: Future = Future()
         fut.set_result(results)
         return fut
 
+    def _write_model(self, tensors: dict) -> dict:
+        """Writes the model directory (atomic as a set); returns its `weight_map`."""
+        from .models import _save_model_dir
+
+        shard_of = None
+        if self.fqn_to_index_mapping is not None:
+            missing = sorted(set(tensors) - set(self.fqn_to_index_mapping))
+            if missing:
+                raise ValueError(f"turboio.dcp.HuggingFaceStorageWriter: fqn_to_index_mapping has no file for {missing[:5]}")
+            shard_of = self.fqn_to_index_mapping
+        index = _save_model_dir(
+            tensors, str(self.path), self.max_shard_size, None, self.thread_count, False,
+            self.fs.storage_options, shard_of=shard_of,
+        )
+        data = _turboio.read_all(index, storage=self.fs.storage(self.path), any_content=True)
+        return json.loads(bytes(data))["weight_map"]
+
     def finish(self, metadata: Metadata, results) -> None:
-        """Nothing left: the index written last by `write_data` was the commit."""
+        """With consolidation: each whole tensor assembled from the ranks' staging files, the
+        model directory written, the staging files removed. Otherwise nothing is left to do:
+        the index `write_data` wrote last was the commit."""
+        if not self.consolidate:
+            return
+        from . import load as _load
+
+        storage = self.fs.storage(self.path)
+        files = sorted({wr.storage_data.relative_path for wrs in results for wr in wrs})
+        loaded = {f: _load(str(self.fs.concat_path(self.path, f)), storage_options=self.fs.storage_options) for f in files}
+        tensors = {}
+        for wrs in results:
+            for wr in wrs:
+                fqn = wr.index.fqn
+                md = metadata.state_dict_metadata[fqn]
+                whole = tensors.get(fqn)
+                if whole is None:
+                    whole = tensors[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+                offsets = list(wr.index.offset) if wr.index.offset is not None else [0] * len(md.size)
+                piece = loaded[wr.storage_data.relative_path][f"{fqn}@{','.join(map(str, offsets))}"]
+                view = whole
+                for dim, (at, n) in enumerate(zip(offsets, piece.shape)):
+                    view = view.narrow(dim, at, n)
+                view.copy_(piece)
+        del loaded
+        self._write_model(tensors)
+        # The staging files of this save, and of saves killed before their commit.
+        staging = self.fs.concat_path(self.path, ".turboio-sharded")
+        try:
+            if _remote.is_object_url(str(staging)):
+                for tag in {f.split("/")[1] for f in files}:
+                    for obj in self.fs.ls(self.fs.concat_path(staging, tag)):
+                        self.fs.rm_file(obj)
+            else:
+                shutil.rmtree(staging, ignore_errors=True)
+        except OSError:
+            pass
 
 
 class FileSystemReader(_fs.FileSystemReader):
