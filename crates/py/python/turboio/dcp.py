@@ -397,8 +397,9 @@ class HuggingFaceStorageWriter(FileSystemWriter):
             if missing:
                 raise ValueError(f"turboio.dcp.HuggingFaceStorageWriter: fqn_to_index_mapping has no file for {missing[:5]}")
             shard_of = self.fqn_to_index_mapping
+        # DCP's thread_count defaults to 1; turboio's writer uses every core unless given more.
         index = _save_model_dir(
-            tensors, str(self.path), self.max_shard_size, None, self.thread_count, False,
+            tensors, str(self.path), self.max_shard_size, None, self.thread_count if self.thread_count > 1 else 0, False,
             self.fs.storage_options, shard_of=shard_of,
         )
         data = _turboio.read_all(index, storage=self.fs.storage(self.path), any_content=True)
