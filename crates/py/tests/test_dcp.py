@@ -217,6 +217,42 @@ def load_step(path, kind):
     return step
 
 
+def kill_at_random(p, rng, last, kill, first_commits=0, chance=0.5, work=3_000_000):
+    """Lets saver `p` commit `first_commits` to 2 saves (its "committed N" lines), then, with
+    probability `chance`, a random moment inside the next one (busy-waiting on a random amount
+    of CPU work, not on the clock), and kills it with `kill()`; returns the last step it printed
+    (`last` if none)."""
+    for _ in range(rng.randrange(first_commits, 3)):
+        line = p.stdout.readline()
+        if not line:
+            break
+        last = int(line.split()[1])
+    if rng.random() < chance:
+        x = 0
+        for j in range(rng.randrange(0, work)):
+            x ^= j
+    kill()
+    rest = p.stdout.read()
+    p.wait()
+    for line in rest.splitlines():
+        last = int(line.split()[1])
+    return last
+
+
+def load_after_kill(i, path, last, load):
+    """Both readers load the checkpoint after kill `i` with `load(path, kind)`, which must get
+    exactly step `last` (the last committed) or `last + 1` (killed after its commit); returns
+    the step."""
+    for kind in ("turboio", "dcp"):
+        try:
+            step = load(path, kind)
+        except BaseException as e:
+            raise AssertionError(f"kill {i}: {kind} could not load the checkpoint (last committed {last}); "
+                                 f"files: {sorted(os.listdir(path))}") from e
+        assert step in (last, last + 1), (i, kind, step, last, sorted(os.listdir(path)))
+    return step
+
+
 def test_killed_saves_leave_the_previous_checkpoint_or_the_new_one(tmp):
     """SIGKILL at every step of the protocol (before and after each atomic write: 3 data files
     and the metadata) and at random moments; after each kill both readers load exactly the last
@@ -250,33 +286,9 @@ def test_killed_saves_leave_the_previous_checkpoint_or_the_new_one(tmp):
     for i in range(kills):
         env = dict(os.environ, FIRST=str(committed + 1))
         p = subprocess.Popen([sys.executable, script, path, here], env=env, stdout=subprocess.PIPE, text=True)
-        # Let it commit a random number of saves (0 to 2), then kill it at a random point of
-        # the next one: after a random number of bytes of its progress lines, or at once.
-        last = committed
-        for _ in range(rng.randrange(0, 3)):
-            line = p.stdout.readline()
-            if not line:
-                break
-            last = int(line.split()[1])
-        if rng.random() < 0.5:
-            # A random moment inside the next save: busy-wait on a random amount of CPU work,
-            # not on the clock.
-            x = 0
-            for j in range(rng.randrange(0, 3_000_000)):
-                x ^= j
-        p.kill()
-        rest = p.stdout.read()
-        p.wait()
-        for line in rest.splitlines():
-            last = int(line.split()[1])
-        for kind in ("turboio", "dcp"):
-            try:
-                step = load_step(path, kind)
-            except BaseException as e:
-                raise AssertionError(f"kill {i}: {kind} could not load the checkpoint (last committed {last}); "
-                                     f"files: {sorted(os.listdir(path))}") from e
-            assert step in (last, last + 1), (i, kind, step, last, sorted(os.listdir(path)))
-        committed = step
+        # Let it commit 0 to 2 saves, then kill it at a random point of the next one.
+        last = kill_at_random(p, rng, committed, p.kill)
+        committed = load_after_kill(i, path, last, load_step)
     # Leftovers of killed saves are gone after the next complete save.
     env = dict(os.environ, SAVES="1", FIRST=str(committed + 1))
     r = subprocess.run([sys.executable, script, path, here], env=env, capture_output=True, text=True, timeout=300)
@@ -340,32 +352,13 @@ def test_ranks_killed_mid_save_leave_the_previous_checkpoint_or_the_new_one(tmp)
     for i in range(int(os.environ.get("TURBOIO_DCP_RANK_KILLS", "3"))):
         p = subprocess.Popen([sys.executable, script, path, here, tmp / f"init-{i}", str(committed + 1)],
                              stdout=subprocess.PIPE, text=True, start_new_session=True)
-        last = committed
         # The first launch commits at least one save; later ones 0 to 2 before the kill.
-        for _ in range(rng.randrange(1 if committed == 0 else 0, 3)):
-            line = p.stdout.readline()
-            if not line:
-                break
-            last = int(line.split()[1])
-        if rng.random() < 0.7:
-            x = 0
-            for j in range(rng.randrange(0, 4_000_000)):  # a random moment: CPU work, not the clock
-                x ^= j
-        os.killpg(p.pid, signal.SIGKILL)
-        rest = p.stdout.read()
-        p.wait()
-        for line in rest.splitlines():
-            last = int(line.split()[1])
+        last = kill_at_random(p, rng, committed, lambda: os.killpg(p.pid, signal.SIGKILL),
+                              first_commits=1 if committed == 0 else 0, chance=0.7, work=4_000_000)
         if last == 0:
             seen["before any commit"] += 1
             continue  # killed before anything was committed: nothing to load yet
-        for kind in ("turboio", "dcp"):
-            try:
-                step = load_full_step(path, kind)
-            except BaseException as e:
-                raise AssertionError(f"kill {i}: {kind} could not load the checkpoint (last committed {last}); "
-                                     f"files: {sorted(os.listdir(path))}") from e
-            assert step in (last, last + 1), (i, kind, step, last, sorted(os.listdir(path)))
+        step = load_after_kill(i, path, last, load_full_step)
         seen["new" if step == last + 1 else "previous"] += 1
         committed = step
     print(f"ranks killed: the load got {seen}")

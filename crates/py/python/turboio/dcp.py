@@ -272,6 +272,11 @@ class FileSystemWriter(_fs.FileSystemWriter):
                              f"__{self.rank}_" if per_rank else "__")
 
 
+def _piece_name(fqn: str, offsets) -> str:
+    """The name of a rank's piece of tensor `fqn` at `offsets` in a consolidation's staging file."""
+    return f"{fqn}@{','.join(map(str, offsets))}"
+
+
 class HuggingFaceStorageWriter(FileSystemWriter):
     """Writes a DCP save as a Hugging Face model directory: safetensors shards
     (``model-0000N-of-0000M.safetensors``) and ``model.safetensors.index.json``, the layout
@@ -354,21 +359,16 @@ class HuggingFaceStorageWriter(FileSystemWriter):
         from .torch import save_file
 
         items = self._tensors(plan, planner)
-        results = []
+        file_of = {}  # fqn -> the file holding it, relative to the checkpoint's path
         if items and self.consolidate:
-            # This rank's pieces, each under `fqn@offsets`, to one staging file of this save.
+            # This rank's pieces to one staging file of this save.
             name = f".turboio-sharded/{plan.storage_data['tag']}/rank-{plan.storage_data['rank']}.safetensors"
-            pieces = {}
-            for item, t in items:
-                offsets = list(item.tensor_data.chunk.offsets)
-                pieces[f"{item.index.fqn}@{','.join(map(str, offsets))}"] = t.contiguous()
+            pieces = {_piece_name(item.index.fqn, item.tensor_data.chunk.offsets): t.contiguous() for item, t in items}
             target = self.fs.concat_path(self.path, name)
             if not _remote.is_object_url(str(target)):
                 os.makedirs(os.path.dirname(target), exist_ok=True)
             save_file(pieces, str(target), storage_options=self.fs.storage_options)
-            for item, t in items:
-                nbytes = t.numel() * t.element_size()
-                results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=_fs._StorageInfo(name, 0, nbytes)))
+            file_of = dict.fromkeys((item.index.fqn for item, _ in items), name)
         elif items:
             for item, _ in items:
                 chunk, size = item.tensor_data.chunk, item.tensor_data.size
@@ -378,11 +378,12 @@ class HuggingFaceStorageWriter(FileSystemWriter):
                         f"tensor {list(size)}; save a full state dict, or pass save_distributed=True, "
                         "enable_consolidation=True"
                     )
-            weight_map = self._write_model({item.index.fqn: t for item, t in items})
-            for item, t in items:
-                nbytes = t.numel() * t.element_size()
-                info = _fs._StorageInfo(weight_map.get(item.index.fqn, ""), 0, nbytes)
-                results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=info))
+            file_of = self._write_model({item.index.fqn: t for item, t in items})
+        results = []
+        for item, t in items:
+            nbytes = t.numel() * t.element_size()
+            info = _fs._StorageInfo(file_of.get(item.index.fqn, ""), 0, nbytes)
+            results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=info))
         fut: Future = Future()
         fut.set_result(results)
         return fut
@@ -413,7 +414,6 @@ class HuggingFaceStorageWriter(FileSystemWriter):
             return
         from . import load as _load
 
-        storage = self.fs.storage(self.path)
         files = sorted({wr.storage_data.relative_path for wrs in results for wr in wrs})
         loaded = {f: _load(str(self.fs.concat_path(self.path, f)), storage_options=self.fs.storage_options) for f in files}
         tensors = {}
@@ -425,14 +425,15 @@ class HuggingFaceStorageWriter(FileSystemWriter):
                 if whole is None:
                     whole = tensors[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
                 offsets = list(wr.index.offset) if wr.index.offset is not None else [0] * len(md.size)
-                piece = loaded[wr.storage_data.relative_path][f"{fqn}@{','.join(map(str, offsets))}"]
+                piece = loaded[wr.storage_data.relative_path][_piece_name(fqn, offsets)]
                 view = whole
                 for dim, (at, n) in enumerate(zip(offsets, piece.shape)):
                     view = view.narrow(dim, at, n)
                 view.copy_(piece)
         del loaded
         self._write_model(tensors)
-        # The staging files of this save, and of saves killed before their commit.
+        # The staging files: locally all of them (this save's, and those of saves killed before
+        # their commit); under an object prefix this save's (a listing shows no deeper levels).
         staging = self.fs.concat_path(self.path, ".turboio-sharded")
         try:
             if _remote.is_object_url(str(staging)):
