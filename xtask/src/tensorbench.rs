@@ -151,17 +151,8 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, model_size: u64, runs: usi
         let v = script(python, &["subset", "--model", &dir.to_string_lossy(), "--runs", &runs_s])?;
         let get = |what: &str| -> (f64, Option<u64>, u64, u64) {
             let r = &v[what];
-            let secs: Vec<f64> =
-                r["seconds"].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default();
-            let mut disk: Vec<u64> =
-                r["disk_bytes"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).collect()).unwrap_or_default();
-            disk.sort_unstable();
-            (
-                median(&secs),
-                disk.get(disk.len() / 2).copied(),
-                r["tensor_bytes"].as_u64().unwrap_or(0),
-                r["tensors"].as_u64().unwrap_or(0),
-            )
+            let (secs, disk) = seconds_and_disk(r);
+            (secs, disk, r["tensor_bytes"].as_u64().unwrap_or(0), r["tensors"].as_u64().unwrap_or(0))
         };
         let (ws, wd, wb, wn) = get("whole");
         let (ss, sd, sb, sn) = get("subset");
@@ -202,8 +193,19 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, model_size: u64, runs: usi
     Ok(s)
 }
 
+/// The median of a row's `seconds` and of its `disk_bytes` (bytes read from the block device;
+/// `None` where unknown), as `py_tensors.py` prints them.
+fn seconds_and_disk(r: &serde_json::Value) -> (f64, Option<u64>) {
+    let secs: Vec<f64> =
+        r["seconds"].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default();
+    let mut disk: Vec<u64> =
+        r["disk_bytes"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).collect()).unwrap_or_default();
+    disk.sort_unstable();
+    (median(&secs), disk.get(disk.len() / 2).copied())
+}
+
 /// The coalescing sweep (`py_tensors.py gaps`): per gap between kept 64 KiB tensors, cold loads
-/// reading each range on its own, all as one, and with the default gap (128 KiB locally).
+/// reading each range on its own, all as one, and with the default gap (`select::LOCAL_GAP`).
 fn gaps_table(v: &serde_json::Value, runs: usize) -> String {
     let mut s = String::new();
     let kept = v["kept_bytes"].as_u64().unwrap_or(0);
@@ -219,15 +221,8 @@ fn gaps_table(v: &serde_json::Value, runs: usize) -> String {
     gaps.sort_unstable_by_key(|g| g.0);
     for (gap, r) in gaps {
         let cell = |how: &str| -> (f64, String) {
-            let secs: Vec<f64> =
-                r[how]["seconds"].as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default();
-            let mut disk: Vec<u64> = r[how]["disk_bytes"]
-                .as_array()
-                .map(|a| a.iter().filter_map(|x| x.as_u64()).collect())
-                .unwrap_or_default();
-            disk.sort_unstable();
-            let t = median(&secs);
-            let mb = disk.get(disk.len() / 2).map_or("?".to_owned(), |b| format!("{:.1}", *b as f64 / 1e6));
+            let (t, disk) = seconds_and_disk(&r[how]);
+            let mb = disk.map_or("?".to_owned(), |b| format!("{:.1}", b as f64 / 1e6));
             (t, format!("{t:.3} ({mb})"))
         };
         let (sep, a) = cell("separate");
