@@ -1327,8 +1327,13 @@ fn parse_bytes(data: &[u8]) -> PyResult<HeaderInfo> {
 ///
 /// Private to the Python package, which passes only `data_ptr()`s of contiguous CPU tensors
 /// (or shared-memory buffers) it has checked and keeps referenced for the call.
+///
+/// `queue_depth` and `block_size` (0: the backend's defaults) set the requests each worker keeps
+/// in flight and their size, for a local file read with io_uring (`turboio.deepnvme` passes
+/// its handle's, as DeepSpeed's handle keeps `queue_depth` blocks in flight per thread).
 #[pyfunction]
-#[pyo3(signature = (path, requests, threads=0, cache="auto", cipher=false, storage=None, any_content=false))]
+#[pyo3(signature = (path, requests, threads=0, cache="auto", cipher=false, storage=None, any_content=false,
+                    queue_depth=0, block_size=0))]
 #[allow(clippy::too_many_arguments)]
 fn _read_into(
     py: Python<'_>,
@@ -1339,11 +1344,29 @@ fn _read_into(
     cipher: bool,
     storage: Option<&PyObjectStorage>,
     any_content: bool,
+    queue_depth: u32,
+    block_size: usize,
 ) -> PyResult<u64> {
     let cancel = Arc::new(AtomicBool::new(false));
     let read = Arc::new(AtomicU64::new(0));
+    let storage = match storage_arg(storage) {
+        None if (queue_depth > 0 || block_size > 0)
+            && turboio::storage_for(&path).map_err(to_py)?.0.name() == "posix" =>
+        {
+            let defaults = turboio::posix::PosixConfig::default();
+            let cfg = turboio::posix::PosixConfig {
+                // A ring's size: beyond 1024 requests in flight nothing is gained, and a ring the kernel
+                // refuses would only send the read to the threaded path.
+                queue_depth: if queue_depth > 0 { queue_depth.min(1024) } else { defaults.queue_depth },
+                block_size: if block_size > 0 { block_size } else { defaults.block_size },
+                ..defaults
+            };
+            Some(Arc::new(turboio::posix::PosixStorage::with_config(cfg)) as Arc<dyn turboio::storage::Storage>)
+        }
+        s => s,
+    };
     let opts = LoadOptions {
-        storage: storage_arg(storage),
+        storage,
         threads,
         cache: parse_cache(cache)?,
         encryption: encryption(cipher, false).map(|e| Encryption { check_content: !any_content, ..e }),

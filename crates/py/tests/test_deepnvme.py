@@ -84,11 +84,12 @@ def _umask():
     return m
 
 
-@pytest.mark.parametrize("intra", [1, 3])
-def test_any_offset_and_length_in_place(tmp, intra):
+@pytest.mark.parametrize("intra, block, depth", [(1, 65536, 128), (3, 65536, 128), (1, 12288, 1), (2, 4096, 100_000)])
+def test_any_offset_and_length_in_place(tmp, intra, block, depth):
     """Writes at offsets and lengths off the block grid keep every other byte of the file, reads
-    give the file's bytes, into buffers of any alignment and dtype."""
-    h = handle(intra_op_parallelism=intra, block_size=65536)
+    give the file's bytes, into buffers of any alignment and dtype, whatever the handle's block
+    size and queue depth (the reads keep that many blocks in flight)."""
+    h = handle(intra_op_parallelism=intra, block_size=block, queue_depth=depth)
     path = tmp / "x.bin"
     model = bytearray()
     cases = [(0, 4096 * 3), (3, 5001), (4093, 9000), (70_000, 3), (1 << 20, (1 << 20) + 3 * 7), (5, 0), (12, 300_000)]

@@ -307,16 +307,21 @@ class aio_handle:  # noqa: N801 - DeepSpeed's name
             self._pending.append(self._executor.submit(op))
         return 0
 
+    def _read(self, path: str, file_offset: int, addr: int, n: int):
+        # As DeepSpeed's handle: `queue_depth` requests of `block_size` bytes in flight per thread.
+        _turboio._read_into(path, [(file_offset, addr, n)], threads=self._threads(), cache="bypass",
+                            queue_depth=self._queue_depth, block_size=self._block_size)
+
     def _do_read(self, buffer, path: str, file_offset: int, validate: bool):
         n = _nbytes(buffer)
         if n == 0:
             return
         if buffer.device.type == "cpu":
-            _turboio._read_into(path, [(file_offset, buffer.data_ptr(), n)], threads=self._threads(), cache="bypass")
+            self._read(path, file_offset, buffer.data_ptr(), n)
             host = buffer
         else:
             host = _bounce(n)
-            _turboio._read_into(path, [(file_offset, host.data_ptr(), n)], threads=self._threads(), cache="bypass")
+            self._read(path, file_offset, host.data_ptr(), n)
             buffer.view(-1).view(_torch().uint8).copy_(host)
         if validate:
             _validate(path, file_offset, host, "read")
