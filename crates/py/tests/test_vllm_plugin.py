@@ -51,6 +51,7 @@ def test_options_are_checked():
     assert vllm_plugin.loader_options({"num_threads": 4, "cache": "keep"})["num_threads"] == 4
     assert vllm_plugin.loader_options({"tensors": ["model.layers.0.*"]})["tensors"] == ["model.layers.0.*"]
     assert vllm_plugin.loader_options({"window": 0})["window"] is None, "0: whole shards"
+    assert vllm_plugin.loader_options({"mode": "lazy"})["mode"] == "lazy"
     assert vllm_plugin.loader_options({"window": 4096})["window"] == 4096
     assert vllm_plugin.loader_options({"enable_weights_track": False})["enable_weights_track"] is False
     for bad, msg in [
@@ -61,6 +62,7 @@ def test_options_are_checked():
         ({"storage_options": "endpoint=x"}, "storage_options must be a dict"),
         ({"cache_dir": 3}, "cache_dir must be a string"),
         ({"fetch": "twice"}, "fetch must be all or once"),
+        ({"mode": "fast"}, "mode must be auto, mapped, copied or lazy"),
         ({"tensors": 3}, "tensors must be a string or a list"),
         ({"tensors": []}, "tensors must be a name"),
         ({"tensors": "x", "fetch": "once"}, "tensors cannot be combined"),
@@ -340,3 +342,76 @@ def test_the_tensors_option_feeds_only_the_selection(tmp):
         assert torch.equal(got[k], ref[k])
     with pytest.raises(KeyError, match="no tensor matches"):
         dict(vllm_plugin.weights_iterator(str(d), vllm_plugin.loader_options({"tensors": ["no.such.weight"]})))
+
+
+def _read_bytes():
+    """Bytes this process has had read from storage (`/proc/self/io`)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+
+
+def _evict(paths):
+    import os
+
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def test_tensor_parallel_ranks_read_only_their_slices(tmp, monkeypatch):
+    """Under tensor parallelism (vLLM's group stubbed at 2 ranks) the iterator reads nothing
+    itself: a rank reads only the pages its weight loaders touch (narrow to its half, then
+    copy), no more than vLLM's own reader (safetensors' mapping) reads for the same slices. How
+    much that is depends on the device's read-ahead (8 MiB here reads nearly all of it for
+    both); a single rank streams every byte, so the measure can tell the two apart."""
+    d = tmp / "tp"
+    d.mkdir()
+    ref = {f"layers.{i}.w": torch.randn(1024, 1024) for i in range(8)}
+    files = []
+    for s in range(2):
+        f = d / f"model-0000{s + 1}-of-00002.safetensors"
+        st.save_file({k: v for i, (k, v) in enumerate(ref.items()) if i % 2 == s}, f)
+        files.append(str(f))
+    total = sum(v.numel() * 4 for v in ref.values())
+    opts = vllm_plugin.loader_options(None)
+
+    def rank0_slices(pairs):
+        # What a column-parallel weight loader does on rank 0 of 2: narrow, then copy.
+        return {name: t.narrow(0, 0, t.shape[0] // 2).clone() for name, t in pairs}
+
+    def measured(pairs_fn):
+        _evict(files)
+        before = _read_bytes()
+        got = rank0_slices(pairs_fn())
+        return got, _read_bytes() - before
+
+    def safetensors_reader():
+        for f in files:
+            with st.safe_open(f, "pt") as h:
+                for k in h.keys():
+                    yield k, h.get_tensor(k)
+
+    whole, n_whole = measured(lambda: vllm_plugin.weights_iterator(str(d), opts))
+    if n_whole == 0:
+        pytest.skip("this file system does not count reads in /proc/self/io")
+    assert n_whole >= 0.95 * total, "one rank reads the whole model"
+    fake = types.ModuleType("vllm.distributed")
+    fake.get_tp_group = lambda: types.SimpleNamespace(world_size=2, cpu_group=None)
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.distributed", fake)
+    _evict(files)
+    before = _read_bytes()
+    held = list(vllm_plugin.weights_iterator(str(d), opts))
+    assert _read_bytes() - before <= len(files) << 20, "the iterator itself reads headers only"
+    del held
+    got, n_ours = measured(lambda: vllm_plugin.weights_iterator(str(d), opts))
+    _, n_theirs = measured(safetensors_reader)
+    assert sorted(got) == sorted(ref)
+    for k, v in ref.items():
+        assert torch.equal(got[k], v[:512]), k
+        assert torch.equal(whole[k], v[:512]), k
+    assert n_ours <= 1.1 * n_theirs + (1 << 20), (n_ours, n_theirs)

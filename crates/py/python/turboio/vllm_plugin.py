@@ -22,7 +22,9 @@ The wheel declares an entry point in vLLM's `vllm.general_plugins` group; vLLM c
 
 Options, from `--model-loader-extra-config '{"num_threads": 8, "cache": "keep"}'`:
 `num_threads` (readers; default one per core), `cache` ("auto", "keep" or "bypass"), `mode`
-("auto", "mapped" or "copied"), `storage_options` (a dict, for object-store models: endpoint,
+("auto", "mapped", "copied" or "lazy"; "auto" is "lazy" under tensor parallelism for a local
+model, so that each rank reads only the pages of the slices its weight loaders take, as vLLM's
+own mapped safetensors reader does), `storage_options` (a dict, for object-store models: endpoint,
 region, credentials, concurrency, ... as `turboio.load` takes them; the environment otherwise),
 `cache_dir` (the node-local cache for object-store models), `fetch` ("all", or "once": with
 tensor parallelism, the ranks of vLLM's tensor-parallel group each fetch 1/W of the model from
@@ -122,8 +124,8 @@ def loader_options(extra_config):
         raise ValueError(f"turboio loader: cache must be auto, keep or bypass, not {extra['cache']!r}")
     if extra.get("fetch", "all") not in ("all", "once"):
         raise ValueError(f"turboio loader: fetch must be all or once, not {extra['fetch']!r}")
-    if extra.get("mode", "auto") not in ("auto", "mapped", "copied"):
-        raise ValueError(f"turboio loader: mode must be auto, mapped or copied, not {extra['mode']!r}")
+    if extra.get("mode", "auto") not in ("auto", "mapped", "copied", "lazy"):
+        raise ValueError(f"turboio loader: mode must be auto, mapped, copied or lazy, not {extra['mode']!r}")
     return {
         "num_threads": extra.get("num_threads", 0),
         "cache": extra.get("cache", "auto"),
@@ -160,8 +162,17 @@ def weights_iterator(model_dir, options):
         return
     from .models import iter_weights
 
+    mode, window = options.get("mode", "auto"), options.get("window")
+    remote = _remote.is_remote(model_dir)
+    if mode == "auto" and not remote and options.get("cache", "auto") != "bypass" and _tensor_parallel_size() > 1:
+        # Under tensor parallelism each rank's weight loaders narrow every tensor to the rank's
+        # slice before copying it: a lazy mapping of each shard reads only the pages they touch
+        # (as vLLM's own safetensors reader, a mapping too), not the whole model on every rank,
+        # and holds no memory of its own.
+        mode, window = "lazy", None
+        logger.info("turboio loader: tensor parallel, each rank reads the pages of its slices only (lazy mapping)")
     index = os.path.join(model_dir, INDEX)
-    if _remote.is_remote(model_dir) or os.path.isfile(index):
+    if remote or os.path.isfile(index):
         # The index (or, for a prefix without one, every *.safetensors object under it).
         sources = model_dir
     else:
@@ -171,10 +182,10 @@ def weights_iterator(model_dir, options):
         storage_options=options.get("storage_options"),
         cache_dir=options.get("cache_dir"),
         tensors=options.get("tensors"),
-        window=options.get("window"),
+        window=window,
         num_thread=options.get("num_threads", 0),
         cache=options.get("cache", "auto"),
-        mode=options.get("mode", "auto"),
+        mode=mode,
     )
 
 
@@ -231,8 +242,8 @@ class _Counted:
             yield name, t
 
 
-def _tensor_parallel_group():
-    """vLLM's tensor-parallel group's gloo group when there are several ranks, else None."""
+def _tp_group():
+    """vLLM's tensor-parallel group coordinator when there are several ranks, else None."""
     try:
         from vllm.distributed import get_tp_group
     except ImportError:
@@ -243,7 +254,19 @@ def _tensor_parallel_group():
         return None
     if getattr(group, "world_size", 1) <= 1:
         return None
-    return getattr(group, "cpu_group", None)
+    return group
+
+
+def _tensor_parallel_group():
+    """vLLM's tensor-parallel group's gloo group when there are several ranks, else None."""
+    group = _tp_group()
+    return None if group is None else getattr(group, "cpu_group", None)
+
+
+def _tensor_parallel_size():
+    """The number of vLLM's tensor-parallel ranks (1 outside a group)."""
+    group = _tp_group()
+    return 1 if group is None else int(group.world_size)
 
 
 def _local_dir(model_config, load_config=None):
