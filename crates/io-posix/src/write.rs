@@ -420,6 +420,10 @@ impl WriteSource for Skip<'_> {
     fn fill(&self, offset: u64, dst: &mut [u8]) -> Result<(), String> {
         self.inner.fill(self.skip + offset, dst)
     }
+
+    fn slice(&self, offset: u64, len: usize) -> Option<&[u8]> {
+        self.inner.slice(self.skip.checked_add(offset)?, len)
+    }
 }
 
 /// Writes `source` into `path` at `offset`, in place: the file is created (mode 0600 before the
@@ -591,6 +595,8 @@ struct Pending {
     len: usize,
     /// Bytes handed to the ring (the whole blocks).
     aligned: usize,
+    /// Written straight from the source's memory ([`WriteSource::slice`]), not from `buf`.
+    borrowed: bool,
 }
 
 /// One worker's ring and the buffers the kernel reads from. The ring is drained before the
@@ -649,13 +655,28 @@ impl<'w, 'a, 'o> UringWriter<'w, 'a, 'o> {
         }
     }
 
-    /// Fills a free buffer with the chunk at `offset` and queues its whole blocks; the tail is
-    /// written through the page cache right away.
+    /// The source's own memory for the chunk at `offset` when an `O_DIRECT` write can take it
+    /// as it is (an aligned address), else `None`.
+    fn borrowed(&self, offset: u64, len: usize) -> Option<&'a [u8]> {
+        let source: &'a dyn WriteSource = self.w.source;
+        source.slice(offset, len).filter(|s| s.len() == len && (s.as_ptr() as usize).is_multiple_of(ALIGN as usize))
+    }
+
+    /// Queues the chunk at `offset`'s whole blocks, from the source's memory where it sits
+    /// aligned, else from a free buffer filled with it; the tail is written through the page
+    /// cache right away.
     fn start(&mut self, offset: u64, len: usize) -> Result<(), StorageError> {
         let Some(b) = self.free.pop() else { return Ok(()) };
-        let data = &mut self.bufs[b].as_mut_slice()[..len];
-        self.w.fill(offset, data)?;
         let direct = self.w.direct.filter(|_| !self.w.direct_failed.load(Ordering::Relaxed));
+        let borrowed = direct.and_then(|_| self.borrowed(offset, len));
+        let data: &[u8] = match borrowed {
+            Some(s) => s,
+            None => {
+                let buf = &mut self.bufs[b].as_mut_slice()[..len];
+                self.w.fill(offset, buf)?;
+                buf
+            }
+        };
         let aligned = if direct.is_some() { len & !(ALIGN as usize - 1) } else { 0 };
         self.w.write_buffered(&data[aligned..], offset + aligned as u64)?;
         let Some(d) = direct.filter(|_| aligned > 0) else {
@@ -666,16 +687,19 @@ impl<'w, 'a, 'o> UringWriter<'w, 'a, 'o> {
         let at = self.w.base + offset;
         self.w.cfg.faults.check_write(at, aligned).map_err(|e| io_err(self.w.path, "write", e))?;
         let n = u32::try_from(aligned).map_err(|_| io_err(self.w.path, "write", io::Error::from(Errno::EINVAL)))?;
-        let ptr = self.bufs[b].as_mut_ptr();
-        // SAFETY: buffer `b` is off the free list, so nothing else reads or writes it until its
-        // completion is reaped (`finish` puts it back); `self` owns it and drains the ring
-        // before dropping it. The descriptor belongs to the save, which outlives this writer.
+        let ptr = data.as_ptr();
+        // SAFETY: the kernel reads `n <= data.len()` bytes from `ptr`, which is either buffer
+        // `b` (off the free list, so nothing else reads or writes it until its completion is
+        // reaped: `finish` puts it back; `self` owns it and drains the ring before dropping it)
+        // or the source's own memory, which `WriteSource::slice` promises unchanged while the
+        // source is borrowed: for the whole save, which outlives this writer and its drained
+        // ring. The descriptor belongs to the save as well.
         let pushed = unsafe { self.ring.push_write(d.as_raw_fd(), ptr, n, at, b as u64) };
         if let Err(e) = pushed {
             self.free.push(b);
             return Err(io_err(self.w.path, "write (io_uring)", e));
         }
-        self.pending[b] = Some(Pending { buf: b, offset, len, aligned });
+        self.pending[b] = Some(Pending { buf: b, offset, len, aligned, borrowed: borrowed.is_some() });
         Ok(())
     }
 
@@ -683,7 +707,8 @@ impl<'w, 'a, 'o> UringWriter<'w, 'a, 'o> {
     /// `O_DIRECT` switches the save to buffered writes, other errors fail it.
     fn finish(&mut self, b: usize, res: i32) -> Result<(), StorageError> {
         let Some(p) = self.pending.get_mut(b).and_then(Option::take) else { return Ok(()) };
-        let data = &self.bufs[p.buf].as_slice()[..p.aligned];
+        let borrowed = if p.borrowed { self.borrowed(p.offset, p.len) } else { None };
+        let data = &borrowed.unwrap_or_else(|| self.bufs[p.buf].as_slice())[..p.aligned];
         let written = match usize::try_from(res) {
             Ok(n) => n.min(p.aligned),
             Err(_) if -res == Errno::EINVAL as i32 => {

@@ -975,7 +975,9 @@ fn links_in_sticky_directories_follow_the_kernels_protected_symlinks_rule() {
 
 /// In-place positional writes (the DeepNVMe-style API): every file system, both methods, with
 /// and without `O_DIRECT`, heads and tails off the block grid, ranges inside, across and past
-/// the end of an existing file, and a new file; bytes outside the range never change.
+/// the end of an existing file, and a new file; bytes outside the range never change. Each
+/// range is written twice: from source memory that lines up with the file's blocks (which
+/// `O_DIRECT` writes take as it is, no copy) and from memory one byte off.
 #[test]
 fn writes_in_place_at_any_offset() {
     let (systems, _mount) = file_systems();
@@ -988,10 +990,19 @@ fn writes_in_place_at_any_offset() {
                 let path = dir.path().join(format!("at-{method:?}-{direct:?}"));
                 let _ = std::fs::remove_file(&path);
                 let mut expected: Vec<u8> = Vec::new();
-                for (i, &(offset, len)) in cases.iter().enumerate() {
-                    let data = pattern(len, 7 + i as u64);
+                for (i, &(offset, len), shift) in
+                    cases.iter().enumerate().flat_map(|(i, c)| [(i, c, 0usize), (i, c, 1)])
+                {
+                    let data = pattern(len, 7 + i as u64 + 100 * shift as u64);
+                    // Placed so that the source byte for the first block-aligned file offset
+                    // sits at a block-aligned address (shift 0), or one byte past it.
+                    let mut room = vec![0u8; len + 3 * 4096];
+                    let base = room.as_ptr() as usize;
+                    let at = (offset as usize % 4096 + 4096 - base % 4096) % 4096 + shift;
+                    room[at..at + len].copy_from_slice(&data);
+                    let source = &room[at..at + len];
                     let opts = IoOptions { direct, chunk_size: 64 << 10, threads: 3, ..Default::default() };
-                    s.write_at(&path, offset, &BytesSource(&data), &opts)
+                    s.write_at(&path, offset, &BytesSource(source), &opts)
                         .unwrap_or_else(|e| panic!("{fs_name} {method:?} {direct:?} {offset}+{len}: {e}"));
                     let end = offset as usize + len;
                     if expected.len() < end {
@@ -999,7 +1010,10 @@ fn writes_in_place_at_any_offset() {
                     }
                     expected[offset as usize..end].copy_from_slice(&data);
                     let got = std::fs::read(&path).unwrap();
-                    assert!(got == expected, "{fs_name} {method:?} {direct:?}: after {offset}+{len} the file differs");
+                    assert!(
+                        got == expected,
+                        "{fs_name} {method:?} {direct:?}: after {offset}+{len} (shift {shift}) the file differs"
+                    );
                 }
                 assert_eq!(mode_of(&path), 0o600 & !umask(), "{fs_name}: a new file is private");
             }

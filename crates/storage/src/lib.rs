@@ -292,6 +292,15 @@ pub trait WriteSource: Sync {
     /// Fills `dst` with the bytes at `offset..offset + dst.len()`. Errors abort the write and
     /// leave any previous file in place.
     fn fill(&self, offset: u64, dst: &mut [u8]) -> std::result::Result<(), String>;
+
+    /// The bytes at `offset..offset + len` where they already sit in memory, unchanged for as
+    /// long as the source is borrowed, so that a backend can write straight from them instead
+    /// of filling a buffer of its own (the local backend does for `O_DIRECT` writes from an
+    /// aligned address). `None`, the default, when the bytes must be `fill`ed.
+    fn slice(&self, offset: u64, len: usize) -> Option<&[u8]> {
+        let _ = (offset, len);
+        None
+    }
 }
 
 /// A [`WriteSource`] backed by one slice in memory.
@@ -311,6 +320,11 @@ impl WriteSource for BytesSource<'_> {
             .ok_or_else(|| format!("range {start}+{} is outside the {} source bytes", dst.len(), self.0.len()))?;
         dst.copy_from_slice(src);
         Ok(())
+    }
+
+    fn slice(&self, offset: u64, len: usize) -> Option<&[u8]> {
+        let start = usize::try_from(offset).ok()?;
+        self.0.get(start..start.checked_add(len)?)
     }
 }
 
