@@ -39,7 +39,8 @@ GENERATE = textwrap.dedent(
     model, load_format, extra, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
     prompts = json.loads(sys.argv[5])
     llm = LLM(model=model, load_format=load_format, model_loader_extra_config=extra, dtype="float32",
-              enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0)
+              enforce_eager=True, max_model_len=256, max_num_seqs=4, seed=0,
+              tensor_parallel_size=int(sys.argv[7]) if len(sys.argv) > 7 else 1)
     res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=int(sys.argv[6])))
     json.dump([list(r.outputs[0].token_ids) for r in res], open(out, "w"))
     """
@@ -115,20 +116,23 @@ def write_llama(d, drop=None, hidden=128, layers=3, heads=2, shard="300KB"):
     return d
 
 
-def run(args, timeout=600):
+def run(args, timeout=600, env=None):
     return subprocess.run(
         [sys.executable, "-c", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         timeout=timeout,
-        env=ENV,
+        env=env or ENV,
     )
 
 
-def generate(model, load_format, tmp, extra=None):
+def generate(model, load_format, tmp, extra=None, tp=1):
     out = tmp / f"out-{load_format}-{time.monotonic_ns()}.json"
-    p = run([GENERATE, str(model), load_format, json.dumps(extra or {}), str(out), json.dumps(PROMPTS), str(TOKENS)])
+    args = [GENERATE, str(model), load_format, json.dumps(extra or {}), str(out), json.dumps(PROMPTS), str(TOKENS), str(tp)]
+    # vLLM on the CPU binds each tensor-parallel rank's threads to cores of its own.
+    env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp))} if tp > 1 else ENV
+    p = run(args, env=env)
     return p, (json.loads(out.read_text()) if out.exists() else None)
 
 
@@ -146,6 +150,19 @@ def test_offline_greedy_outputs_equal_the_default_loaders(llama):
     assert ours, p.stdout[-4000:]
     assert ours == default
     assert "Loading weights took" in p.stdout and "turboio:" in p.stdout, p.stdout[-4000:]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel ranks need two cores")
+def test_tensor_parallel_ranks_map_lazily_and_give_the_default_loaders_outputs(llama):
+    """`tensor_parallel_size=2`: each rank maps the shards lazily (its log says so) and the
+    greedy token ids equal the default loader's with the same two ranks."""
+    model, _, tmp = llama
+    p, default = generate(model, "auto", tmp, tp=2)
+    assert default, p.stdout[-4000:]
+    p, ours = generate(model, "turboio", tmp, tp=2)
+    assert ours, p.stdout[-4000:]
+    assert ours == default
+    assert p.stdout.count("each rank reads the pages of its slices only") == 2, p.stdout[-4000:]
 
 
 def test_an_incomplete_checkpoint_is_refused_like_the_default_loader_does(llama):
