@@ -599,15 +599,15 @@ impl Writer<'_, '_> {
 }
 
 /// A chunk whose `O_DIRECT` write is in flight.
-struct Pending {
+struct Pending<'a> {
     buf: usize,
     offset: u64,
     /// Bytes of the chunk.
     len: usize,
     /// Bytes handed to the ring (the whole blocks).
     aligned: usize,
-    /// Written straight from the source's memory ([`WriteSource::slice`]), not from `buf`.
-    borrowed: bool,
+    /// The source's own memory the write went from ([`WriteSource::slice`]), else `buf`.
+    borrowed: Option<&'a [u8]>,
 }
 
 /// One worker's ring and the buffers the kernel reads from. The ring is drained before the
@@ -617,7 +617,7 @@ struct UringWriter<'w, 'a, 'o> {
     ring: Ring,
     bufs: Vec<AlignedBuf>,
     free: Vec<usize>,
-    pending: Vec<Option<Pending>>,
+    pending: Vec<Option<Pending<'a>>>,
 }
 
 impl Drop for UringWriter<'_, '_, '_> {
@@ -710,7 +710,7 @@ impl<'w, 'a, 'o> UringWriter<'w, 'a, 'o> {
             self.free.push(b);
             return Err(io_err(self.w.path, "write (io_uring)", e));
         }
-        self.pending[b] = Some(Pending { buf: b, offset, len, aligned, borrowed: borrowed.is_some() });
+        self.pending[b] = Some(Pending { buf: b, offset, len, aligned, borrowed });
         Ok(())
     }
 
@@ -718,8 +718,7 @@ impl<'w, 'a, 'o> UringWriter<'w, 'a, 'o> {
     /// `O_DIRECT` switches the save to buffered writes, other errors fail it.
     fn finish(&mut self, b: usize, res: i32) -> Result<(), StorageError> {
         let Some(p) = self.pending.get_mut(b).and_then(Option::take) else { return Ok(()) };
-        let borrowed = if p.borrowed { self.borrowed(p.offset, p.len) } else { None };
-        let data = &borrowed.unwrap_or_else(|| self.bufs[p.buf].as_slice())[..p.aligned];
+        let data = &p.borrowed.unwrap_or_else(|| self.bufs[p.buf].as_slice())[..p.aligned];
         let written = match usize::try_from(res) {
             Ok(n) => n.min(p.aligned),
             Err(_) if -res == Errno::EINVAL as i32 => {
