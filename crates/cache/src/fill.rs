@@ -193,6 +193,66 @@ impl Drop for Filling {
     }
 }
 
+/// Chunks a load has received and not yet written to the entry, at most (each up to a part,
+/// 8 MiB by default): beyond it the receiving threads wait for the writer.
+const WRITE_BEHIND: usize = 16;
+
+/// A chunk received into the caller's memory, to be written to the entry.
+struct Received {
+    offset: u64,
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: `Received` is a borrowed view of a chunk of the caller's destination, sent to the
+// writer thread of `read_writing_behind`; the memory stays valid and unchanged until that
+// thread has been joined (see there), so reading it from another thread is sound.
+#[allow(unsafe_code)] // the write-behind's hand-over of a borrowed chunk, no FFI
+unsafe impl Send for Received {}
+
+impl Filling {
+    /// A bulk read whose chunks are written to the entry by a thread of its own while the
+    /// load goes on, instead of on the thread that received them: a receiving thread drives
+    /// several GETs at once, and a write (milliseconds for a part) would stall all of their
+    /// bodies. Only for reads without a caller's hook (nothing modifies a chunk after the
+    /// backend has filled it); the writer is joined before this returns.
+    fn read_writing_behind(
+        &self,
+        requests: Vec<ReadRequest<'_>>,
+        opts: &IoOptions<'_>,
+    ) -> Result<turboio_storage::ReadInfo> {
+        std::thread::scope(|s| {
+            let (tx, rx) = std::sync::mpsc::sync_channel::<Received>(WRITE_BEHIND);
+            let writer = s.spawn(move || {
+                for r in rx {
+                    // SAFETY: `r` points at a chunk of a destination of `requests`, which the
+                    // caller lends for the whole of this call: this thread is joined before
+                    // the call returns, and the backend writes a chunk's bytes only before it
+                    // runs the hook on them (the `IoOptions::hook` contract), so they are valid
+                    // and no longer written while this reads them.
+                    #[allow(unsafe_code)] // as above
+                    let bytes = unsafe { std::slice::from_raw_parts(r.ptr, r.len) };
+                    self.record(r.offset, bytes);
+                }
+            });
+            let hook = |offset: u64, bytes: &mut [u8]| {
+                let chunk = Received { offset, ptr: bytes.as_ptr(), len: bytes.len() };
+                if tx.send(chunk).is_err() {
+                    // The writer is gone (only if it panicked): written here.
+                    self.record(offset, bytes);
+                }
+                Ok(())
+            };
+            let result = self.inner.read_ranges_reported(requests, &IoOptions { hook: Some(&hook), ..*opts });
+            drop(tx);
+            if writer.join().is_err() {
+                self.abandon();
+            }
+            result
+        })
+    }
+}
+
 struct Reader<'a> {
     inner: Box<dyn RangeReader + 'a>,
     file: &'a Filling,
@@ -228,13 +288,20 @@ impl StorageFile for Filling {
         requests: Vec<ReadRequest<'_>>,
         opts: &IoOptions<'_>,
     ) -> Result<turboio_storage::ReadInfo> {
-        let user = opts.hook;
-        // The raw bytes go to the entry before the caller's hook decrypts or converts them.
-        let hook = |offset: u64, bytes: &mut [u8]| {
-            self.record(offset, bytes);
-            user.map_or(Ok(()), |h| h(offset, bytes))
+        let info = match opts.hook {
+            // Nothing changes the bytes after the backend has read them: they are written
+            // behind the load, by a thread of their own.
+            None => self.read_writing_behind(requests, opts)?,
+            Some(user) => {
+                // The raw bytes go to the entry before the caller's hook decrypts or converts
+                // them (in place), so on the receiving thread.
+                let hook = |offset: u64, bytes: &mut [u8]| {
+                    self.record(offset, bytes);
+                    user(offset, bytes)
+                };
+                self.inner.read_ranges_reported(requests, &IoOptions { hook: Some(&hook), ..*opts })?
+            }
         };
-        let info = self.inner.read_ranges_reported(requests, &IoOptions { hook: Some(&hook), ..*opts })?;
         let method = match info.method {
             "ranged GETs" => "ranged GETs, written through to the node cache",
             _ => "storage, written through to the node cache",

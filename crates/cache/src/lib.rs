@@ -27,8 +27,11 @@
 //!
 //! # Writing through
 //!
-//! Each chunk a load receives is written to the entry's part file on the thread that received
-//! it, before the load's own hook decrypts or converts it. Chunks at offsets, lengths and
+//! Each chunk a load receives is written to the entry's part file by a writer thread of the
+//! load's, while the receiving threads go on with their other requests (the writer is at most
+//! 16 chunks behind, and the load returns once it has caught up). A load whose own hook
+//! decrypts or converts the chunks in place writes each on the thread that received it, before
+//! that hook runs: the entry holds the object's bytes as stored. Chunks at offsets, lengths and
 //! addresses aligned to 4 KiB (a load's arenas and staging buffers are page-aligned, and its
 //! parts start at aligned offsets: everything but the header and the tail) are written with
 //! `O_DIRECT` from the load's memory, so the fill copies nothing into the page cache and takes
@@ -42,8 +45,7 @@
 //! # One fetch per node
 //!
 //! A miss takes the key's lock. The process that gets it fetches (the load's own reads, each
-//! chunk also written to the part file on the thread that received it, before decryption or
-//! conversion). The others wait while that fetch makes progress and then load the published
+//! chunk also written to the part file as above). The others wait while that fetch makes progress and then load the published
 //! entry locally; if it stops writing for [`STALL`] (it died: its lock is gone; or it reads
 //! only part of the object and then idles), they load from the store without the cache. A
 //! load that reads only part of the object (a tensor subset, one rank's block) publishes

@@ -85,7 +85,9 @@ pub struct IoOptions<'h> {
     pub direct: DirectIo,
     /// Bytes per chunk handed to a worker; 0 means the backend's default.
     pub chunk_size: usize,
-    /// Called on the worker thread after each chunk is read (reads only).
+    /// Called on the worker thread after each chunk is read (reads only), once per chunk,
+    /// when its bytes are complete: a backend writes no more to a chunk once its hook has run
+    /// (the node cache's write-behind reads chunks after the hook, until the call returns).
     pub hook: Option<ChunkHook<'h>>,
     /// Progress: bytes completed so far are added here.
     pub progress: Option<&'h AtomicU64>,
