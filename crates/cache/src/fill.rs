@@ -62,6 +62,10 @@ impl Filling {
             Err(e) => return Err((inner, e)),
         };
         crate::filling_here(&slot.key, true);
+        // The part file has the object's length from the start (a sparse file): the chunks,
+        // which arrive in any order, are then writes inside the file, which ext4 runs without
+        // the serialised size updates of writes past its end.
+        let _ = part.set_len(inner.len());
         use std::os::unix::fs::OpenOptionsExt;
         let direct = File::options().write(true).custom_flags(nix::fcntl::OFlag::O_DIRECT.bits()).open(&part_path).ok();
         let f = Filling {

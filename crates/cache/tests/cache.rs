@@ -488,6 +488,11 @@ fn aligned_chunks_go_to_the_entry_with_o_direct_and_the_rest_buffered() {
     )
     .unwrap();
     assert_eq!(&backing[start..start + data.len()], &data[..]);
+    // The chunks are written behind the load by a thread of its own, which the read waits for:
+    // the entry is complete and published when the read returns, not when the file is dropped.
+    let entries = cache.cache().entries().unwrap();
+    assert_eq!(entries.len(), 1, "published by the read itself");
+    assert_eq!(std::fs::read(&entries[0].path).unwrap(), data);
     drop(f);
     let e = &cache.cache().entries().unwrap()[0];
     assert_eq!(std::fs::read(&e.path).unwrap(), data);
