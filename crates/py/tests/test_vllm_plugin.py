@@ -286,6 +286,56 @@ def test_real_vllm_checks_options_when_its_configuration_is_built():
     assert other.create_load_config().load_format == "auto"
 
 
+def test_object_store_models_pass_vllms_load_format_check(monkeypatch):
+    """vLLM 0.32's `VllmConfig.try_verify_and_update_config` refuses weights on object storage
+    unless the load format is Run:ai's (or ModelExpress); the plug-in lets "turboio" through that
+    one check and nothing else: the URL is back after the call, other formats are still refused,
+    and installing twice wraps once. (A stand-in with vLLM's rule; the real vLLM runs it in
+    `test_vllm_real.py::test_an_s3_model_on_two_ranks_is_fetched_once`.)"""
+
+    class VllmConfig:
+        def __init__(self, load_format, weights):
+            self.load_config = types.SimpleNamespace(load_format=load_format)
+            self.model_config = types.SimpleNamespace(model_weights=weights)
+
+        def try_verify_and_update_config(self):
+            w = self.model_config.model_weights
+            self.seen = w
+            if w.startswith(("s3://", "gs://", "az://")) and self.load_config.load_format not in (
+                "modelexpress",
+                "runai_streamer",
+                "runai_streamer_sharded",
+            ):
+                raise ValueError("To load a model from object storage (S3/GCS/Azure), 'load_format' must be ...")
+
+    mod = types.ModuleType("vllm.config.vllm")
+    mod.VllmConfig = VllmConfig
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.config", types.ModuleType("vllm.config"))
+    monkeypatch.setitem(sys.modules, "vllm.config.vllm", mod)
+    vllm_plugin._allow_object_store_models()
+    vllm_plugin._allow_object_store_models()
+    assert not getattr(VllmConfig.try_verify_and_update_config.__wrapped__, "_turboio_allows_object_stores", False)
+    c = VllmConfig("turboio", "s3://models/llama")
+    c.try_verify_and_update_config()
+    assert c.seen == "" and c.model_config.model_weights == "s3://models/llama"
+    with pytest.raises(ValueError, match="object storage"):
+        VllmConfig("auto", "s3://models/llama").try_verify_and_update_config()
+    local = VllmConfig("turboio", "")
+    local.try_verify_and_update_config()
+    assert local.seen == ""
+    # An error of the check's method leaves the URL in place too.
+    def failing(self):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(VllmConfig, "try_verify_and_update_config", failing)
+    vllm_plugin._allow_object_store_models()
+    c = VllmConfig("turboio", "gs://b/m")
+    with pytest.raises(RuntimeError, match="boom"):
+        c.try_verify_and_update_config()
+    assert c.model_config.model_weights == "gs://b/m"
+
+
 def _tp_worker(rank, world, d, url, options):
     import torch.distributed as dist
 

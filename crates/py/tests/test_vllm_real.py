@@ -7,19 +7,23 @@ trained here, 3 shards and an index), then
   vLLM's message, by turboio as by the default loader;
 - a bad `model_loader_extra_config`: refused, naming the option;
 - `vllm serve MODEL --load-format turboio` on 127.0.0.1: a completion over HTTP with the same
-  greedy token ids, and the "Loading weights took" line in its log.
+  greedy token ids, and the "Loading weights took" line in its log;
+- two tensor-parallel ranks: lazily mapped local shards, and an `s3://` model (the S3 test
+  server) fetched once by the group (`fetch="once"`), each with the default loader's token ids.
 
 Each vLLM engine runs in a child process of its own (vLLM's engine is not meant to be started
 twice in one process), and every child has a time limit."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import textwrap
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -163,6 +167,99 @@ def test_tensor_parallel_ranks_map_lazily_and_give_the_default_loaders_outputs(l
     assert ours, p.stdout[-4000:]
     assert ours == default
     assert p.stdout.count("each rank reads the pages of its slices only") == 2, p.stdout[-4000:]
+
+
+ROOT = Path(__file__).resolve().parents[3]
+# The S3 test server needs moto, which the main venv has (`cargo xtask test` made it); vLLM pulls
+# an object-store model's config and tokenizer itself, with Run:ai Model Streamer's S3 client
+# (`cargo xtask test --vllm` installs it in `.venv-vllm`).
+MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
+UPLOAD = textwrap.dedent(
+    """
+    import boto3, os, sys
+    endpoint, bucket, prefix, src = sys.argv[1:5]
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
+                      aws_secret_access_key="test")
+    s3.create_bucket(Bucket=bucket)
+    for name in sorted(os.listdir(src)):
+        s3.upload_file(os.path.join(src, name), bucket, prefix + "/" + name)
+    """
+)
+
+
+def _runai_s3():
+    try:
+        import runai_model_streamer_s3  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel ranks need two cores")
+@pytest.mark.skipif(not MAIN_PYTHON.exists(), reason="the S3 test server runs in the main venv (cargo xtask test)")
+@pytest.mark.skipif(not _runai_s3(), reason="vLLM reads s3:// configs with runai-model-streamer-s3")
+def test_an_s3_model_on_two_ranks_is_fetched_once(llama):
+    """`LLM("s3://models/llama", load_format="turboio", tensor_parallel_size=2,
+    model_loader_extra_config={"fetch": "once"})` against the S3 test server, credentials and
+    endpoint from the environment as a user sets them: greedy token ids equal to the default
+    loader's on the local copy; each rank fetched half of the shards' bytes from the store and
+    received the rest from the other rank; the server sent the shards about once."""
+    _, _, tmp = llama
+    # Shards of tens of MB, so that what every open costs (one ranged GET of up to 1 MiB: the
+    # header, the length and the version) is small beside them, as with real checkpoints.
+    model = write_llama(tmp / "s3llama", hidden=512, layers=4, heads=8, shard="25MB")
+    p, default = generate(model, "auto", tmp, tp=2)
+    assert default, p.stdout[-4000:]
+    server = subprocess.Popen(
+        [str(MAIN_PYTHON), str(ROOT / "tests" / "support" / "s3_server.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        line = server.stdout.readline()
+        assert line.startswith("PORT "), f"the S3 server did not start: {line!r}"
+        endpoint = f"http://127.0.0.1:{int(line.split()[1])}"
+        up = subprocess.run([str(MAIN_PYTHON), "-c", UPLOAD, endpoint, "models", "llama", str(model)],
+                            capture_output=True, text=True, timeout=300)
+        assert up.returncode == 0, up.stderr[-4000:]
+        # The counters start here: what the load makes the server send.
+        urllib.request.urlopen(urllib.request.Request(endpoint + "/__faults", data=b"{}", method="POST")).read()
+        env = {
+            **ENV,
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_REGION": "us-east-1",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+        }
+        out = tmp / f"out-s3-{time.monotonic_ns()}.json"
+        args = [GENERATE, "s3://models/llama", "turboio", json.dumps({"fetch": "once"}), str(out),
+                json.dumps(PROMPTS), str(TOKENS), "2"]
+        p = run(args, env=env)
+        assert out.exists(), p.stdout[-6000:]
+        assert json.loads(out.read_text()) == default
+        stats = json.loads(urllib.request.urlopen(endpoint + "/__stats").read())
+    finally:
+        server.stdin.close()
+        server.kill()
+        server.wait()
+    shards = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    others = sum(f.stat().st_size for f in model.iterdir() if f.suffix != ".safetensors")
+    # Each rank: half of the shards' bytes fetched, the other half received over the group.
+    fetched = [float(x) for x in re.findall(r"this rank fetched ([0-9.]+) GB of the model's", p.stdout)]
+    assert len(fetched) == 2, p.stdout[-6000:]
+    assert all(f * 1e9 <= shards / 2 + 1e6 for f in fetched), (fetched, shards)
+    # The server: the shards about once, not once per rank (plus the small files vLLM pulls,
+    # config, tokenizer and index, and up to 1 MiB per open of a shard: its header, length and
+    # version).
+    n = len(list(model.glob("*.safetensors")))
+    print("server sent", stats, "shards", shards, "others", others)
+    assert stats["get_bytes"] <= 1.1 * shards + 2 * others + 4 * n * (1 << 20), (stats, shards, others)
 
 
 def test_an_incomplete_checkpoint_is_refused_like_the_default_loader_does(llama):

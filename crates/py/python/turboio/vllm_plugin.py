@@ -148,9 +148,9 @@ def weights_iterator(model_dir, options):
 
     group = _tensor_parallel_group() if options.get("fetch") == "once" else None
     if group is not None:
-        from .models import load_model
+        from .models import fetch_report, load_model
 
-        yield from load_model(
+        state_dict = load_model(
             model_dir,
             num_thread=options["num_threads"],
             cache=options["cache"],
@@ -158,7 +158,17 @@ def weights_iterator(model_dir, options):
             cache_dir=options.get("cache_dir"),
             process_group=group,
             fetch="once",
-        ).items()
+        )
+        r = fetch_report()
+        logger.info(
+            "turboio loader: fetch once over the tensor-parallel group of %d ranks: this rank fetched "
+            "%.3f GB of the model's %.3f GB from storage and received %.3f GB over the group",
+            r.get("world_size", 0),
+            r.get("fetched_bytes", 0) / 1e9,
+            r.get("bytes", 0) / 1e9,
+            r.get("received_bytes", 0) / 1e9,
+        )
+        yield from state_dict.items()
         return
     from .models import iter_weights
 
@@ -315,13 +325,49 @@ def _check_options_at_parse_time():
     EngineArgs.create_load_config = create_load_config
 
 
+def _allow_object_store_models():
+    """vLLM (0.32) refuses a model whose weights are on object storage (`vllm serve
+    s3://bucket/model`: vLLM pulls the config and tokenizer and keeps the weights' URL in
+    `model_weights`) unless `load_format` is one of the loaders it knows can read such a URL
+    (Run:ai's, ModelExpress). turboio reads them: with `load_format` "turboio", that one check
+    of `VllmConfig.try_verify_and_update_config` is passed by hiding the URL from it for the
+    call (the check is the method's only use of it; the URL is back in place when it returns).
+    Installed once; a vLLM without that method is left as it is."""
+    try:
+        from vllm.config.vllm import VllmConfig
+    except Exception:  # noqa: BLE001 - another vLLM layout: nothing to pass
+        return
+    original = getattr(VllmConfig, "try_verify_and_update_config", None)
+    if original is None or getattr(original, "_turboio_allows_object_stores", False):
+        return
+
+    def try_verify_and_update_config(self):
+        from . import _remote
+
+        load, model = getattr(self, "load_config", None), getattr(self, "model_config", None)
+        weights = getattr(model, "model_weights", None) or ""
+        ours = str(getattr(load, "load_format", "")).lower() == "turboio"
+        if not (ours and _remote.is_object_url(weights)):
+            return original(self)
+        model.model_weights = ""
+        try:
+            return original(self)
+        finally:
+            model.model_weights = weights
+
+    try_verify_and_update_config._turboio_allows_object_stores = True
+    try_verify_and_update_config.__wrapped__ = original
+    VllmConfig.try_verify_and_update_config = try_verify_and_update_config
+
+
 def register():
-    """vLLM's plug-in hook: registers the "turboio" model loader, and has vLLM check its
-    options when the engine's configuration is built."""
+    """vLLM's plug-in hook: registers the "turboio" model loader, has vLLM check its options
+    when the engine's configuration is built, and lets it serve object-store models."""
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     _check_options_at_parse_time()
+    _allow_object_store_models()
 
     @register_model_loader("turboio")
     class TurboioModelLoader(BaseModelLoader):
