@@ -26,7 +26,7 @@ pub(crate) struct Filling {
     part: File,
     /// The same file opened with `O_DIRECT` (where the file system allows it): aligned chunks
     /// go to the disk from the load's own memory, with no copy into the page cache and no CPU
-    /// spent on one (a fill then costs the load next to nothing); others through `part`.
+    /// spent on one; others through `part`.
     direct: Option<File>,
     state: Mutex<State>,
 }

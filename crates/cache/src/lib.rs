@@ -35,7 +35,7 @@
 //! addresses aligned to 4 KiB (a load's arenas and staging buffers are page-aligned, and its
 //! parts start at aligned offsets: everything but the header and the tail) are written with
 //! `O_DIRECT` from the load's memory, so the fill copies nothing into the page cache and takes
-//! next to no CPU from the load; the rest goes through the page cache (its writeback started at
+//! little CPU from the load; the rest goes through the page cache (its writeback started at
 //! once). The entry's bytes are therefore on the disk, not in the page cache: the first later
 //! load of it reads the local disk, the following ones the page cache. (Reading it into the
 //! page cache right after publication, `posix_fadvise(WILLNEED)`, was measured: it slowed the
