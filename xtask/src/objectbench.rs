@@ -46,6 +46,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const S3S_FS_VERSION: &str = "0.14.1";
+/// Run:ai Model Streamer with its S3 plug-in, as pip requirements: the bench's peer, and what
+/// vLLM pulls an `s3://` model's config with (`cargo xtask test --vllm`).
+pub(crate) const RUNAI_STREAMER: [&str; 2] = ["runai-model-streamer==0.17.0", "runai-model-streamer-s3==0.17.0"];
 const BUCKET: &str = "bench";
 const FILE_KEY: &str = "sample.safetensors";
 const MODEL_PREFIX: &str = "model";
@@ -732,7 +735,7 @@ fn runai_ready(python: &Path) -> Option<String> {
     eprintln!("installing runai-model-streamer 0.17.0 with its S3 plugin ...");
     let _ = Command::new(python)
         .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-cache-dir"])
-        .args(["runai-model-streamer==0.17.0", "runai-model-streamer-s3==0.17.0"])
+        .args(RUNAI_STREAMER)
         .status();
     python_ok(python, check).err().map(|e| format!("Run:ai Model Streamer cannot be imported: {e}"))
 }

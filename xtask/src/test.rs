@@ -136,7 +136,6 @@ pub fn vllm_venv() -> Result<PathBuf> {
     }
     // vLLM pulls the config and tokenizer of an `s3://` model with Run:ai Model Streamer's S3
     // client (its `runai` extra): the object-store test needs it.
-    let runai = ["runai-model-streamer==0.17.0", "runai-model-streamer-s3==0.17.0"];
     let has_runai = Command::new(&python)
         .args(["-c", "import runai_model_streamer_s3"])
         .stderr(std::process::Stdio::null())
@@ -145,7 +144,9 @@ pub fn vllm_venv() -> Result<PathBuf> {
     if !has_runai {
         step(
             "install Run:ai Model Streamer (vLLM's s3:// configs)",
-            Command::new(&python).args(["-m", "pip", "install", "--quiet", "--no-cache-dir"]).args(runai),
+            Command::new(&python)
+                .args(["-m", "pip", "install", "--quiet", "--no-cache-dir"])
+                .args(crate::objectbench::RUNAI_STREAMER),
         )?;
     }
     let wheels = root().join("target/wheels");

@@ -292,7 +292,10 @@ impl StorageFile for Filling {
         requests: Vec<ReadRequest<'_>>,
         opts: &IoOptions<'_>,
     ) -> Result<turboio_storage::ReadInfo> {
+        let done = self.state().done;
         let info = match opts.hook {
+            // The entry is published or abandoned: nothing more goes to it.
+            None if done => self.inner.read_ranges_reported(requests, opts)?,
             // Nothing changes the bytes after the backend has read them: they are written
             // behind the load, by a thread of their own.
             None => self.read_writing_behind(requests, opts)?,
