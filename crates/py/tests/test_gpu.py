@@ -89,6 +89,28 @@ def test_safetensors_and_fastsafetensors_apis_raise_without_a_gpu(tmp):
     assert_missing_gpu(e)
 
 
+@no_gpu
+def test_iter_weights_to_cuda_raises_naming_what_is_missing(tmp):
+    path, _ = sample(tmp)
+    for window in (None, "1MiB"):
+        with pytest.raises(RuntimeError) as e:
+            next(turboio.iter_weights([str(path)], "cuda:0", window=window))
+        assert_missing_gpu(e)
+
+
+@needs_gpu
+@pytest.mark.parametrize("window", [None, 4096])
+def test_iter_weights_loads_straight_into_the_gpu(tmp, window):
+    """Each group through the device path (the vLLM plug-in's upload): CUDA tensors equal to
+    the file's, valid after the iterator moved on."""
+    path, tensors = sample(tmp, n=1 << 16)
+    got = dict(turboio.iter_weights([str(path)], "cuda:0", window=window))
+    assert got.keys() == tensors.keys()
+    for k, v in tensors.items():
+        assert got[k].device == torch.device("cuda", 0), k
+        assert same(got[k].cpu(), v), k
+
+
 def test_device_strings_and_cpu_paths_are_unchanged(tmp):
     path, tensors = sample(tmp)
     assert _turboio.check_device("cpu") == "cpu"

@@ -47,6 +47,7 @@ def test_options_are_checked():
         "tensors": None,
         "window": "256MiB",
         "enable_weights_track": None,
+        "upload": "auto",
     }
     assert vllm_plugin.loader_options({"num_threads": 4, "cache": "keep"})["num_threads"] == 4
     assert vllm_plugin.loader_options({"tensors": ["model.layers.0.*"]})["tensors"] == ["model.layers.0.*"]
@@ -69,6 +70,9 @@ def test_options_are_checked():
         ({"window": -1}, "window must be a size in bytes"),
         ({"window": "lots"}, "window must be a size such as"),
         ({"enable_weights_track": "yes"}, "enable_weights_track must be true or false"),
+        ({"upload": "gpu"}, "upload must be auto, device or host"),
+        ({"upload": "device", "fetch": "once"}, "upload device cannot be combined with fetch once"),
+        ({"upload": "device", "mode": "copied"}, "mode .* does not apply"),
     ]:
         with pytest.raises(ValueError, match=msg):
             vllm_plugin.loader_options(bad)
@@ -465,3 +469,101 @@ def test_tensor_parallel_ranks_read_only_their_slices(tmp, monkeypatch):
         assert torch.equal(got[k], v[:512]), k
         assert torch.equal(whole[k], v[:512]), k
     assert n_ours <= 1.1 * n_theirs + (1 << 20), (n_ours, n_theirs)
+
+
+class StubbedCuda:
+    """The extension as a GPU machine has it, for the plug-in's device path without a GPU:
+    loads asked for a CUDA device are recorded and done on the CPU (the bytes are the same);
+    with `fail_after`, device loads after that many raise as a failing GPU load would."""
+
+    def __init__(self, real, fail_after=None):
+        self.real, self.fail_after, self.calls = real, fail_after, []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def load(self, path, **kw):
+        device = kw.pop("device", "cpu")
+        staging, gds = kw.pop("staging", None), kw.pop("gds", None)
+        self.calls.append({"device": device, "staging": staging, "gds": gds, "mode": kw.get("mode"), "names": kw.get("tensors")})
+        if device != "cpu" and self.fail_after is not None and len(self.calls) > self.fail_after:
+            raise RuntimeError(f"turboio: {device}: out of memory (stub)")
+        return self.real.load(path, **kw)
+
+
+@pytest.fixture
+def stub_cuda(monkeypatch):
+    from turboio import _cuda, models
+
+    monkeypatch.setattr(_cuda, "target", lambda d: f"cuda:{torch.device(d).index or 0}")
+
+    def install(**kw):
+        stub = StubbedCuda(models._turboio, **kw)
+        monkeypatch.setattr(models, "_turboio", stub)
+        return stub
+
+    return install
+
+
+def test_upload_goes_to_the_gpu_only_where_nothing_asks_for_host_tensors(monkeypatch):
+    gpu, cpu = torch.device("cuda", 1), torch.device("cpu")
+    opts = vllm_plugin.loader_options
+    assert vllm_plugin.upload_device(opts(None), gpu) == gpu
+    assert vllm_plugin.upload_device(opts(None), cpu) is None
+    assert vllm_plugin.upload_device(opts(None), None) is None
+    assert vllm_plugin.upload_device(opts({"upload": "host"}), gpu) is None
+    assert vllm_plugin.upload_device(opts({"mode": "copied"}), gpu) is None, "a host mode asked for"
+    assert vllm_plugin.upload_device(opts({"fetch": "once"}), gpu) is None, "the group exchanges host tensors"
+    assert vllm_plugin.upload_device(opts({"upload": "device"}), gpu) == gpu
+    with pytest.raises(ValueError, match="upload is device, but the model's parameters are on cpu"):
+        vllm_plugin.upload_device(opts({"upload": "device"}), cpu)
+    assert vllm_plugin.model_device(torch_model({"a.w": (2,)})) == cpu
+    assert vllm_plugin.model_device(torch.nn.Module()) is None
+    # Under tensor parallelism whole tensors would cross PCIe on every rank: host tensors.
+    fake = types.ModuleType("vllm.distributed")
+    fake.get_tp_group = lambda: types.SimpleNamespace(world_size=2, cpu_group=None)
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.distributed", fake)
+    assert vllm_plugin.upload_device(opts(None), gpu) is None
+    assert vllm_plugin.upload_device(opts({"upload": "device"}), gpu) == gpu
+
+
+@pytest.mark.parametrize("window", [1, 0])
+def test_a_gpu_model_gets_its_weights_through_the_device_path(tmp, stub_cuda, window):
+    d, ref = model_dir(tmp)
+    stub = stub_cuda()
+    opts = vllm_plugin.loader_options({"window": window})
+    got = dict(vllm_plugin.weights_iterator(str(d), opts, torch.device("cuda", 0)))
+    assert got.keys() == ref.keys()
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+    assert stub.calls and all(c["device"] == "cuda:0" for c in stub.calls), stub.calls
+    assert len({id(c["staging"]) for c in stub.calls}) == 1 and stub.calls[0]["staging"] is not None, "one staging pool"
+    # window 1: a group per tensor; 0: a group per shard (the index's two, not the stray file).
+    assert len(stub.calls) == (3 if window else 2)
+
+
+def test_a_failing_gpu_load_hands_over_the_rest_as_host_tensors(tmp, stub_cuda):
+    d, ref = model_dir(tmp)
+    stub = stub_cuda(fail_after=1)
+    opts = vllm_plugin.loader_options({"window": 1})
+    with caplog_at_info() as records:
+        got = list(vllm_plugin.weights_iterator(str(d), opts, torch.device("cuda", 0)))
+    names = [n for n, _ in got]
+    assert sorted(names) == sorted(ref), "every tensor exactly once"
+    for n, t in got:
+        assert torch.equal(t, ref[n]), n
+    first = stub.calls[0]["names"]
+    host = [c for c in stub.calls if c["device"] == "cpu"]
+    assert host and all(not (c["names"] & first) for c in host), "what reached vLLM is not read again"
+    warned = [r.getMessage() for r in records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "out of memory (stub)" in warned[0] and "the rest are loaded into host memory" in warned[0]
+
+    # At the first group: everything comes from the host path.
+    stub = stub_cuda(fail_after=0)
+    got = dict(vllm_plugin.weights_iterator(str(d), opts, torch.device("cuda", 0)))
+    assert got.keys() == ref.keys()
+    # "device" insists: the failure is the answer.
+    stub = stub_cuda(fail_after=0)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        list(vllm_plugin.weights_iterator(str(d), vllm_plugin.loader_options({"upload": "device"}), torch.device("cuda", 0)))

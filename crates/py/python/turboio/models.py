@@ -382,14 +382,29 @@ def iter_weights(
     into a reused buffer), which is freed when the group's last tensor is dropped. For engines
     that copy each tensor into their own parameters as it comes.
 
+    `device`: "cpu" (default), or a CUDA device (`"cuda"`, `"cuda:N"`, a `torch.device`), into
+    which each shard (or each group, with `window`) is loaded straight through turboio's device
+    path, as `turboio.load(map_location="cuda:N")` loads a file: pinned staging buffers (one
+    pool, reused from group to group), several copy streams, GPUDirect Storage with
+    `TURBOIO_GDS`; the tensors are CUDA tensors viewing their group's device memory, freed with
+    the group's last tensor. Without CUDA it raises the `RuntimeError` that names what is
+    missing. Another device gets each CPU tensor moved with `.to(device)`.
+
     `num_thread`, `cache` and `mode` are `turboio.load`'s (readers, the page-cache policy, how
-    the bytes are held)."""
+    the bytes are held; `mode` applies to CPU loads)."""
     import torch
 
     dev = torch.device(device)
     paths = _paths(files_or_dir)
-    move = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev))
-    if window is None and (tensors is None or len(paths) == 1):
+    upload = {}
+    if dev.type == "cuda":
+        from . import _cuda
+
+        # Checked before anything is read: a machine without CUDA fails here, naming why.
+        upload = {"device": _cuda.target(dev), "gds": _cuda.gds_setting(), "staging": _turboio.StagingPool()}
+        mode = "auto"
+    move = (lambda t: t) if dev.type in ("cpu", "cuda") else (lambda t: t.to(dev))
+    if not upload and window is None and (tensors is None or len(paths) == 1):
         for path in paths:
             storage = _remote.storage(path, storage_options, cache_dir)
             for loaded in _turboio.load_model(
@@ -431,7 +446,9 @@ def iter_weights(
 
     def load(group):
         f, storage, names = group
-        return _turboio.load(f, threads=threads(num_thread), cache=cache, mode=mode, storage=storage, tensors=names)
+        return _turboio.load(
+            f, threads=threads(num_thread), cache=cache, mode=mode, storage=storage, tensors=names, **upload
+        )
 
     # The next group is read (GIL released) while the current one is consumed.
     with ThreadPoolExecutor(max_workers=1) as ahead:

@@ -34,8 +34,13 @@ list of them: only those tensors are read and fed to vLLM, e.g. a draft model's 
 pattern that matches nothing is an error naming the closest tensors), `window` (bytes, or a
 size such as "1GiB"; default "256MiB"; 0 loads each shard whole), `enable_weights_track`
 (vLLM's own option: true or false forces the loaded-weights check on or off; by default it runs
-for unquantized models whose `load_weights` returns the names, as vLLM's does). Unknown keys are
-an error, so a typo does not pass silently.
+for unquantized models whose `load_weights` returns the names, as vLLM's does), `upload`
+("auto", "device" or "host": where the model's parameters are on a GPU, "auto" loads each group
+straight into that GPU through turboio's device path (pinned staging buffers, several copy
+streams, GPUDirect Storage with `TURBOIO_GDS`) and vLLM copies GPU to GPU, unless tensor
+parallelism, `fetch="once"` or a `mode` asks for host tensors; should that load fail, the rest
+come as host tensors, with a warning; "device" insists and fails instead; "host" always hands
+vLLM host tensors). Unknown keys are an error, so a typo does not pass silently.
 
 vLLM is not a dependency of the wheel. Everything but the two vLLM classes lives in plain
 functions here (`weight_files`, `loader_options`, `weights_iterator`), tested without vLLM.
@@ -58,6 +63,7 @@ OPTIONS = {
     "tensors": (str, list),
     "window": (str, int),
     "enable_weights_track": bool,
+    "upload": str,
 }
 DEFAULT_WINDOW = "256MiB"
 
@@ -126,6 +132,12 @@ def loader_options(extra_config):
         raise ValueError(f"turboio loader: fetch must be all or once, not {extra['fetch']!r}")
     if extra.get("mode", "auto") not in ("auto", "mapped", "copied", "lazy"):
         raise ValueError(f"turboio loader: mode must be auto, mapped, copied or lazy, not {extra['mode']!r}")
+    if extra.get("upload", "auto") not in ("auto", "device", "host"):
+        raise ValueError(f"turboio loader: upload must be auto, device or host, not {extra['upload']!r}")
+    if extra.get("upload") == "device" and extra.get("fetch", "all") == "once":
+        raise ValueError("turboio loader: upload device cannot be combined with fetch once (the group exchanges host tensors)")
+    if extra.get("upload") == "device" and extra.get("mode", "auto") != "auto":
+        raise ValueError("turboio loader: upload device loads into GPU memory; mode (how host memory holds the bytes) does not apply")
     return {
         "num_threads": extra.get("num_threads", 0),
         "cache": extra.get("cache", "auto"),
@@ -136,14 +148,87 @@ def loader_options(extra_config):
         "tensors": tensors,
         "window": window,
         "enable_weights_track": extra.get("enable_weights_track"),
+        "upload": extra.get("upload", "auto"),
     }
 
 
-def weights_iterator(model_dir, options):
+def upload_device(options, device):
+    """The CUDA device the weights are loaded straight into (turboio's device path), or None
+    (host tensors, which vLLM copies into its parameters). `device` is where the model's
+    parameters are. "auto" uploads when they are on a GPU and nothing asks for host tensors: no
+    tensor parallelism (each rank's weight loaders narrow every tensor to the rank's slice, so
+    uploading whole tensors would move W times the bytes over PCIe; the lazy mapping reads only
+    the slices), no `fetch="once"` (the group exchanges host tensors), `mode` left at "auto"."""
+    upload = options.get("upload", "auto")
+    on_gpu = device is not None and getattr(device, "type", str(device).partition(":")[0]) == "cuda"
+    if upload == "host":
+        return None
+    if not on_gpu:
+        if upload == "device":
+            raise ValueError(
+                f"turboio loader: upload is device, but the model's parameters are on {device or 'no device'}, not a GPU"
+            )
+        return None
+    if upload == "device":
+        return device
+    if options.get("fetch") == "once" or options.get("mode", "auto") != "auto" or _tensor_parallel_size() > 1:
+        return None
+    return device
+
+
+def model_device(model):
+    """The device of the model's first parameter (None for a model without parameters)."""
+    for _name, p in model.named_parameters():
+        return p.device
+    return None
+
+
+def weights_iterator(model_dir, options, device=None):
     """`(name, tensor)` for every tensor of the model (the index's shards, or every file),
     streamed in groups of at most `options["window"]` bytes (see `turboio.iter_weights`), or,
     with `fetch="once"` under tensor parallelism, the whole model fetched once by the group;
-    tensors stay valid after the iterator moves on."""
+    tensors stay valid after the iterator moves on. With `device` (where the model's
+    parameters are) a CUDA device and `upload_device` agreeing, the groups are loaded straight
+    into that GPU and the tensors are CUDA tensors; if that fails with `upload` "auto", the
+    failure is logged and the tensors not yet yielded come as host tensors instead."""
+    dev = upload_device(options, device)
+    if dev is None:
+        yield from _host_weights(model_dir, options)
+        return
+    done = set()
+    try:
+        for name, t in _iter(model_dir, options, options.get("tensors"), device=dev):
+            done.add(name)
+            yield name, t
+        return
+    except RuntimeError as e:
+        if options.get("upload") == "device":
+            raise
+        logger.warning(
+            "turboio loader: loading the weights into %s failed (%s); the %s are loaded into host memory "
+            "(vLLM copies them to the GPU); upload=\"host\" skips the attempt",
+            dev,
+            e,
+            "rest" if done else "weights",
+        )
+    if not done:
+        yield from _host_weights(model_dir, options)
+        return
+    selection = options.get("tensors")
+    # What is left: without a selection, only the tensors not yet yielded are read; with one,
+    # its groups are read again and those already yielded skipped.
+    rest = (lambda n: n not in done) if selection is None else selection
+    try:
+        for name, t in _iter(model_dir, options, rest):
+            if name not in done:
+                yield name, t
+    except KeyError:
+        if selection is None:
+            return  # nothing was left to load
+        raise
+
+
+def _host_weights(model_dir, options):
     from . import _remote
 
     group = _tensor_parallel_group() if options.get("fetch") == "once" else None
@@ -170,8 +255,6 @@ def weights_iterator(model_dir, options):
         )
         yield from state_dict.items()
         return
-    from .models import iter_weights
-
     mode, window = options.get("mode", "auto"), options.get("window")
     remote = _remote.is_remote(model_dir)
     if mode == "auto" and not remote and options.get("cache", "auto") != "bypass" and _tensor_parallel_size() > 1:
@@ -181,21 +264,29 @@ def weights_iterator(model_dir, options):
         # and holds no memory of its own.
         mode, window = "lazy", None
         logger.info("turboio loader: tensor parallel, each rank reads the pages of its slices only (lazy mapping)")
-    index = os.path.join(model_dir, INDEX)
-    if remote or os.path.isfile(index):
+    yield from _iter(model_dir, options, options.get("tensors"), mode=mode, window=window)
+
+
+def _iter(model_dir, options, tensors, device="cpu", mode=None, window=False):
+    """`turboio.iter_weights` over the model's shards with the loader's options."""
+    from . import _remote
+    from .models import iter_weights
+
+    if _remote.is_remote(model_dir) or os.path.isfile(os.path.join(model_dir, INDEX)):
         # The index (or, for a prefix without one, every *.safetensors object under it).
         sources = model_dir
     else:
         sources = weight_files(model_dir)
-    yield from iter_weights(
+    return iter_weights(
         sources,
+        device,
         storage_options=options.get("storage_options"),
         cache_dir=options.get("cache_dir"),
-        tensors=options.get("tensors"),
-        window=window,
+        tensors=tensors,
+        window=options.get("window") if window is False else window,
         num_thread=options.get("num_threads", 0),
         cache=options.get("cache", "auto"),
-        mode=mode,
+        mode=options.get("mode", "auto") if mode is None else mode,
     )
 
 
@@ -383,7 +474,7 @@ def register():
         def load_weights(self, model, model_config):
             model_dir = _local_dir(model_config, self.load_config)
             start = time.perf_counter()
-            weights = _Counted(weights_iterator(model_dir, self.options))
+            weights = _Counted(weights_iterator(model_dir, self.options, model_device(model)))
             loaded = model.load_weights(weights)
             took = time.perf_counter() - start
             logger.info(
