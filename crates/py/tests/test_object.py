@@ -144,6 +144,16 @@ def test_models_under_a_prefix(s3):
     keys = sorted(o["Key"] for o in s3.client.list_objects_v2(Bucket="models", Prefix="run1/")["Contents"])
     assert len(keys) == 2, keys
     assert list(turboio.load_model("s3://models/run1", storage_options=opts)) == ["only"]
+    # Each object asked for once: the index, then every shard (small ones come whole with the
+    # opening GET).
+    few = {f"l{i}.w": torch.full((64, 64), float(i)) for i in range(6)}
+    turboio.save_model_dir(few, "s3://models/few", max_shard_size="40KB", storage_options=opts)
+    shards = [o["Key"] for o in s3.client.list_objects_v2(Bucket="models", Prefix="few/")["Contents"]]
+    assert len(shards) == 4, shards
+    s3.faults("{}")
+    got = turboio.load_model("s3://models/few", storage_options=opts)
+    assert all(same(got[k], few[k]) for k in few)
+    assert s3.stats()["requests"] == 4, s3.stats()
 
 
 def test_selections_read_only_their_bytes_from_the_store(s3):
@@ -171,6 +181,22 @@ def test_selections_read_only_their_bytes_from_the_store(s3):
     assert stats["get_bytes"] < want + (9 << 20), stats
     with pytest.raises(KeyError, match="closest: `big.bf16`"):
         turboio.load_model("s3://models/sel", tensors=["big.bf15"], storage_options=opts)
+
+
+def test_a_safetensors_object_is_opened_once(s3):
+    """`turboio.load` of a URL asks the store once for a small safetensors object (its header
+    and data come with the opening GET): the kind of the content is not asked first (a torch
+    checkpoint is told apart only when the safetensors load fails; see the next test)."""
+    sd = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
+    turboio.save_file(sd, "s3://pyobj/once.safetensors", storage_options=s3.options)
+    s3.faults("{}")
+    got = turboio.load("s3://pyobj/once.safetensors", storage_options=s3.options)
+    assert set(got) == set(sd) and all(same(got[k], sd[k]) for k in sd)
+    assert s3.stats()["requests"] == 1, s3.stats()
+    # Neither safetensors nor torch: the safetensors error, naming the URL.
+    s3.client.put_object(Bucket="pyobj", Key="junk.safetensors", Body=b"\x10\x00\x00\x00\x00\x00\x00\x00not json........")
+    with pytest.raises(ValueError, match="s3://pyobj/junk.safetensors"):
+        turboio.load("s3://pyobj/junk.safetensors", storage_options=s3.options)
 
 
 def test_torch_checkpoints_from_s3(s3, tmp):

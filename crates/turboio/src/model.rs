@@ -111,8 +111,8 @@ impl ModelFiles {
             return Ok(ModelFiles::single(path));
         }
         let index = path.join(INDEX_NAME);
-        if place.read(&index)?.is_some() {
-            return Self::from_index(&index, &place);
+        if let Some(text) = place.read(&index)? {
+            return Self::from_index_text(&index, &text);
         }
         let shards: Vec<PathBuf> = remote
             .list(path)
@@ -157,7 +157,12 @@ impl ModelFiles {
 
     fn from_index(index: &Path, place: &Place) -> Result<ModelFiles> {
         let text = place.read(index)?.ok_or_else(|| model_error(index, "cannot read the index: it does not exist"))?;
-        let json: serde_json::Value = serde_json::from_slice(&text)
+        Self::from_index_text(index, &text)
+    }
+
+    /// The model an index's JSON (already read from `index`) describes.
+    fn from_index_text(index: &Path, text: &[u8]) -> Result<ModelFiles> {
+        let json: serde_json::Value = serde_json::from_slice(text)
             .map_err(|e| model_error(index, format!("the index is not valid JSON: {e}")))?;
         let map = json
             .get("weight_map")

@@ -256,9 +256,11 @@ def load(
     cache = _cache_policy(use_direct_io, cache)
     n = _threads(num_thread)
     storage = _remote.storage(path, storage_options, cache_dir)
-    if not _is_remote(path) and not _os.path.exists(path):
+    remote = _is_remote(path)
+    if not remote and not _os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
-    if _kind(path, cipher, storage) == "torch":
+
+    def load_pt():
         try:
             # Each storage moved (and converted) once: tied weights stay shared on the device.
             sd = _pt_tensors(
@@ -279,6 +281,9 @@ def load(
                 raise
         else:
             return sd
+        return load_pickle()
+
+    def load_pickle():
         # Only when asked: torch.load executes the pickle (restricted by weights_only=True).
         if cipher or _is_remote(path):
             data = _turboio.read_all(path, cipher=cipher, threads=n, storage=storage)
@@ -290,26 +295,38 @@ def load(
         if tensors is not None and isinstance(sd, dict):
             sd = {k: sd[k] for k in _turboio.select(tensors, list(sd), path)}
         return _convert(sd, dtype) if isinstance(sd, dict) else sd
+
+    # A local file's kind is read from its first bytes (in the page cache); a remote object is
+    # opened once: loaded as safetensors straight away, and its kind asked only if that load
+    # fails on its content (a torch checkpoint then goes the torch way; anything else raises
+    # the safetensors error).
+    if (state_dict or not remote) and _kind(path, cipher, storage) == "torch":
+        return load_pt()
     if state_dict:
         return _load_into(path, state_dict, n, cache, cipher, helper, storage)
     pool = helper._pool if isinstance(helper, IOHelper) else None
     staging = helper._staging if isinstance(helper, IOHelper) else None
-    loaded = _turboio.load(
-        path,
-        threads=n,
-        cache=cache,
-        pool=pool,
-        progress=progress,
-        cipher=cipher,
-        device=device,
-        gds=_cuda.gds_setting(),
-        staging=staging,
-        dtype=dtype,
-        storage=storage,
-        tensors=tensors,
-        max_host_memory=max_host_memory,
-        max_device_memory=max_device_memory,
-    )
+    try:
+        loaded = _turboio.load(
+            path,
+            threads=n,
+            cache=cache,
+            pool=pool,
+            progress=progress,
+            cipher=cipher,
+            device=device,
+            gds=_cuda.gds_setting(),
+            staging=staging,
+            dtype=dtype,
+            storage=storage,
+            tensors=tensors,
+            max_host_memory=max_host_memory,
+            max_device_memory=max_device_memory,
+        )
+    except ValueError:
+        if remote and _kind(path, cipher, storage) == "torch":
+            return load_pt()
+        raise
     return _tensors_of(loaded, aliases=enable_fast_mode)
 
 
