@@ -476,8 +476,8 @@ class StubbedCuda:
     loads asked for a CUDA device are recorded and done on the CPU (the bytes are the same);
     with `fail_after`, device loads after that many raise as a failing GPU load would."""
 
-    def __init__(self, real, fail_after=None):
-        self.real, self.fail_after, self.calls = real, fail_after, []
+    def __init__(self, real, fail_after=None, error=RuntimeError):
+        self.real, self.fail_after, self.error, self.calls = real, fail_after, error, []
 
     def __getattr__(self, name):
         return getattr(self.real, name)
@@ -487,7 +487,7 @@ class StubbedCuda:
         staging, gds = kw.pop("staging", None), kw.pop("gds", None)
         self.calls.append({"device": device, "staging": staging, "gds": gds, "mode": kw.get("mode"), "names": kw.get("tensors")})
         if device != "cpu" and self.fail_after is not None and len(self.calls) > self.fail_after:
-            raise RuntimeError(f"turboio: {device}: out of memory (stub)")
+            raise self.error(f"turboio: {device}: out of memory (stub)")
         return self.real.load(path, **kw)
 
 
@@ -543,9 +543,10 @@ def test_a_gpu_model_gets_its_weights_through_the_device_path(tmp, stub_cuda, wi
     assert len(stub.calls) == (3 if window else 2)
 
 
-def test_a_failing_gpu_load_hands_over_the_rest_as_host_tensors(tmp, stub_cuda):
+@pytest.mark.parametrize("error", [RuntimeError, MemoryError])
+def test_a_failing_gpu_load_hands_over_the_rest_as_host_tensors(tmp, stub_cuda, error):
     d, ref = model_dir(tmp)
-    stub = stub_cuda(fail_after=1)
+    stub = stub_cuda(fail_after=1, error=error)
     opts = vllm_plugin.loader_options({"window": 1})
     with caplog_at_info() as records:
         got = list(vllm_plugin.weights_iterator(str(d), opts, torch.device("cuda", 0)))
@@ -560,10 +561,10 @@ def test_a_failing_gpu_load_hands_over_the_rest_as_host_tensors(tmp, stub_cuda):
     assert len(warned) == 1 and "out of memory (stub)" in warned[0] and "the rest are loaded into host memory" in warned[0]
 
     # At the first group: everything comes from the host path.
-    stub = stub_cuda(fail_after=0)
+    stub = stub_cuda(fail_after=0, error=error)
     got = dict(vllm_plugin.weights_iterator(str(d), opts, torch.device("cuda", 0)))
     assert got.keys() == ref.keys()
     # "device" insists: the failure is the answer.
-    stub = stub_cuda(fail_after=0)
-    with pytest.raises(RuntimeError, match="out of memory"):
+    stub = stub_cuda(fail_after=0, error=error)
+    with pytest.raises(error, match="out of memory"):
         list(vllm_plugin.weights_iterator(str(d), vllm_plugin.loader_options({"upload": "device"}), torch.device("cuda", 0)))

@@ -201,7 +201,7 @@ def weights_iterator(model_dir, options, device=None):
             done.add(name)
             yield name, t
         return
-    except RuntimeError as e:
+    except (RuntimeError, MemoryError) as e:  # the extension's device errors; the GPU too full
         if options.get("upload") == "device":
             raise
         logger.warning(
