@@ -533,7 +533,10 @@ def test_a_gpu_model_gets_its_weights_through_the_device_path(tmp, stub_cuda, wi
     d, ref = model_dir(tmp)
     stub = stub_cuda()
     opts = vllm_plugin.loader_options({"window": window})
-    got = dict(vllm_plugin.weights_iterator(str(d), opts, torch.device("cuda", 0)))
+    with caplog_at_info() as records:
+        got = dict(vllm_plugin.weights_iterator(str(d), opts, torch.device("cuda", 0)))
+    said = [r.getMessage() for r in records]
+    assert any("straight into cuda:0 (turboio's device path" in m for m in said), said
     assert got.keys() == ref.keys()
     for k, v in ref.items():
         assert torch.equal(got[k], v), k

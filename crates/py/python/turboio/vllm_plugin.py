@@ -195,6 +195,11 @@ def weights_iterator(model_dir, options, device=None):
     if dev is None:
         yield from _host_weights(model_dir, options)
         return
+    logger.info(
+        "turboio loader: loading the weights straight into %s (turboio's device path; upload=\"host\" "
+        "hands vLLM host tensors instead)",
+        dev,
+    )
     done = set()
     try:
         for name, t in _iter(model_dir, options, options.get("tensors"), device=dev):
