@@ -73,10 +73,19 @@ pub(crate) fn delete_later(path: PathBuf) {
 /// `name` also cleans up) and that name is unlinked by the deleter thread. A file saved under
 /// `path` right after is never touched by the deletion. Falls back to unlinking it here when
 /// the rename is refused.
+///
+/// A file that already has such a hidden name (a temporary or replaced file a killed save left)
+/// is unlinked in the background under the name it has: renamed again, it would get a name
+/// that no later save recognizes, left for good should this process die before the unlink.
 pub fn remove_in_background(path: &std::path::Path) -> std::io::Result<()> {
     let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
         return std::fs::remove_file(path);
     };
+    if crate::temp::temp_target(name).is_some() {
+        std::fs::symlink_metadata(path)?;
+        delete_later(path.to_owned());
+        return Ok(());
+    }
     let dir = if dir.as_os_str().is_empty() { std::path::Path::new(".") } else { dir };
     remove_in_background_as(path, dir, name)
 }

@@ -1028,3 +1028,38 @@ fn writes_in_place_at_any_offset() {
         .to_string();
     assert!(e.contains("missing/x.bin"), "{e}");
 }
+
+/// What a killed replacing save leaves (the old file under its hidden name) is unlinked under
+/// that name: renamed again it would get a name of a name, which no later save recognizes, and a
+/// kill before the unlink would leave it for good (a model save's cleanup did that).
+#[test]
+fn a_killed_saves_leftover_is_removed_under_the_name_it_has() {
+    let d = scratch_in(&local_dir());
+    let names = || {
+        let mut v: Vec<String> =
+            std::fs::read_dir(d.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        v.sort();
+        v
+    };
+    let leftover_name = ".w.safetensors.turboio-old.4242.0badf00d.0123456789abcdef";
+    let leftover = d.path().join(leftover_name);
+    std::fs::write(&leftover, vec![7u8; 1 << 20]).unwrap();
+    assert_eq!(
+        turboio_io_posix::temp_target(std::ffi::OsStr::new(leftover_name)),
+        Some(std::ffi::OsStr::new("w.safetensors"))
+    );
+    turboio_io_posix::remove_in_background(&leftover).unwrap();
+    let now = names();
+    assert!(now.is_empty() || now == [leftover_name], "renamed: {now:?}");
+    turboio_io_posix::wait_for_deletions();
+    assert!(names().is_empty(), "{:?}", names());
+    let e = turboio_io_posix::remove_in_background(&leftover).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::NotFound);
+    // A file of a plain name leaves it at once.
+    let plain = d.path().join("w.safetensors");
+    std::fs::write(&plain, b"old").unwrap();
+    turboio_io_posix::remove_in_background(&plain).unwrap();
+    assert!(!plain.exists());
+    turboio_io_posix::wait_for_deletions();
+    assert!(names().is_empty(), "{:?}", names());
+}
