@@ -281,11 +281,8 @@ def load(
                 raise
         else:
             return sd
-        return load_pickle()
-
-    def load_pickle():
         # Only when asked: torch.load executes the pickle (restricted by weights_only=True).
-        if cipher or _is_remote(path):
+        if cipher or remote:
             data = _turboio.read_all(path, cipher=cipher, threads=n, storage=storage)
             sd = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
         else:
