@@ -198,7 +198,7 @@ impl Drop for Filling {
 }
 
 /// Chunks a load has received and not yet written to the entry, at most (each up to a part,
-/// 8 MiB by default): beyond it the receiving threads wait for the writer.
+/// 8 MiB by default): beyond it the threads running the hook wait for the writer.
 const WRITE_BEHIND: usize = 16;
 
 /// A chunk received into the caller's memory, to be written to the entry.

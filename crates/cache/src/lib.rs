@@ -28,9 +28,9 @@
 //! # Writing through
 //!
 //! Each chunk a load receives is written to the entry's part file by a writer thread of the
-//! load's, while the receiving threads go on with their other requests (the writer is at most
+//! load's, while the load goes on with its other requests (the writer is at most
 //! 16 chunks behind, and the load returns once it has caught up). A load whose own hook
-//! decrypts or converts the chunks in place writes each on the thread that received it, before
+//! decrypts or converts the chunks in place writes each on the thread that runs that hook, before
 //! that hook runs: the entry holds the object's bytes as stored. Chunks at offsets, lengths and
 //! addresses aligned to 4 KiB (a load's arenas and staging buffers are page-aligned, and its
 //! parts start at aligned offsets: everything but the header and the tail) are written with

@@ -13,12 +13,17 @@
 //! (a range cannot be asked of it) is looked up with a HEAD instead.
 //!
 //! [`StorageFile::read_ranges`] cuts the requested ranges into parts of
-//! [`ObjectOptions::part_size`] and keeps [`ObjectOptions::concurrency`] ranged GETs in flight,
-//! spread over the caller's worker threads (and shared by every read of one [`ObjectStorage`]:
-//! the files of a model load fill together within that bound); each part's body is copied straight into its final
-//! place (the load's arena, a staging buffer) as it arrives, never into a temporary file or a
-//! second full-size buffer, and the per-chunk hook (decryption, conversion) runs on the thread
-//! that received it. Parts inside the first GET's bytes are copied from them.
+//! [`ObjectOptions::part_size`] and keeps [`ObjectOptions::concurrency`] ranged GETs in flight
+//! (a bound shared by every read of one [`ObjectStorage`]: the files of a model load fill
+//! together within it). Each GET is a task of the process's Tokio runtime that copies its body
+//! straight into its final place (the load's arena, a staging buffer) as it arrives, on the
+//! runtime thread that received it, never into a temporary file or a second full-size buffer;
+//! the calling thread hands out the parts and runs the per-part hook (decryption, conversion,
+//! the node cache's write-through) as each part completes. So a piece of a body costs no
+//! wake-up of another thread, however many files load at once: measured against a local S3
+//! server on 2 vCPUs, that took a 1.07 GB load from 3.74 s to 3.25 s and its client CPU from
+//! 1.94 s to 1.24 s (see the `spawned` module). Parts inside the first GET's bytes are copied
+//! from them.
 //!
 //! **One version per load.** Every GET after the first carries `If-Match: <ETag>` (and the
 //! version id where there is one): an object replaced during a load fails the load with an error
@@ -67,11 +72,13 @@
 //! forked after the runtime was built (DataLoader workers) gets a fresh runtime and fresh
 //! connections.
 #![deny(missing_docs)]
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 mod options;
 mod read;
 mod runtime;
+#[allow(unsafe_code)]
+mod spawned;
 mod write;
 
 pub use options::{ObjectOptions, DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, DEFAULT_PREFIX_BYTES};

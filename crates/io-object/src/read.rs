@@ -3,17 +3,17 @@
 
 use crate::{runtime, ObjectStorage};
 use bytes::Bytes;
-use futures_util::{StreamExt, TryStreamExt};
+use futures_util::StreamExt;
 use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt};
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use turboio_storage::{split_requests, Chunk, IoOptions, RangeReader, ReadRequest, StorageError, StorageFile};
 
 /// An object opened for reading, pinned to the version it had when opened.
+#[derive(Clone)]
 pub(crate) struct ObjectFile {
     storage: ObjectStorage,
     url: PathBuf,
@@ -186,7 +186,7 @@ impl ObjectFile {
     }
 
     /// Fills `dst` with the bytes at `offset`, fetching again what a cut body left out.
-    async fn fetch(
+    pub(crate) async fn fetch(
         &self,
         offset: u64,
         dst: &mut [u8],
@@ -290,65 +290,7 @@ impl StorageFile for ObjectFile {
         if remote.is_empty() {
             return Ok(());
         }
-        let total: u64 = remote.iter().map(|c| c.dst.len() as u64).sum();
-        let concurrency = options.concurrency.max(1);
-        let threads = opts.worker_count(total, part).min(concurrency).min(remote.len()).max(1);
-        let per_thread = concurrency.div_ceil(threads);
-        let queue = Mutex::new(remote.into_iter());
-        let failed = AtomicBool::new(false);
-        let first_error: Mutex<Option<StorageError>> = Mutex::new(None);
-        let stop = || -> Result<(), StorageError> {
-            opts.check_cancel()?;
-            if failed.load(Ordering::Relaxed) {
-                return Err(StorageError::Cancelled);
-            }
-            Ok(())
-        };
-        let work = || -> Result<(), StorageError> {
-            let next = || {
-                if failed.load(Ordering::Relaxed) {
-                    return None;
-                }
-                queue.lock().unwrap_or_else(|p| p.into_inner()).next()
-            };
-            let stop = &stop;
-            let parts = futures_util::stream::iter(std::iter::from_fn(next))
-                .map(|c: Chunk<'_>| async move {
-                    self.fetch(c.offset, c.dst, stop).await?;
-                    if let Some(hook) = opts.hook {
-                        hook(c.offset, c.dst)?;
-                    }
-                    opts.add_progress(c.dst.len() as u64);
-                    Ok::<(), StorageError>(())
-                })
-                .buffer_unordered(per_thread);
-            runtime::block_on(parts.try_for_each(|()| async { Ok(()) }))
-                .map_err(|e| StorageError::io(&self.url, "GET", e))?
-        };
-        std::thread::scope(|s| {
-            let handles: Vec<_> = (0..threads)
-                .map(|_| {
-                    s.spawn(|| {
-                        if let Err(e) = work() {
-                            failed.store(true, Ordering::Relaxed);
-                            let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
-                            // Keep the first real error, not the cancellations it caused.
-                            if slot.is_none() || matches!(*slot, Some(StorageError::Cancelled)) {
-                                *slot = Some(e);
-                            }
-                        }
-                    })
-                })
-                .collect();
-            for h in handles {
-                if let Err(p) = h.join() {
-                    std::panic::resume_unwind(p);
-                }
-            }
-        });
-        match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        let rt = runtime::runtime().map_err(|e| StorageError::io(&self.url, "GET", e))?;
+        crate::spawned::fetch_all(self, &rt, remote, opts, options.concurrency.max(1))
     }
 }

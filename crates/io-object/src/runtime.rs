@@ -11,7 +11,7 @@ fn worker_threads() -> usize {
 
 /// The runtime of this process (a child forked after the parent built one gets its own: the
 /// parent's threads do not exist in it).
-fn runtime() -> std::io::Result<Arc<tokio::runtime::Runtime>> {
+pub(crate) fn runtime() -> std::io::Result<Arc<tokio::runtime::Runtime>> {
     static RUNTIME: Mutex<Option<(u32, Arc<tokio::runtime::Runtime>)>> = Mutex::new(None);
     let pid = std::process::id();
     let mut slot = RUNTIME.lock().unwrap_or_else(|p| p.into_inner());

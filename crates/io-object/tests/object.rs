@@ -11,7 +11,7 @@ mod s3;
 
 use s3::{S3Server, SECRET_KEY};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use turboio_io_object::{ObjectOptions, ObjectStorage};
 use turboio_storage::conformance::{self, pattern, Capabilities};
 use turboio_storage::{BytesSource, IoOptions, ReadRequest, Storage, StorageError, WriteSource};
@@ -189,4 +189,61 @@ fn a_failed_multipart_save_aborts_its_upload_and_keeps_the_old_object() {
         .unwrap_err();
     assert!(matches!(err, StorageError::Cancelled), "{err:?}");
     assert!(read_all(&st, &obj, &IoOptions::default()).unwrap() == old);
+}
+
+/// The GETs run as tasks on the backend's runtime, writing into the caller's memory: every way
+/// a read can stop early (a hook's error, a cancellation, a hook that panics) must end it with
+/// the right answer, stop sending requests, and leave no task behind (the backend reads
+/// correctly afterwards).
+#[test]
+fn a_read_stopped_by_its_hook_or_a_cancellation_ends_cleanly() {
+    let Some(s) = server() else { return };
+    s.create_bucket("stops");
+    let st = storage(&s, &[("part_size", "5MiB"), ("prefix_bytes", "4096"), ("concurrency", "2")]);
+    let data = pattern(60 << 20, 7);
+    let obj = url("s3://stops/a.bin");
+    st.write_file(&obj, &BytesSource(&data), &IoOptions::default()).unwrap();
+    let parts = (data.len() as u64).div_ceil(5 << 20);
+    s.faults("{}");
+    let gets = || s.stat("gets");
+
+    // A hook's error is the read's answer (not the cancellations it causes), and the parts not
+    // yet asked for are never asked for.
+    let before = gets();
+    let hooked = std::sync::atomic::AtomicUsize::new(0);
+    let hook = |off: u64, _: &mut [u8]| {
+        hooked.fetch_add(1, Ordering::Relaxed);
+        Err(StorageError::Io {
+            path: "hook".into(),
+            op: "decrypt",
+            source: std::io::Error::other(format!("bad part at {off}")),
+        })
+    };
+    let err = read_all(&st, &obj, &IoOptions { hook: Some(&hook), ..Default::default() }).unwrap_err();
+    assert!(err.to_string().contains("bad part at"), "{err}");
+    assert_eq!(hooked.load(Ordering::Relaxed), 1, "the hook ran after the first error");
+    assert!(gets() - before < parts, "{} GETs for a read that failed on its first part", gets() - before);
+
+    // A cancellation (here asked from the progress of the first part) ends the read with
+    // `Cancelled`.
+    let before = gets();
+    let cancel = AtomicBool::new(false);
+    let hook = |_: u64, _: &mut [u8]| {
+        cancel.store(true, Ordering::Relaxed);
+        Ok(())
+    };
+    let err =
+        read_all(&st, &obj, &IoOptions { hook: Some(&hook), cancel: Some(&cancel), ..Default::default() }).unwrap_err();
+    assert!(matches!(err, StorageError::Cancelled), "{err}");
+    assert!(gets() - before < parts, "{} GETs for a read cancelled on its first part", gets() - before);
+
+    // A hook that panics: the panic reaches the caller once the tasks in flight have stopped.
+    let hook = |_: u64, _: &mut [u8]| -> Result<(), StorageError> { panic!("a hook that panics") };
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        read_all(&st, &obj, &IoOptions { hook: Some(&hook), ..Default::default() })
+    }));
+    assert!(panicked.is_err());
+
+    // Nothing of those reads is left running: the next read is whole and right.
+    assert!(read_all(&st, &obj, &IoOptions::default()).unwrap() == data);
 }
