@@ -216,10 +216,11 @@ unsafe impl Send for Received {}
 
 impl Filling {
     /// A bulk read whose chunks are written to the entry by a thread of its own while the
-    /// load goes on, instead of on the thread that received them: a receiving thread drives
-    /// several GETs at once, and a write (milliseconds for a part) would stall all of their
-    /// bodies. Only for reads without a caller's hook (nothing modifies a chunk after the
-    /// backend has filled it); the writer is joined before this returns.
+    /// load goes on, instead of on the thread that runs the hook: that thread hands out the
+    /// backend's next requests (or, for a backend that reads on the caller's threads, drives
+    /// several at once), and a write (milliseconds for a part) would hold them back. Only for
+    /// reads without a caller's hook (nothing modifies a chunk after the backend has filled
+    /// it); the writer is joined before this returns.
     fn read_writing_behind(
         &self,
         requests: Vec<ReadRequest<'_>>,
@@ -301,7 +302,7 @@ impl StorageFile for Filling {
             None => self.read_writing_behind(requests, opts)?,
             Some(user) => {
                 // The raw bytes go to the entry before the caller's hook decrypts or converts
-                // them (in place), so on the receiving thread.
+                // them (in place), so on the thread that runs the hook.
                 let hook = |offset: u64, bytes: &mut [u8]| {
                     self.record(offset, bytes);
                     user(offset, bytes)

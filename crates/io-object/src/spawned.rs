@@ -24,7 +24,7 @@ use crate::read::ObjectFile;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
-use turboio_storage::{Chunk, IoOptions, StorageError};
+use turboio_storage::{Chunk, IoOptions, StorageError, StorageFile};
 
 /// A part's destination, sent to its task.
 struct Dst {
@@ -33,16 +33,26 @@ struct Dst {
 }
 
 /// Reports a task's end to the caller when dropped: after a normal end with its result, when
-/// dropped unfinished with a cancellation.
+/// dropped unfinished (a panic in the HTTP client, the runtime shutting down) with an error
+/// saying so.
 struct Report {
     tx: mpsc::Sender<(usize, Result<(), StorageError>)>,
     index: usize,
+    url: std::path::PathBuf,
     result: Option<Result<(), StorageError>>,
 }
 
 impl Drop for Report {
     fn drop(&mut self) {
-        let r = self.result.take().unwrap_or(Err(StorageError::Cancelled));
+        let r = self.result.take().unwrap_or_else(|| {
+            Err(StorageError::Io {
+                path: std::mem::take(&mut self.url),
+                op: "GET",
+                source: std::io::Error::other(
+                    "a part's request ended unfinished (the HTTP client panicked, or its runtime shut down)",
+                ),
+            })
+        });
         // The caller waits for this message; it is gone only if the caller is gone, which it
         // cannot be while a task of its is running.
         let _ = self.tx.send((self.index, r));
@@ -85,7 +95,7 @@ pub(crate) fn fetch_all(
     let spawn = |index: usize, chunk: &mut Chunk<'_>| {
         let dst = Dst { addr: chunk.dst.as_mut_ptr() as usize, len: chunk.dst.len() };
         let (offset, file, stopped) = (chunk.offset, file.clone(), stopped.clone());
-        let mut report = Report { tx: tx.clone(), index, result: None };
+        let mut report = Report { tx: tx.clone(), index, url: file.path().to_owned(), result: None };
         rt.spawn(async move {
             // SAFETY: `dst` is the memory of `parts[index].dst`, a `&mut [u8]` of the caller's
             // that outlives this task: `fetch_all` neither returns (`Running` waits, on every
