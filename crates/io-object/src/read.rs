@@ -139,7 +139,6 @@ impl ObjectFile {
         offset: u64,
         dst: &mut [u8],
         filled: &mut usize,
-        stop: &(dyn Fn() -> Result<(), StorageError> + Sync),
     ) -> Result<Result<Fetch, object_store::Error>, StorageError> {
         let start = offset + *filled as u64;
         let end = offset + dst.len() as u64;
@@ -163,7 +162,6 @@ impl ObjectFile {
         }
         let mut body = result.into_stream();
         while let Some(piece) = body.next().await {
-            stop()?;
             let piece = match piece {
                 Ok(p) => p,
                 Err(e) => return Ok(Err(e)),
@@ -185,18 +183,13 @@ impl ObjectFile {
         StorageError::Io { path: self.url.clone(), op: "GET", source: std::io::Error::other(message) }
     }
 
-    /// Fills `dst` with the bytes at `offset`, fetching again what a cut body left out.
-    pub(crate) async fn fetch(
-        &self,
-        offset: u64,
-        dst: &mut [u8],
-        stop: &(dyn Fn() -> Result<(), StorageError> + Sync),
-    ) -> Result<(), StorageError> {
+    /// Fills `dst` with the bytes at `offset`, fetching again what a cut body left out. To stop
+    /// it, drop it (a read's tasks race it against their stop signal).
+    pub(crate) async fn fetch(&self, offset: u64, dst: &mut [u8]) -> Result<(), StorageError> {
         let mut filled = 0usize;
         let mut attempt = 0u32;
         loop {
-            stop()?;
-            let why = match self.get_into(offset, dst, &mut filled, stop).await? {
+            let why = match self.get_into(offset, dst, &mut filled).await? {
                 Ok(Fetch::Done) => return Ok(()),
                 Ok(Fetch::Short) => format!("the body ended after {filled} of {} bytes", dst.len()),
                 Err(e) if transient(&e) => self.storage.redact(&e.to_string()),
@@ -233,7 +226,7 @@ impl RangeReader for Reader<'_> {
         if dst.is_empty() || f.copy_from_prefix(offset, dst) {
             return Ok(());
         }
-        runtime::block_on(f.fetch(offset, dst, &|| Ok(()))).map_err(|e| StorageError::io(&f.url, "GET", e))?
+        runtime::block_on(f.fetch(offset, dst)).map_err(|e| StorageError::io(&f.url, "GET", e))?
     }
 }
 
@@ -291,6 +284,6 @@ impl StorageFile for ObjectFile {
             return Ok(());
         }
         let rt = runtime::runtime().map_err(|e| StorageError::io(&self.url, "GET", e))?;
-        crate::spawned::fetch_all(self, &rt, remote, opts, options.concurrency.max(1))
+        crate::spawned::fetch_all(self, &rt, remote, opts, options.concurrency)
     }
 }

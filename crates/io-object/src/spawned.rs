@@ -34,11 +34,11 @@ struct Dst {
 
 /// Reports a task's end to the caller when dropped: after a normal end with its result, when
 /// dropped unfinished (a panic in the HTTP client, the runtime shutting down) with an error
-/// saying so.
+/// naming the object.
 struct Report {
     tx: mpsc::Sender<(usize, Result<(), StorageError>)>,
     index: usize,
-    url: std::path::PathBuf,
+    file: Arc<ObjectFile>,
     result: Option<Result<(), StorageError>>,
 }
 
@@ -46,7 +46,7 @@ impl Drop for Report {
     fn drop(&mut self) {
         let r = self.result.take().unwrap_or_else(|| {
             Err(StorageError::Io {
-                path: std::mem::take(&mut self.url),
+                path: self.file.path().to_owned(),
                 op: "GET",
                 source: std::io::Error::other(
                     "a part's request ended unfinished (the HTTP client panicked, or its runtime shut down)",
@@ -94,8 +94,8 @@ pub(crate) fn fetch_all(
     let (tx, rx) = mpsc::channel();
     let spawn = |index: usize, chunk: &mut Chunk<'_>| {
         let dst = Dst { addr: chunk.dst.as_mut_ptr() as usize, len: chunk.dst.len() };
-        let (offset, file, stopped) = (chunk.offset, file.clone(), stopped.clone());
-        let mut report = Report { tx: tx.clone(), index, url: file.path().to_owned(), result: None };
+        let (offset, mut stopped) = (chunk.offset, stopped.clone());
+        let mut report = Report { tx: tx.clone(), index, file: file.clone(), result: None };
         rt.spawn(async move {
             // SAFETY: `dst` is the memory of `parts[index].dst`, a `&mut [u8]` of the caller's
             // that outlives this task: `fetch_all` neither returns (`Running` waits, on every
@@ -104,13 +104,11 @@ pub(crate) fn fetch_all(
             // (declared later, and moved into `fetch`, which ends first) is gone. The chunks
             // are disjoint slices: no two tasks write the same bytes.
             let bytes = unsafe { std::slice::from_raw_parts_mut(dst.addr as *mut u8, dst.len) };
-            let halt = || if *stopped.borrow() { Err(StorageError::Cancelled) } else { Ok(()) };
             let result = {
-                let fetch = std::pin::pin!(file.fetch(offset, bytes, &halt));
-                let halted = std::pin::pin!(async {
-                    let mut s = stopped.clone();
-                    s.wait_for(|s| *s).await.map(drop)
-                });
+                // The GET ends at once when the read stops (an error elsewhere, a cancellation),
+                // even while it waits for an answer.
+                let fetch = std::pin::pin!(report.file.fetch(offset, bytes));
+                let halted = std::pin::pin!(stopped.wait_for(|s| *s));
                 match futures_util::future::select(fetch, halted).await {
                     futures_util::future::Either::Left((r, _)) => r,
                     futures_util::future::Either::Right(_) => Err(StorageError::Cancelled),
@@ -123,7 +121,8 @@ pub(crate) fn fetch_all(
     let mut running = Running { rx: &rx, count: 0, stop: &stop };
     let mut next = 0usize;
     let mut failure: Option<StorageError> = None;
-    while next < parts.len() && running.count < concurrency.max(1) {
+    let concurrency = concurrency.max(1);
+    while next < parts.len() && running.count < concurrency {
         spawn(next, &mut parts[next]);
         next += 1;
         running.count += 1;
