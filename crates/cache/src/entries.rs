@@ -231,27 +231,39 @@ impl NodeCache {
         self.dir.join(format!("U-{hex}{SUFFIX_SEEN}"))
     }
 
-    /// The version the store reported for `url` less than the revalidation interval ago.
-    pub(crate) fn recently_seen(&self, url: &str) -> Option<Version> {
-        let interval = self.revalidate_after?;
+    /// The version the store reported for `url` last, and how long ago.
+    pub(crate) fn last_seen(&self, url: &str) -> Option<(Version, Duration)> {
         let path = self.seen_path(url);
-        let age = fs::metadata(&path).ok()?.modified().ok()?.elapsed().ok()?;
-        if age >= interval {
-            return None;
-        }
+        let age = fs::metadata(&path).ok()?.modified().ok()?.elapsed().unwrap_or_default();
         let seen: Seen = serde_json::from_slice(&fs::read(&path).ok()?).ok()?;
-        Some(Version { len: seen.len, tag: seen.tag })
+        Some((Version { len: seen.len, tag: seen.tag }, age))
     }
 
-    /// Records that the store reported `version` for `url` now (only with an interval set).
-    /// Atomic (a reader sees the old record or the new one); a failure only means the next
-    /// open asks the store again.
+    /// True if `age` is within the revalidation interval (a version seen that long ago is
+    /// trusted without asking the store).
+    pub(crate) fn trusts(&self, age: Duration) -> bool {
+        self.revalidate_after.is_some_and(|interval| age < interval)
+    }
+
+    /// Records that the store reported `version` for `url` now: what the next open trusts
+    /// within the revalidation interval, and otherwise opens at once while it asks the store
+    /// again. Written when the version changes, and (to restart the interval) on every report
+    /// when an interval is set. Atomic (a reader sees the old record or the new one); a
+    /// failure only means the next open asks the store before reading.
     pub(crate) fn saw(&self, url: &str, version: &Version) {
-        if self.revalidate_after.is_none() {
-            return;
-        }
         let path = self.seen_path(url);
-        let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
+        if self.revalidate_after.is_none() {
+            let same = fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Seen>(&b).ok())
+                .is_some_and(|s| s.tag == version.tag && s.len == version.len);
+            if same {
+                return;
+            }
+        }
+        static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = path.with_extension(format!("{}-{n}.tmp", std::process::id()));
         let seen = Seen { tag: version.tag.clone(), len: version.len, key: NodeCache::key(url, version) };
         let body = serde_json::to_vec(&seen).unwrap_or_default();
         let written =

@@ -7,13 +7,26 @@
 //!
 //! An entry is keyed by the SHA-256 of the URL (query string and credentials removed), the
 //! object's length and its version tag (ETag, and version id where the store keeps versions;
-//! [`StorageFile::version`]). Every open asks the store for the current version first (one HEAD
-//! request, no bytes): a replaced object has a new key and is a miss; objects whose backend
-//! gives no version (local files, SFCS) pass through uncached. With a revalidation interval
-//! ([`NodeCache::with_revalidate_after`], `TURBOIO_CACHE_REVALIDATE`), the version reported
-//! last (`U-HASH.seen`, whose modification time says when) is trusted for that long: a
-//! complete entry of it loads with no request at all (no HEAD, no HTTP client built), as fast
-//! as a local file; an object replaced meanwhile is seen at the end of the interval.
+//! [`StorageFile::version`]). The store is asked for the current version (one HEAD request,
+//! no bytes) on every open: a replaced object has a new key and is a miss; objects whose
+//! backend gives no version (local files, SFCS) pass through uncached. The version the store
+//! reported last is recorded (`U-HASH.seen`, whose modification time says when), and used two
+//! ways:
+//!
+//! - **Overlapped** (the default, for loads): an open through [`Storage::open_unconfirmed`]
+//!   finds the complete entry of that version and hands it out at once, while the HEAD runs
+//!   on a thread of its own; the load reads (or maps) the entry meanwhile, and
+//!   [`StorageFile::confirm`], which turboio's loads call after reading and before returning,
+//!   waits for the answer. A warm load so costs the longer of the local load and one round
+//!   trip, not their sum (a model: its index and all its shards asked at once, not the index
+//!   first). If the object was replaced, `confirm` answers [`StorageError::Changed`] and the
+//!   load starts again, and reads the new version; if it is gone or the store cannot be
+//!   reached, `confirm` gives the store's error, as the open would have. Plain
+//!   [`Storage::open`]s (a lazy `safe_open`, ranged reads) ask first, as before.
+//! - **Trusted**: with a revalidation interval ([`NodeCache::with_revalidate_after`],
+//!   `TURBOIO_CACHE_REVALIDATE`), that version is trusted for that long: a complete entry of it
+//!   loads with no request at all (no HEAD, no HTTP client built), as fast as a local file; an
+//!   object replaced meanwhile is seen at the end of the interval.
 //!
 //! # Layout (`dir`)
 //!
@@ -135,7 +148,7 @@ impl CacheStorage {
     }
 
     /// The complete entry for `version` of `path`, opened, its use recorded; `None` on a miss.
-    fn hit(&self, path: &Path, slot: &Slot, version: &Version) -> Option<Box<dyn StorageFile>> {
+    fn hit(&self, path: &Path, slot: &Slot, version: &Version) -> Option<Box<Hit>> {
         let file = match self.local.open_posix(&slot.data()) {
             Ok(f) => f,
             Err(e) if e.is_not_found() => return None,
@@ -152,7 +165,7 @@ impl CacheStorage {
         if let Some(f) = file.local_file() {
             let _ = f.set_modified(SystemTime::now());
         }
-        Some(Box::new(Hit { url: path.to_owned(), tag: version.tag.clone(), file: Box::new(file) }))
+        Some(Box::new(Hit { url: path.to_owned(), tag: version.tag.clone(), file: Box::new(file), check: None }))
     }
 
     /// Publishes `bytes`, obtained some other way (a replicated load: the pieces came from other
@@ -205,14 +218,33 @@ impl CacheStorage {
         }
     }
 
-    fn open_through(&self, path: &Path, cancel: Option<&AtomicBool>) -> Result<Box<dyn StorageFile>> {
+    /// Opens `path` through the cache; `unconfirmed`: the caller confirms what it read
+    /// ([`Storage::open_unconfirmed`]), so a complete entry of the version seen last can be
+    /// handed out while the store is asked whether it is still current.
+    fn open_through(
+        &self,
+        path: &Path,
+        cancel: Option<&AtomicBool>,
+        unconfirmed: bool,
+    ) -> Result<Box<dyn StorageFile>> {
         let Some(url) = path.to_str() else { return self.inner.open_cancellable(path, cancel) };
-        // Within the revalidation interval, the version the store reported last is trusted:
-        // a complete entry of it loads without a request.
-        if let Some(version) = self.cache.recently_seen(url) {
+        if let Some((version, age)) = self.cache.last_seen(url) {
             let slot = self.cache.slot(NodeCache::key(url, &version));
-            if let Some(f) = self.hit(path, &slot, &version) {
-                return Ok(f);
+            if self.cache.trusts(age) {
+                // Within the revalidation interval, the version the store reported last is
+                // trusted: a complete entry of it loads without a request.
+                if let Some(f) = self.hit(path, &slot, &version) {
+                    return Ok(f);
+                }
+            } else if unconfirmed {
+                // Its entry is read while a HEAD asks the store whether it is still current;
+                // the caller's `confirm` waits for the answer.
+                if let Some(mut f) = self.hit(path, &slot, &version) {
+                    if let Some(check) = Check::start(self.inner.clone(), self.cache.clone(), path, version) {
+                        f.check = Some(check);
+                        return Ok(f);
+                    }
+                }
             }
         }
         let Some(version) = self.inner.current_version(path)? else {
@@ -283,11 +315,15 @@ impl Storage for CacheStorage {
     }
 
     fn open(&self, path: &Path) -> Result<Box<dyn StorageFile>> {
-        self.open_through(path, None)
+        self.open_through(path, None, false)
     }
 
     fn open_cancellable(&self, path: &Path, cancel: Option<&AtomicBool>) -> Result<Box<dyn StorageFile>> {
-        self.open_through(path, cancel)
+        self.open_through(path, cancel, false)
+    }
+
+    fn open_unconfirmed(&self, path: &Path, cancel: Option<&AtomicBool>) -> Result<Box<dyn StorageFile>> {
+        self.open_through(path, cancel, true)
     }
 
     fn write_file(&self, path: &Path, source: &dyn WriteSource, opts: &IoOptions<'_>) -> Result<()> {
@@ -327,6 +363,78 @@ struct Hit {
     url: std::path::PathBuf,
     tag: String,
     file: Box<dyn StorageFile>,
+    /// Opened before the store confirmed the version: the check in flight.
+    check: Option<Check>,
+}
+
+/// A HEAD asking the store whether the version of an entry handed out is still current, on a
+/// thread of its own, so that it overlaps the reading of the entry.
+#[derive(Debug)]
+struct Check {
+    url: std::path::PathBuf,
+    expected: Version,
+    state: Mutex<Checked>,
+}
+
+#[derive(Debug)]
+enum Checked {
+    InFlight(std::thread::JoinHandle<Result<Option<Version>>>),
+    Current,
+    /// The answer (a changed version, or the store's error), already given once.
+    Answered(String),
+}
+
+impl Check {
+    /// The check started; `None` if no thread could be started for it (the open then asks
+    /// the store itself, first).
+    fn start(inner: Arc<dyn Storage>, cache: NodeCache, path: &Path, expected: Version) -> Option<Check> {
+        let url = path.to_owned();
+        let asked = url.clone();
+        let thread = std::thread::Builder::new().name("turboio-revalidate".into()).spawn(move || {
+            let current = inner.current_version(&asked)?;
+            if let (Some(v), Some(u)) = (&current, asked.to_str()) {
+                cache.saw(u, v);
+            }
+            Ok(current)
+        });
+        let handle = thread.ok()?;
+        Some(Check { url, expected, state: Mutex::new(Checked::InFlight(handle)) })
+    }
+
+    /// The store's answer: `Ok` if the version handed out is current.
+    fn wait(&self) -> Result<()> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let answered = match std::mem::replace(&mut *state, Checked::Current) {
+            Checked::Current => return Ok(()),
+            Checked::Answered(message) => {
+                *state = Checked::Answered(message.clone());
+                return Err(StorageError::Changed { path: self.url.clone(), message });
+            }
+            Checked::InFlight(handle) => handle.join().unwrap_or_else(|_| {
+                Err(StorageError::Io {
+                    path: self.url.clone(),
+                    op: "ask for the current version",
+                    source: std::io::Error::other("the request's thread panicked"),
+                })
+            }),
+        };
+        let message = match answered {
+            Ok(Some(v)) if v == self.expected => return Ok(()),
+            Ok(Some(v)) => format!(
+                "the node cache's copy is version {} ({} bytes), the store now has {} ({} bytes)",
+                self.expected.tag, self.expected.len, v.tag, v.len
+            ),
+            Ok(None) => "the store no longer reports a version for it".to_owned(),
+            Err(e) => {
+                // The store's own error (the object is gone, the store cannot be reached) is
+                // what an open would have answered; later calls only say it was not confirmed.
+                *state = Checked::Answered(format!("not confirmed: {e}"));
+                return Err(e);
+            }
+        };
+        *state = Checked::Answered(message.clone());
+        Err(StorageError::Changed { path: self.url.clone(), message })
+    }
 }
 
 impl StorageFile for Hit {
@@ -368,6 +476,13 @@ impl StorageFile for Hit {
 
     fn version(&self) -> Option<String> {
         Some(self.tag.clone())
+    }
+
+    fn confirm(&self) -> Result<()> {
+        match &self.check {
+            Some(check) => check.wait(),
+            None => Ok(()),
+        }
     }
 }
 

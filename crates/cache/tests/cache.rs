@@ -21,6 +21,9 @@ struct Versioned {
     read: Arc<AtomicU64>,
     heads: Arc<AtomicU64>,
     pause: Option<Duration>,
+    /// Closed (true) by a test to keep the store's HEADs waiting (for 10 s at most, so that
+    /// a HEAD asked for on the test's own thread fails its assertions instead of hanging).
+    head_gate: (std::sync::Mutex<bool>, std::sync::Condvar),
 }
 
 fn tag_of(path: &Path) -> std::io::Result<Version> {
@@ -93,6 +96,9 @@ impl Storage for Versioned {
         self.posix.remove_file(path)
     }
     fn current_version(&self, path: &Path) -> Result<Option<Version>> {
+        let (closed, opened) = &self.head_gate;
+        let closed = closed.lock().unwrap_or_else(|p| p.into_inner());
+        drop(opened.wait_timeout_while(closed, Duration::from_secs(10), |c| *c));
         self.heads.fetch_add(1, Ordering::Relaxed);
         match tag_of(path) {
             Ok(v) => Ok(Some(v)),
@@ -167,7 +173,71 @@ fn an_object_is_fetched_once_then_read_locally() {
         .collect();
     names.sort();
     let key = &entries[0].key;
+    let seen: Vec<&String> = names.iter().filter(|n| n.starts_with("U-") && n.ends_with(".seen")).collect();
+    assert_eq!(seen.len(), 1, "one record of the version seen last: {names:?}");
+    let seen = seen[0].clone();
+    names.retain(|n| *n != seen);
     assert_eq!(names, vec![format!("{key}.data"), format!("{key}.json"), format!("{key}.lock")]);
+}
+
+fn read_file(f: &dyn StorageFile) -> Vec<u8> {
+    let mut buf = vec![0u8; f.len() as usize];
+    f.read_ranges(vec![ReadRequest { offset: 0, dst: &mut buf }], &IoOptions { threads: 2, ..Default::default() })
+        .unwrap();
+    buf
+}
+
+#[test]
+fn an_unconfirmed_open_reads_the_entry_while_the_store_is_asked() {
+    let (dir, inner, cache) = setup(None);
+    let path = dir.path().join("store/m.bin");
+    let first = pattern(3 << 20, 1);
+    inner.write_file(&path, &BytesSource(&first), &IoOptions::default()).unwrap();
+    assert_eq!(read_all(&cache, &path), (first.clone(), false));
+    let heads = inner.heads.load(Ordering::Relaxed);
+
+    // The store's answer held back: the open and the whole read go on without it (the entry,
+    // a local file), and `confirm` gives the answer once it comes.
+    let gate = |closed: bool| {
+        *inner.head_gate.0.lock().unwrap() = closed;
+        inner.head_gate.1.notify_all();
+    };
+    gate(true);
+    let f = cache.open_unconfirmed(&path, None).unwrap();
+    assert!(f.local_file().is_some(), "the entry itself, mappable");
+    assert_eq!(read_file(f.as_ref()), first);
+    assert_eq!(inner.heads.load(Ordering::Relaxed), heads, "read before the store answered");
+    gate(false);
+    f.confirm().unwrap();
+    f.confirm().unwrap();
+    assert_eq!(inner.heads.load(Ordering::Relaxed), heads + 1, "one HEAD");
+
+    // Replaced: the old copy is handed out, and `confirm` refuses it naming the URL; the next
+    // open reads the new version.
+    let second = pattern(3 << 20, 2);
+    inner.write_file(&path, &BytesSource(&second), &IoOptions::default()).unwrap();
+    let f = cache.open_unconfirmed(&path, None).unwrap();
+    assert_eq!(read_file(f.as_ref()), first);
+    let err = f.confirm().unwrap_err();
+    assert!(err.is_changed(), "{err}");
+    assert!(err.to_string().contains(path.to_str().unwrap()), "{err}");
+    assert!(f.confirm().unwrap_err().is_changed(), "asked again: the same answer");
+    drop(f);
+    let f = cache.open_unconfirmed(&path, None).unwrap();
+    assert!(f.local_file().is_none(), "a miss: fetched from the store");
+    assert_eq!(read_file(f.as_ref()), second);
+    f.confirm().unwrap();
+    drop(f);
+    let f = cache.open_unconfirmed(&path, None).unwrap();
+    assert!(f.local_file().is_some(), "the new version's entry");
+    assert_eq!(read_file(f.as_ref()), second);
+    f.confirm().unwrap();
+
+    // Gone from the store: `confirm` gives the store's answer, as an open would have.
+    std::fs::remove_file(&path).unwrap();
+    let f = cache.open_unconfirmed(&path, None).unwrap();
+    assert!(f.confirm().unwrap_err().is_not_found());
+    assert!(cache.open(&path).unwrap_err().is_not_found(), "a confirmed open asks first");
 }
 
 #[test]

@@ -55,7 +55,9 @@ fn error_to_py(e: &Error) -> PyErr {
     match e {
         Error::Storage(StorageError::NotFound { .. }) => PyFileNotFoundError::new_err(msg),
         Error::Storage(StorageError::PermissionDenied { .. }) => PyPermissionError::new_err(msg),
-        Error::Storage(StorageError::Io { .. } | StorageError::ShortFile { .. }) => PyOSError::new_err(msg),
+        Error::Storage(StorageError::Io { .. } | StorageError::ShortFile { .. } | StorageError::Changed { .. }) => {
+            PyOSError::new_err(msg)
+        }
         Error::Format { path, source, hint } => invalid_file(
             path,
             match hint {

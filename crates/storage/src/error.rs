@@ -57,6 +57,17 @@ pub enum StorageError {
         /// What is missing or wrong.
         message: String,
     },
+    /// The bytes read are not the file's current version: it was replaced while (or before)
+    /// they were read, and the backend found out only afterwards ([`crate::StorageFile::confirm`] of
+    /// a file opened with [`crate::Storage::open_unconfirmed`]: a cached copy whose currency was
+    /// being checked while it was read). Reading it again gives the current version.
+    #[error("{}: changed while it was read: {message}", path.display())]
+    Changed {
+        /// The file.
+        path: PathBuf,
+        /// What was read and what is current.
+        message: String,
+    },
     /// The operation was cancelled by the caller.
     #[error("cancelled")]
     Cancelled,
@@ -94,5 +105,10 @@ impl StorageError {
     /// True for [`StorageError::NotFound`].
     pub fn is_not_found(&self) -> bool {
         matches!(self, StorageError::NotFound { .. })
+    }
+
+    /// True for [`StorageError::Changed`]: reading the file again gives its current version.
+    pub fn is_changed(&self) -> bool {
+        matches!(self, StorageError::Changed { .. })
     }
 }

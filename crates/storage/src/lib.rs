@@ -19,6 +19,10 @@
 //! - [`StorageFile::read_to_device`] is for backends that DMA straight into device memory (GDS);
 //!   others answer [`StorageError::Unsupported`] and the orchestrator stages through host memory.
 //!   [`Storage::write_file_from_device`] is the same for saves.
+//! - [`Storage::open_unconfirmed`] lets a backend hand out a file before it knows that it is
+//!   the current version (a node cache's copy, checked by a request that overlaps the read);
+//!   the caller calls [`StorageFile::confirm`] after reading and reads again on
+//!   [`StorageError::Changed`]. Backends without such a copy open as usual.
 //! - [`Storage::write_file`] writes a whole file atomically from a [`WriteSource`] that fills
 //!   chunks on demand (copying from host tensors, from device memory, or encrypting on the way),
 //!   so a save never needs a second full-size buffer.
@@ -263,6 +267,17 @@ pub trait StorageFile: Send + Sync + Debug {
         None
     }
 
+    /// For a file opened with [`Storage::open_unconfirmed`]: waits until the backend knows
+    /// whether the bytes read through this handle are the file's current version, and says
+    /// so. [`StorageError::Changed`] when they are not (the caller drops what it read, opens
+    /// the file again and reads it again); any other error is what opening the file would
+    /// have answered (the file is gone, the store cannot be reached). A caller calls it once
+    /// it has read what it needs and before it hands any of it out. Files opened otherwise,
+    /// and backends that never open optimistically, answer `Ok` at once (the default).
+    fn confirm(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// The version of the bytes this handle reads (an object's ETag, with its version id where
     /// the store keeps versions): a tag that changes whenever the content does, so a cache can
     /// key on it. `None` for backends without one (local files; a cache does not keep those).
@@ -344,6 +359,17 @@ pub trait Storage: Send + Sync + Debug {
     fn open_cancellable(&self, path: &Path, cancel: Option<&AtomicBool>) -> Result<Box<dyn StorageFile>> {
         let _ = cancel;
         self.open(path)
+    }
+
+    /// Opens a file for reading, possibly before the backend knows that what it opens is the
+    /// file's current version: a node cache hands out its complete copy of the version seen
+    /// last at once, while the request that checks it is still in flight, so that the check
+    /// overlaps the read instead of preceding it. The caller must call
+    /// [`StorageFile::confirm`] after reading and before using what it read, and read again
+    /// on [`StorageError::Changed`]. The default is [`open_cancellable`](Self::open_cancellable)
+    /// (a confirmed file).
+    fn open_unconfirmed(&self, path: &Path, cancel: Option<&AtomicBool>) -> Result<Box<dyn StorageFile>> {
+        self.open_cancellable(path, cancel)
     }
 
     /// Writes `source` to `path` atomically: readers see the old file or the complete new one,

@@ -20,15 +20,30 @@ pub(crate) struct Opened {
 
 impl Opened {
     /// Opens `path` through `storage`, else the backend of its scheme, else the local file
-    /// system ([`write_storage`] picks the same one for saves).
-    pub(crate) fn open(storage: Option<&Arc<dyn Storage>>, path: &Path, cancel: Option<&AtomicBool>) -> Result<Opened> {
+    /// system ([`write_storage`] picks the same one for saves). `unconfirmed`: the caller
+    /// calls [`confirm`](Self::confirm) before it hands out anything it read
+    /// ([`Storage::open_unconfirmed`]).
+    pub(crate) fn open(
+        storage: Option<&Arc<dyn Storage>>,
+        path: &Path,
+        cancel: Option<&AtomicBool>,
+        unconfirmed: bool,
+    ) -> Result<Opened> {
         let storage = write_storage(storage, path)?;
-        let file = storage.open_cancellable(path, cancel).map_err(|e| Error::storage(path, e))?;
+        let file =
+            if unconfirmed { storage.open_unconfirmed(path, cancel) } else { storage.open_cancellable(path, cancel) }
+                .map_err(|e| Error::storage(path, e))?;
         Ok(Opened {
             file,
             #[cfg(feature = "cipher")]
             crypt: None,
         })
+    }
+
+    /// Confirms that what was read is the file's current version (see
+    /// [`StorageFile::confirm`]); [`Error::is_changed`] when it is not.
+    pub(crate) fn confirm(&self) -> Result<()> {
+        self.file.confirm().map_err(|e| Error::storage(self.path(), e))
     }
 
     /// The backend's file (raw bytes, cipher header included).
@@ -264,16 +279,24 @@ impl Place {
 
     /// A small file's bytes (an index), `None` if it does not exist.
     pub(crate) fn read(&self, path: &Path) -> Result<Option<Vec<u8>>> {
+        Ok(self.read_held(path, false)?.map(|(bytes, _)| bytes))
+    }
+
+    /// [`read`](Self::read); `unconfirmed`: a remote file may be read before its version is
+    /// confirmed ([`Storage::open_unconfirmed`]), and is returned with its bytes, for the caller
+    /// to [`confirm`](StorageFile::confirm) before it uses them.
+    pub(crate) fn read_held(&self, path: &Path, unconfirmed: bool) -> Result<Option<(Vec<u8>, Unconfirmed)>> {
         match self {
             Place::Local => match std::fs::read(path) {
-                Ok(b) => Ok(Some(b)),
+                Ok(b) => Ok(Some((b, None))),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
                 Err(e) => {
                     Err(Error::Unsupported { path: path.to_owned(), message: format!("cannot read the file: {e}") })
                 }
             },
             Place::Remote(s) => {
-                let f = match s.open(path) {
+                let opened = if unconfirmed { s.open_unconfirmed(path, None) } else { s.open(path) };
+                let f = match opened {
                     Ok(f) => f,
                     Err(e) if e.is_not_found() => return Ok(None),
                     Err(e) => return Err(Error::storage(path, e)),
@@ -287,7 +310,7 @@ impl Place {
                 }
                 let mut buf = vec![0u8; len];
                 f.read_exact_at(0, &mut buf).map_err(|e| Error::storage(path, e))?;
-                Ok(Some(buf))
+                Ok(Some((buf, Some(f))))
             }
         }
     }
@@ -330,6 +353,11 @@ impl Place {
         }
     }
 }
+
+/// A file read before its version was confirmed ([`Storage::open_unconfirmed`]), to
+/// [`confirm`](StorageFile::confirm) before what was read from it is used; `None`: nothing to
+/// confirm.
+pub(crate) type Unconfirmed = Option<Box<dyn StorageFile>>;
 
 /// The largest index JSON read from a remote store (an index of a million tensors is ~100 MB).
 const MAX_INDEX_BYTES: usize = 256 << 20;

@@ -33,14 +33,14 @@ impl WriteSource for OpenedSource<'_> {
 /// Encrypts any file (a safetensors file, a torch pickle) into `output`, atomically: chunk by
 /// chunk as the writers go, never holding the whole file.
 pub fn encrypt_file(input: &Path, output: &Path, enc: &Encryption, opts: &SaveOptions) -> Result<()> {
-    let plain = Opened::open(opts.storage.as_ref(), input, opts.cancel.as_deref())?;
+    let plain = Opened::open(opts.storage.as_ref(), input, opts.cancel.as_deref(), false)?;
     let opts = SaveOptions { encryption: Some(enc.clone()), ..opts.clone() };
     write_source(output, &OpenedSource(&plain), &opts)
 }
 
 /// Decrypts a file written in either of veTurboIO's layouts into `output`, atomically.
 pub fn decrypt_file(input: &Path, output: &Path, enc: &Encryption, opts: &SaveOptions) -> Result<()> {
-    let mut opened = Opened::open(opts.storage.as_ref(), input, opts.cancel.as_deref())?;
+    let mut opened = Opened::open(opts.storage.as_ref(), input, opts.cancel.as_deref(), false)?;
     opened.crypt = Some(for_read(opened.raw(), enc, opts.cancel.as_ref(), false)?);
     let opts = SaveOptions { encryption: None, ..opts.clone() };
     write_source(output, &OpenedSource(&opened), &opts)

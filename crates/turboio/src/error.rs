@@ -109,6 +109,12 @@ impl Error {
     pub fn is_not_found(&self) -> bool {
         matches!(self, Error::Storage(e) if e.is_not_found())
     }
+
+    /// True if a file was replaced while it was read ([`StorageError::Changed`]): loading it
+    /// again gives the current version.
+    pub fn is_changed(&self) -> bool {
+        matches!(self, Error::Storage(e) if e.is_changed())
+    }
 }
 
 /// Result of turboio operations.

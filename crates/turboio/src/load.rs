@@ -46,9 +46,25 @@ pub fn read_all(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Vec<u8>> {
 /// page-cache residency decide. Nothing partial is ever returned: on any error the memory is
 /// released and the error names the file.
 pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
-    match opts.dtype {
+    again_if_changed(|| match opts.dtype {
         Some(target) => crate::cast::load_cast(path.as_ref(), opts, target),
         None => load_plain(path.as_ref(), opts),
+    })
+}
+
+/// How many times a load is tried when a file it read turns out to have been replaced.
+const ATTEMPTS: usize = 3;
+
+/// Runs `load` again when a file it read turned out to have been replaced meanwhile (a node
+/// cache's copy of an object, read while a request checked that it was current, found stale:
+/// the next attempt reads the new version), up to [`ATTEMPTS`] times in all.
+pub(crate) fn again_if_changed<T>(mut load: impl FnMut() -> Result<T>) -> Result<T> {
+    let mut attempt = 1;
+    loop {
+        match load() {
+            Err(e) if e.is_changed() && attempt < ATTEMPTS => attempt += 1,
+            other => return other,
+        }
     }
 }
 

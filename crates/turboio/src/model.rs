@@ -44,7 +44,7 @@
 //! removes. The index is always written, even for a single shard, so that this holds for
 //! every save.
 
-use crate::backend::Place;
+use crate::backend::{Place, Unconfirmed};
 use crate::plan::{cpu_device, load_device, plan_shard, Planned};
 use crate::{Error, LoadOptions, LoadReport, LoadedFile, Result, SaveOptions, SaveTensor, TensorView};
 use std::collections::{BTreeMap, HashMap};
@@ -85,7 +85,7 @@ impl ModelFiles {
     /// [`resolve`](Self::resolve) through `storage` (the one a load or save is given, else the
     /// one of the path's scheme, else the local file system).
     pub fn resolve_in(path: impl AsRef<Path>, storage: Option<&Arc<dyn Storage>>) -> Result<ModelFiles> {
-        let (files, local) = Self::resolve_unchecked(path.as_ref(), storage)?;
+        let (files, local, _) = Self::resolve_unchecked(path.as_ref(), storage, false)?;
         if local {
             files.check_shards_exist()?;
         }
@@ -94,25 +94,34 @@ impl ModelFiles {
 
     /// [`resolve_in`](Self::resolve_in) without looking up the local shards an index names
     /// (a load of some tensors opens only the shards holding them); true if the files are
-    /// local.
-    pub(crate) fn resolve_unchecked(path: &Path, storage: Option<&Arc<dyn Storage>>) -> Result<(ModelFiles, bool)> {
+    /// local. `unconfirmed`: a remote index may be read before its version is confirmed
+    /// ([`Storage::open_unconfirmed`]); the file returned must then be confirmed before the
+    /// model is handed out.
+    pub(crate) fn resolve_unchecked(
+        path: &Path,
+        storage: Option<&Arc<dyn Storage>>,
+        unconfirmed: bool,
+    ) -> Result<(ModelFiles, bool, Unconfirmed)> {
         let place = Place::of(storage, path)?;
         let local = matches!(place, Place::Local);
-        Self::resolve_place(path, place).map(|f| (f, local))
+        Self::resolve_place(path, place, unconfirmed).map(|(f, held)| (f, local, held))
     }
 
-    fn resolve_place(path: &Path, place: Place) -> Result<ModelFiles> {
-        let Place::Remote(remote) = &place else { return Self::resolve_local(path) };
+    fn resolve_place(path: &Path, place: Place, unconfirmed: bool) -> Result<(ModelFiles, Unconfirmed)> {
+        let Place::Remote(remote) = &place else { return Self::resolve_local(path).map(|f| (f, None)) };
         let text = path.to_string_lossy();
-        if text.ends_with(".json") {
-            return Self::from_index(path, &place);
+        let index = if text.ends_with(".json") {
+            path.to_owned()
+        } else if names_a_checkpoint_file(path) {
+            return Ok((ModelFiles::single(path), None));
+        } else {
+            path.join(INDEX_NAME)
+        };
+        if let Some((text, held)) = place.read_held(&index, unconfirmed)? {
+            return Self::from_index_text(&index, &text).map(|f| (f, held));
         }
-        if names_a_checkpoint_file(path) {
-            return Ok(ModelFiles::single(path));
-        }
-        let index = path.join(INDEX_NAME);
-        if let Some(text) = place.read(&index)? {
-            return Self::from_index_text(&index, &text);
+        if index == path {
+            return Err(model_error(&index, "cannot read the index: it does not exist"));
         }
         let shards: Vec<PathBuf> = remote
             .list(path)
@@ -123,7 +132,7 @@ impl ModelFiles {
         if shards.is_empty() {
             return Err(model_error(path, format!("no {INDEX_NAME} and no *.safetensors object under this prefix")));
         }
-        Ok(ModelFiles { index: None, shards, weight_map: None, metadata: BTreeMap::new() })
+        Ok((ModelFiles { index: None, shards, weight_map: None, metadata: BTreeMap::new() }, None))
     }
 
     fn single(path: &Path) -> ModelFiles {
@@ -398,7 +407,24 @@ impl LoadedModel {
 /// [module docs](self).
 pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedModel> {
     let started = Instant::now();
-    let (mut files, local) = ModelFiles::resolve_unchecked(path.as_ref(), opts.storage.as_ref())?;
+    crate::load::again_if_changed(|| load_model_once(path.as_ref(), opts, started))
+}
+
+fn load_model_once(path: &Path, opts: &LoadOptions, started: Instant) -> Result<LoadedModel> {
+    // A remote index may come from a node cache's copy while the store is asked whether it is
+    // current (as each shard may). It is confirmed before the model is handed out, and also
+    // when the load failed: a stale index names shards that may be gone, and the answer is
+    // then to load again with the new index, not the error.
+    let (files, local, index_file) = ModelFiles::resolve_unchecked(path, opts.storage.as_ref(), true)?;
+    let loaded = load_files(files, local, opts, started);
+    if let Some(f) = &index_file {
+        f.confirm().map_err(|e| Error::storage(f.path(), e))?;
+    }
+    loaded
+}
+
+/// Loads the model `files` (resolved, not yet checked if `local`).
+fn load_files(mut files: ModelFiles, local: bool, opts: &LoadOptions, started: Instant) -> Result<LoadedModel> {
     // A selection with an index: the names are known before any shard is opened, and shards
     // holding none of the selected tensors are not opened at all (nor need they exist).
     if let (Some(selection), Some(map)) = (&opts.tensors, &files.weight_map) {

@@ -121,8 +121,14 @@ impl turboio_pt::ReadAt for PlainReader<'_> {
 
 /// Opens a file for a load, with the decrypting layer when the options ask for it.
 pub(crate) fn open(path: &Path, opts: &LoadOptions) -> Result<Opened> {
+    open_as(path, opts, false)
+}
+
+/// [`open`]; `unconfirmed`: the caller confirms what it read before handing it out
+/// ([`Opened::confirm`]), so a node cache may hand out its copy while it checks it.
+fn open_as(path: &Path, opts: &LoadOptions, unconfirmed: bool) -> Result<Opened> {
     #[allow(unused_mut)]
-    let mut opened = Opened::open(opts.storage.as_ref(), path, opts.cancel.as_deref())?;
+    let mut opened = Opened::open(opts.storage.as_ref(), path, opts.cancel.as_deref(), unconfirmed)?;
     #[cfg(feature = "cipher")]
     if let Some(enc) = &opts.encryption {
         let bypass = opts.cache == CachePolicy::Bypass;
@@ -309,7 +315,8 @@ pub(crate) fn plan_parsed(
     check_selection: bool,
 ) -> Result<Planned> {
     let started = Instant::now();
-    let opened = open(path, opts)?;
+    // Every planned load ends in `done`, which confirms what was read.
+    let opened = open_as(path, opts, true)?;
     let mut parsed = parse(&opened, opts.cache == CachePolicy::Bypass)?;
     let file_len = opened.len();
     let data_start = parsed.data_start(file_len);
@@ -610,6 +617,9 @@ impl Planned {
 
     /// What a filled load holds (call after [`fill`](Self::fill)).
     pub(crate) fn done(self, read: ReadInfo, opts: &LoadOptions) -> Result<Done> {
+        // A file opened before its version was confirmed (a node cache's copy) is confirmed
+        // now, after everything was read and before any of it is handed out.
+        self.opened.confirm()?;
         let bytes = self.bytes();
         let data_start = self.parsed.data_start(self.opened.len());
         // A selected load's header places its tensors relative to the start of its memory

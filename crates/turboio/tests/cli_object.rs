@@ -179,4 +179,33 @@ fn the_node_cache_serves_later_loads_and_concurrent_processes_fetch_once() {
     assert!(!ok && out.contains("--cache-dir"), "{out}");
     let (ok, out) = run(&["--cache-dir", cache_arg, "--cache-max-size", "lots", "cache", "ls"]);
     assert!(!ok && out.contains("lots"), "{out}");
+
+    // A model under a prefix, warm (its index and shards read from the cache while the server
+    // is asked), then saved again as a smaller model: the warm load notices and loads the new one.
+    let megabytes = |out: &str| -> f64 {
+        let before = out.split(" MB in ").next().unwrap_or_default();
+        before.rsplit(' ').next().unwrap_or_default().parse().unwrap_or_else(|_| panic!("no size in {out}"))
+    };
+    let (ok, out) = run(&["gen", "s3://cached/model", "--shards", "3", "--size", "6MiB"]);
+    assert!(ok, "{out}");
+    for _ in 0..2 {
+        let (ok, out) = run(&["--cache-dir", cache_arg, "load", "s3://cached/model", "--check"]);
+        assert!(ok && out.contains("check: all") && megabytes(&out) > 6.0, "{out}");
+    }
+    fx.server.faults("{}");
+    let (ok, out) = run(&["--cache-dir", cache_arg, "load", "s3://cached/model", "--check"]);
+    assert!(ok && megabytes(&out) > 6.0, "{out}");
+    assert_eq!(fx.server.stat("get_bytes"), 0, "a warm model load reads the local entries");
+    // One shard's entry goes (as an eviction would take it): the stale index then names a shard
+    // that is neither cached nor in the store any more, and the load must still end with the
+    // new model, not that shard's "no such file".
+    let (ok, listing) = run(&["--cache-dir", cache_arg, "cache", "ls", "--json"]);
+    assert!(ok, "{listing}");
+    let entry = listing.split('}').find(|e| e.contains("model-00002-of-00003")).expect("the second shard's entry");
+    let data = entry.split("\"path\": \"").nth(1).and_then(|p| p.split('"').next()).expect("its path");
+    std::fs::remove_file(data).unwrap();
+    let (ok, out) = run(&["gen", "s3://cached/model", "--shards", "2", "--size", "4MiB"]);
+    assert!(ok, "{out}");
+    let (ok, out) = run(&["--cache-dir", cache_arg, "load", "s3://cached/model", "--check"]);
+    assert!(ok && out.contains("check: all") && megabytes(&out) < 5.0, "{out}");
 }

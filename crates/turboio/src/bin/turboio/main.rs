@@ -46,7 +46,8 @@ struct Cli {
     #[arg(long = "cache-max-size", global = true, value_name = "SIZE", value_parser = size::parse_size)]
     cache_max_size: Option<u64>,
     /// Trust the version the store reported for an object for this long before asking again
-    /// (default: $TURBOIO_CACHE_REVALIDATE, else 0: ask on every load): within it a cached
+    /// (default: $TURBOIO_CACHE_REVALIDATE, else 0: every load asks, while it reads the cached
+    /// copy, and loads again if the object was replaced): within it a cached
     /// object loads with no request to the store, as fast as a local file; an object replaced
     /// meanwhile is noticed when it ends. Seconds, or 90s, 5m, 1h.
     #[arg(long = "cache-revalidate", global = true, value_name = "INTERVAL", value_parser = turboio::cache::parse_interval)]
@@ -698,9 +699,15 @@ fn inspect_model(path: &Path, json: bool, opts: &LoadOptions) -> CliResult {
 }
 
 fn load_model(path: &Path, mut opts: LoadOptions, repeat: usize, check: bool) -> CliResult {
-    let files = turboio::ModelFiles::resolve_in(path, opts.storage.as_ref())?;
-    // (Remote shards' sizes are known once opened: their bar counts without a total.)
-    let mut total: u64 = files.shards.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
+    // The bar's total: local shards' sizes. A remote model's are known once its shards are
+    // opened (its bar counts without a total): resolving it here would cost the load a request
+    // before it starts (and, with a node cache, ask for the index before the load reads it).
+    let mut total: u64 = if path.to_string_lossy().contains("://") {
+        0
+    } else {
+        let files = turboio::ModelFiles::resolve_in(path, opts.storage.as_ref())?;
+        files.shards.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum()
+    };
     let mut times = Vec::new();
     for run in 1..=repeat {
         let bar = progress::Bar::start(total, &format!("loading {}", path.display()));

@@ -1,0 +1,145 @@
+//! turboio's loads through the node cache, against a versioned backend of local files: a warm
+//! load reads the cached copy while the store is asked whether it is current, and never returns
+//! the bytes of a version the store no longer has (the load starts again and reads the new one).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use turboio::cache::{CacheStorage, NodeCache};
+use turboio::model::ModelFiles;
+use turboio::{load, load_model, Dtype, LoadOptions, SaveOptions, SaveTensor};
+use turboio_io_posix::PosixStorage;
+use turboio_storage::{
+    IoOptions, RangeReader, ReadRequest, Result, Storage, StorageError, StorageFile, Version, WriteSource,
+};
+use turboio_tests::bytes;
+
+/// Local files with versions (inode, modification time, length), counting HEADs.
+#[derive(Debug, Default)]
+struct Versioned {
+    posix: PosixStorage,
+    heads: AtomicU64,
+}
+
+fn version_of(path: &Path) -> Result<Version> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).map_err(|e| StorageError::io(path, "stat", e))?;
+    Ok(Version { len: m.len(), tag: format!("{}-{}.{}", m.ino(), m.mtime(), m.mtime_nsec()) })
+}
+
+#[derive(Debug)]
+struct VFile {
+    inner: Box<dyn StorageFile>,
+    tag: String,
+}
+
+impl StorageFile for VFile {
+    fn path(&self) -> &Path {
+        self.inner.path()
+    }
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+    fn reader(&self) -> Result<Box<dyn RangeReader + '_>> {
+        self.inner.reader()
+    }
+    fn read_ranges(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<()> {
+        self.inner.read_ranges(requests, opts)
+    }
+    fn version(&self) -> Option<String> {
+        Some(self.tag.clone())
+    }
+}
+
+impl Storage for Versioned {
+    fn name(&self) -> &'static str {
+        "versioned"
+    }
+    fn open(&self, path: &Path) -> Result<Box<dyn StorageFile>> {
+        let inner = self.posix.open(path)?;
+        Ok(Box::new(VFile { inner, tag: version_of(path)?.tag }))
+    }
+    fn write_file(&self, path: &Path, source: &dyn WriteSource, opts: &IoOptions<'_>) -> Result<()> {
+        self.posix.write_file(path, source, opts)
+    }
+    fn list(&self, dir: &Path) -> Result<Vec<PathBuf>> {
+        self.posix.list(dir)
+    }
+    fn current_version(&self, path: &Path) -> Result<Option<Version>> {
+        self.heads.fetch_add(1, Ordering::Relaxed);
+        version_of(path).map(Some)
+    }
+}
+
+type Tensors = Vec<(String, Vec<usize>, Vec<u8>)>;
+
+fn tensors(seed: u64) -> Tensors {
+    (0..6).map(|i| (format!("w.{i}"), vec![32, 8 + i], bytes(32 * (8 + i) * 4, seed * 100 + i as u64))).collect()
+}
+
+fn views(t: &Tensors) -> Vec<SaveTensor<'_>> {
+    t.iter().map(|(n, s, d)| SaveTensor { name: n, dtype: Dtype::F32, shape: s, data: d }).collect()
+}
+
+fn setup() -> (tempfile::TempDir, Arc<Versioned>, LoadOptions) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("store")).unwrap();
+    let versioned = Arc::new(Versioned::default());
+    let cache = CacheStorage::new(versioned.clone(), NodeCache::new(dir.path().join("cache")));
+    let opts = LoadOptions { storage: Some(Arc::new(cache)), ..Default::default() };
+    (dir, versioned, opts)
+}
+
+#[test]
+fn a_warm_load_of_a_replaced_file_returns_the_new_version() {
+    let (dir, versioned, opts) = setup();
+    let path = dir.path().join("store/w.safetensors");
+    let first = tensors(1);
+    turboio::save(&path, &views(&first), None, &SaveOptions::default()).unwrap();
+    let check = |want: &Tensors| {
+        let loaded = load(&path, &opts).unwrap();
+        for (n, _, d) in want {
+            assert_eq!(loaded.tensor(n).unwrap().bytes().unwrap(), d.as_slice(), "{n}");
+        }
+    };
+    check(&first); // fills the cache
+    check(&first); // warm: the entry, checked by one HEAD
+    assert_eq!(versioned.heads.load(Ordering::Relaxed), 2, "one HEAD per load");
+
+    // Replaced in the store (same names and shapes, other bytes): the warm load reads the old
+    // copy while it asks, is told the version changed, and loads again: the new bytes.
+    let second = tensors(2);
+    turboio::save(&path, &views(&second), None, &SaveOptions::default()).unwrap();
+    check(&second);
+    check(&second);
+    assert_eq!(turboio::cache::NodeCache::new(dir.path().join("cache")).entries().unwrap().len(), 2);
+}
+
+#[test]
+fn a_warm_model_load_with_a_replaced_shard_returns_the_new_model() {
+    let (dir, versioned, opts) = setup();
+    let model = dir.path().join("store/m");
+    let first = tensors(1);
+    let groups = vec![vec![0, 1], vec![2, 3], vec![4, 5]];
+    turboio::model::save_model_dir_grouped(&model, &views(&first), &groups, None, &SaveOptions::default()).unwrap();
+    let check = |want: &Tensors| {
+        let loaded = load_model(&model, &opts).unwrap();
+        assert_eq!(loaded.len(), want.len());
+        for (n, _, d) in want {
+            assert_eq!(loaded.tensor(n).unwrap().bytes().unwrap(), d.as_slice(), "{n}");
+        }
+    };
+    check(&first);
+    check(&first);
+    assert_eq!(versioned.heads.load(Ordering::Relaxed), 6, "one HEAD per shard and load");
+
+    // The middle shard rewritten in place with other bytes for its two tensors.
+    let shards = ModelFiles::resolve(&model).unwrap().shards;
+    let mut second = first.clone();
+    for t in &mut second[2..4] {
+        t.2 = bytes(t.2.len(), 77);
+    }
+    turboio::save(&shards[1], &views(&second[2..4].to_vec()), None, &SaveOptions::default()).unwrap();
+    check(&second);
+    check(&second);
+}
