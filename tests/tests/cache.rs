@@ -2,74 +2,13 @@
 //! load reads the cached copy while the store is asked whether it is current, and never returns
 //! the bytes of a version the store no longer has (the load starts again and reads the new one).
 
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use turboio::cache::{CacheStorage, NodeCache};
 use turboio::model::ModelFiles;
 use turboio::{load, load_model, Dtype, LoadOptions, SaveOptions, SaveTensor};
-use turboio_io_posix::PosixStorage;
-use turboio_storage::{
-    IoOptions, RangeReader, ReadRequest, Result, Storage, StorageError, StorageFile, Version, WriteSource,
-};
+use turboio_cache::testing::Versioned;
 use turboio_tests::bytes;
-
-/// Local files with versions (inode, modification time, length), counting HEADs.
-#[derive(Debug, Default)]
-struct Versioned {
-    posix: PosixStorage,
-    heads: AtomicU64,
-}
-
-fn version_of(path: &Path) -> Result<Version> {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata(path).map_err(|e| StorageError::io(path, "stat", e))?;
-    Ok(Version { len: m.len(), tag: format!("{}-{}.{}", m.ino(), m.mtime(), m.mtime_nsec()) })
-}
-
-#[derive(Debug)]
-struct VFile {
-    inner: Box<dyn StorageFile>,
-    tag: String,
-}
-
-impl StorageFile for VFile {
-    fn path(&self) -> &Path {
-        self.inner.path()
-    }
-    fn len(&self) -> u64 {
-        self.inner.len()
-    }
-    fn reader(&self) -> Result<Box<dyn RangeReader + '_>> {
-        self.inner.reader()
-    }
-    fn read_ranges(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<()> {
-        self.inner.read_ranges(requests, opts)
-    }
-    fn version(&self) -> Option<String> {
-        Some(self.tag.clone())
-    }
-}
-
-impl Storage for Versioned {
-    fn name(&self) -> &'static str {
-        "versioned"
-    }
-    fn open(&self, path: &Path) -> Result<Box<dyn StorageFile>> {
-        let inner = self.posix.open(path)?;
-        Ok(Box::new(VFile { inner, tag: version_of(path)?.tag }))
-    }
-    fn write_file(&self, path: &Path, source: &dyn WriteSource, opts: &IoOptions<'_>) -> Result<()> {
-        self.posix.write_file(path, source, opts)
-    }
-    fn list(&self, dir: &Path) -> Result<Vec<PathBuf>> {
-        self.posix.list(dir)
-    }
-    fn current_version(&self, path: &Path) -> Result<Option<Version>> {
-        self.heads.fetch_add(1, Ordering::Relaxed);
-        version_of(path).map(Some)
-    }
-}
 
 type Tensors = Vec<(String, Vec<usize>, Vec<u8>)>;
 

@@ -87,6 +87,8 @@ mod fill;
 mod ranges;
 #[allow(unsafe_code)]
 mod sys;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use entries::{parse_interval, parse_size, Entry, NodeCache, PruneReport};
 

@@ -3,117 +3,18 @@
 //! readers at once, a full disk, and fetchers killed with SIGKILL at random points.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use turboio_cache::testing::Versioned;
 use turboio_cache::{CacheStorage, NodeCache};
-use turboio_io_posix::PosixStorage;
 use turboio_storage::conformance::{self, pattern, Capabilities};
-use turboio_storage::{
-    BytesSource, IoOptions, RangeReader, ReadRequest, Result, Storage, StorageFile, Version, WriteSource,
-};
-
-/// Local files with versions (inode, modification time and length), counting the bytes read
-/// from them, optionally slow (a pause per chunk, so a test can kill a fetch midway).
-#[derive(Debug, Default)]
-struct Versioned {
-    posix: PosixStorage,
-    read: Arc<AtomicU64>,
-    heads: Arc<AtomicU64>,
-    pause: Option<Duration>,
-    /// Closed (true) by a test to keep the store's HEADs waiting (for 10 s at most, so that
-    /// a HEAD asked for on the test's own thread fails its assertions instead of hanging).
-    head_gate: (std::sync::Mutex<bool>, std::sync::Condvar),
-}
-
-fn tag_of(path: &Path) -> std::io::Result<Version> {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata(path)?;
-    Ok(Version { len: m.len(), tag: format!("{}-{}.{}", m.ino(), m.mtime(), m.mtime_nsec()) })
-}
-
-#[derive(Debug)]
-struct VFile {
-    inner: Box<dyn StorageFile>,
-    tag: String,
-    read: Arc<AtomicU64>,
-    pause: Option<Duration>,
-}
-
-struct VReader<'a> {
-    inner: Box<dyn RangeReader + 'a>,
-    file: &'a VFile,
-}
-
-impl RangeReader for VReader<'_> {
-    fn read_exact_at(&mut self, offset: u64, dst: &mut [u8]) -> Result<()> {
-        if let Some(p) = self.file.pause {
-            std::thread::sleep(p);
-        }
-        self.inner.read_exact_at(offset, dst)?;
-        self.file.read.fetch_add(dst.len() as u64, Ordering::Relaxed);
-        Ok(())
-    }
-}
-
-impl StorageFile for VFile {
-    fn path(&self) -> &Path {
-        self.inner.path()
-    }
-    fn len(&self) -> u64 {
-        self.inner.len()
-    }
-    fn reader(&self) -> Result<Box<dyn RangeReader + '_>> {
-        Ok(Box::new(VReader { inner: self.inner.reader()?, file: self }))
-    }
-    fn read_ranges(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<()> {
-        // Through the readers (the contract's default), so the count and the pause apply.
-        let chunk = if opts.chunk_size == 0 { 1 << 20 } else { opts.chunk_size };
-        let chunks = turboio_storage::split_requests(requests, chunk);
-        turboio_storage::for_each_chunk(chunks, opts, || self.reader(), |r, c| r.read_exact_at(c.offset, c.dst))
-    }
-    fn version(&self) -> Option<String> {
-        Some(self.tag.clone())
-    }
-}
-
-impl Storage for Versioned {
-    fn name(&self) -> &'static str {
-        "versioned"
-    }
-    fn open(&self, path: &Path) -> Result<Box<dyn StorageFile>> {
-        let inner = self.posix.open(path)?;
-        let tag = tag_of(path).map_err(|e| turboio_storage::StorageError::io(path, "stat", e))?.tag;
-        Ok(Box::new(VFile { inner, tag, read: self.read.clone(), pause: self.pause }))
-    }
-    fn write_file(&self, path: &Path, source: &dyn WriteSource, opts: &IoOptions<'_>) -> Result<()> {
-        self.posix.write_file(path, source, opts)
-    }
-    fn list(&self, dir: &Path) -> Result<Vec<PathBuf>> {
-        self.posix.list(dir)
-    }
-    fn remove_file(&self, path: &Path) -> Result<()> {
-        self.posix.remove_file(path)
-    }
-    fn current_version(&self, path: &Path) -> Result<Option<Version>> {
-        let (closed, opened) = &self.head_gate;
-        let closed = closed.lock().unwrap_or_else(|p| p.into_inner());
-        drop(opened.wait_timeout_while(closed, Duration::from_secs(10), |c| *c));
-        self.heads.fetch_add(1, Ordering::Relaxed);
-        match tag_of(path) {
-            Ok(v) => Ok(Some(v)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                Err(turboio_storage::StorageError::NotFound { path: path.to_owned() })
-            }
-            Err(e) => Err(turboio_storage::StorageError::io(path, "stat", e)),
-        }
-    }
-}
+use turboio_storage::{BytesSource, IoOptions, ReadRequest, Storage, StorageFile};
 
 fn setup(pause: Option<Duration>) -> (tempfile::TempDir, Arc<Versioned>, CacheStorage) {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("store")).unwrap();
-    let inner = Arc::new(Versioned { pause, ..Default::default() });
+    let inner = Arc::new(Versioned::with_pause(pause));
     let cache = CacheStorage::new(inner.clone(), NodeCache::new(dir.path().join("cache")));
     (dir, inner, cache)
 }
@@ -198,16 +99,12 @@ fn an_unconfirmed_open_reads_the_entry_while_the_store_is_asked() {
 
     // The store's answer held back: the open and the whole read go on without it (the entry,
     // a local file), and `confirm` gives the answer once it comes.
-    let gate = |closed: bool| {
-        *inner.head_gate.0.lock().unwrap() = closed;
-        inner.head_gate.1.notify_all();
-    };
-    gate(true);
+    inner.hold_heads(true);
     let f = cache.open_unconfirmed(&path, None).unwrap();
     assert!(f.local_file().is_some(), "the entry itself, mappable");
     assert_eq!(read_file(f.as_ref()), first);
     assert_eq!(inner.heads.load(Ordering::Relaxed), heads, "read before the store answered");
-    gate(false);
+    inner.hold_heads(false);
     f.confirm().unwrap();
     f.confirm().unwrap();
     assert_eq!(inner.heads.load(Ordering::Relaxed), heads + 1, "one HEAD");
@@ -455,7 +352,7 @@ fn child_fill() {
     let Some(args) = std::env::var_os(CHILD_ENV) else { return };
     let args = PathBuf::from(args);
     let (store, cache_dir) = (args.join("store/m.bin"), args.join("cache"));
-    let inner = Arc::new(Versioned { pause: Some(Duration::from_millis(1)), ..Default::default() });
+    let inner = Arc::new(Versioned::with_pause(Some(Duration::from_millis(1))));
     let cache = CacheStorage::new(inner, NodeCache::new(cache_dir));
     let f = cache.open(&store).unwrap();
     let mut buf = vec![0u8; f.len() as usize];
