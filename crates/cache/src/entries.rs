@@ -45,6 +45,18 @@ pub struct PruneReport {
     pub stale_parts: usize,
 }
 
+/// The process that writes the temporary record `name` (`KEY.PID.json.tmp`,
+/// `U-HASH.PID-N.tmp`), if the name is one of those.
+fn tmp_writer(name: &str) -> Option<i32> {
+    let rest = name.strip_suffix(".tmp")?.split_once('.')?.1;
+    rest.split(['.', '-']).next()?.parse().ok()
+}
+
+/// True if a process `pid` exists (a reused number counts as alive: its record is kept).
+fn process_alive(pid: i32) -> bool {
+    !matches!(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None), Err(nix::errno::Errno::ESRCH))
+}
+
 /// `U-HASH.seen`: the version of a URL the store last reported, and (its modification time)
 /// when: what a load within the revalidation interval trusts instead of asking again.
 #[derive(Serialize, Deserialize)]
@@ -360,7 +372,8 @@ impl NodeCache {
     }
 
     /// Removes least recently used entries until the complete ones hold at most `max_bytes`,
-    /// and the files of fetches that died. Entries in use by a running load stay readable to
+    /// the files of fetches that died, and records half-written by processes that died.
+    /// Entries in use by a running load stay readable to
     /// it (their files are unlinked, not overwritten).
     pub fn prune(&self, max_bytes: u64) -> io::Result<PruneReport> {
         let mut report = self.remove_stale()?;
@@ -410,6 +423,13 @@ impl NodeCache {
                 {
                     report.stale_parts += 1;
                 }
+            }
+        }
+        // Records being written (an entry's description, a version seen) are temporary files
+        // named after the writing process until renamed; a process killed in between leaves one.
+        for name in &names {
+            if name.ends_with(".tmp") && tmp_writer(name).is_some_and(|pid| !process_alive(pid)) {
+                let _ = fs::remove_file(self.dir.join(name));
             }
         }
         Ok(report)

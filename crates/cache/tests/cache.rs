@@ -464,3 +464,32 @@ fn aligned_chunks_go_to_the_entry_with_o_direct_and_the_rest_buffered() {
     let e = &cache.cache().entries().unwrap()[0];
     assert_eq!(std::fs::read(&e.path).unwrap(), data);
 }
+
+#[test]
+fn prune_removes_records_half_written_by_dead_processes() {
+    let (dir, inner, cache) = setup(None);
+    let path = dir.path().join("store/m.bin");
+    inner.write_file(&path, &BytesSource(&pattern(1 << 20, 1)), &IoOptions::default()).unwrap();
+    read_all(&cache, &path);
+    let cache_dir = dir.path().join("cache");
+    // A process that has exited, and this one (alive: its temporary files are being written).
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let me = std::process::id();
+    let key = &cache.cache().entries().unwrap()[0].key;
+    let names = [
+        (format!("U-{}.{dead}-0.tmp", "ab".repeat(32)), false),
+        (format!("{key}.{dead}.json.tmp"), false),
+        (format!("U-{}.{me}-3.tmp", "cd".repeat(32)), true),
+        (format!("{key}.{me}.json.tmp"), true),
+    ];
+    for (name, _) in &names {
+        std::fs::write(cache_dir.join(name), b"{").unwrap();
+    }
+    cache.cache().prune(u64::MAX).unwrap();
+    for (name, kept) in &names {
+        assert_eq!(cache_dir.join(name).exists(), *kept, "{name}");
+    }
+    assert_eq!(cache.cache().entries().unwrap().len(), 1, "the entry stays");
+}
