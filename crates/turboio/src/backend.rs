@@ -30,9 +30,7 @@ impl Opened {
         unconfirmed: bool,
     ) -> Result<Opened> {
         let storage = write_storage(storage, path)?;
-        let file =
-            if unconfirmed { storage.open_unconfirmed(path, cancel) } else { storage.open_cancellable(path, cancel) }
-                .map_err(|e| Error::storage(path, e))?;
+        let file = open_file(storage.as_ref(), path, cancel, unconfirmed).map_err(|e| Error::storage(path, e))?;
         Ok(Opened {
             file,
             #[cfg(feature = "cipher")]
@@ -295,8 +293,7 @@ impl Place {
                 }
             },
             Place::Remote(s) => {
-                let opened = if unconfirmed { s.open_unconfirmed(path, None) } else { s.open(path) };
-                let f = match opened {
+                let f = match open_file(s.as_ref(), path, None, unconfirmed) {
                     Ok(f) => f,
                     Err(e) if e.is_not_found() => return Ok(None),
                     Err(e) => return Err(Error::storage(path, e)),
@@ -351,6 +348,21 @@ impl Place {
             Place::Local => std::fs::remove_file(path).is_ok(),
             Place::Remote(s) => s.remove_file(path).is_ok(),
         }
+    }
+}
+
+/// Opens `path` through `storage`: [`Storage::open_unconfirmed`] if `unconfirmed` (the caller
+/// confirms what it read), else a plain, cancellable open.
+fn open_file(
+    storage: &dyn Storage,
+    path: &Path,
+    cancel: Option<&AtomicBool>,
+    unconfirmed: bool,
+) -> turboio_storage::Result<Box<dyn StorageFile>> {
+    if unconfirmed {
+        storage.open_unconfirmed(path, cancel)
+    } else {
+        storage.open_cancellable(path, cancel)
     }
 }
 

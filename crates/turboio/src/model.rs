@@ -109,19 +109,15 @@ impl ModelFiles {
 
     fn resolve_place(path: &Path, place: Place, unconfirmed: bool) -> Result<(ModelFiles, Unconfirmed)> {
         let Place::Remote(remote) = &place else { return Self::resolve_local(path).map(|f| (f, None)) };
-        let text = path.to_string_lossy();
-        let index = if text.ends_with(".json") {
-            path.to_owned()
-        } else if names_a_checkpoint_file(path) {
+        if path.to_string_lossy().ends_with(".json") {
+            return Self::from_index_held(path, &place, unconfirmed);
+        }
+        if names_a_checkpoint_file(path) {
             return Ok((ModelFiles::single(path), None));
-        } else {
-            path.join(INDEX_NAME)
-        };
+        }
+        let index = path.join(INDEX_NAME);
         if let Some((text, held)) = place.read_held(&index, unconfirmed)? {
             return Self::from_index_text(&index, &text).map(|f| (f, held));
-        }
-        if index == path {
-            return Err(model_error(&index, "cannot read the index: it does not exist"));
         }
         let shards: Vec<PathBuf> = remote
             .list(path)
@@ -165,8 +161,15 @@ impl ModelFiles {
     }
 
     fn from_index(index: &Path, place: &Place) -> Result<ModelFiles> {
-        let text = place.read(index)?.ok_or_else(|| model_error(index, "cannot read the index: it does not exist"))?;
-        Self::from_index_text(index, &text)
+        Self::from_index_held(index, place, false).map(|(files, _)| files)
+    }
+
+    /// [`from_index`](Self::from_index); `unconfirmed`: see [`Place::read_held`].
+    fn from_index_held(index: &Path, place: &Place, unconfirmed: bool) -> Result<(ModelFiles, Unconfirmed)> {
+        let (text, held) = place
+            .read_held(index, unconfirmed)?
+            .ok_or_else(|| model_error(index, "cannot read the index: it does not exist"))?;
+        Self::from_index_text(index, &text).map(|files| (files, held))
     }
 
     /// The model an index's JSON (already read from `index`) describes.
