@@ -26,6 +26,11 @@
 //!   this row, not the bodies-dropped one, is what a loader can reach). A check line also says
 //!   whether the ceiling itself is 1.5x boto3's download + load: when the server sets the pace,
 //!   the download runs at its speed too and no loader can be 1.5x faster.
+//! - **A server that is not the limit**: s3s-fs streams each GET in 4 KiB reads, so its
+//!   throughput paces every loader (boto3's download too). The loaders and ceilings run again
+//!   against nginx serving the files s3s-fs keeps under its root (the same bytes at the same
+//!   URLs: S3's read path is a path-style GET with a Range header and a HEAD; nginx ignores the
+//!   signatures and sends with `sendfile`), with and without the added latency.
 //! - **Latency**: everything again through a TCP proxy in this process that holds every read
 //!   from the client for 20 ms before passing it on, so each request pays about 20 ms, as it
 //!   would against a store in another zone. Concurrency, not bandwidth, decides those rows.
@@ -146,6 +151,18 @@ impl Loader {
     }
 }
 
+/// The rows measured against nginx (the server that is not the limit): the loaders and the
+/// ceilings, not the node cache's rows (those compare turboio with itself).
+const NGINX_LOADERS: [Loader; 7] = [
+    Loader::Turbo,
+    Loader::RunaiDefault,
+    Loader::RunaiTuned,
+    Loader::Boto3,
+    Loader::Ceiling(16),
+    Loader::Ceiling(32),
+    Loader::CeilingKept(16),
+];
+
 /// The two things loaded: one object, and a model under a key prefix.
 const TARGETS: [&str; 2] = ["file", "model"];
 
@@ -240,6 +257,73 @@ fn start_server(bin: &Path, dir: &Path) -> Result<Server> {
     }
     server.start_s = t.elapsed().as_secs_f64();
     Ok(server)
+}
+
+/// nginx serving the s3s-fs root read-only, killed when dropped.
+struct Nginx {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts nginx (`bin`) on a free port of 127.0.0.1 with `root` as its document root, its
+/// configuration, pid file and logs under `dir`; returns once it accepts connections.
+///
+/// S3's read path is plain HTTP: a path-style `GET /bucket/key` with a `Range` header and a
+/// `HEAD` for the size and ETag. nginx answers both from the files s3s-fs keeps under its root
+/// (`ROOT/bucket/key`, the objects' bytes as they were uploaded), with its own ETags, and ignores
+/// the request signatures; it sends with `sendfile`, so its throughput is far above a client's.
+fn start_nginx(bin: &Path, root: &Path, dir: &Path) -> Result<Nginx> {
+    std::fs::create_dir_all(dir.join("tmp"))?;
+    // nginx takes relative paths as relative to its prefix.
+    let (dir, root) = (std::fs::canonicalize(dir)?, std::fs::canonicalize(root)?);
+    let port = free_port()?;
+    let d = dir.display();
+    // As root, the workers would run as `nobody`, who may not read the files s3s-fs wrote
+    // (mode 0600 under directories of 0700); elsewhere nginx ignores `user` with a warning.
+    let conf = format!(
+        "daemon off; user root root; worker_processes 2; pid {d}/nginx.pid; error_log {d}/error.log;\n\
+         events {{ worker_connections 1024; }}\n\
+         http {{ access_log off; sendfile on; tcp_nopush on; keepalive_requests 100000; \
+         client_body_temp_path {d}/tmp; proxy_temp_path {d}/tmp; fastcgi_temp_path {d}/tmp; \
+         uwsgi_temp_path {d}/tmp; scgi_temp_path {d}/tmp;\n\
+         server {{ listen 127.0.0.1:{port}; root {}; }} }}\n",
+        root.display()
+    );
+    let conf_path = dir.join("nginx.conf");
+    std::fs::write(&conf_path, conf)?;
+    let t = Instant::now();
+    let child = Command::new(bin)
+        .arg("-p")
+        .arg(&dir)
+        .arg("-c")
+        .arg(&conf_path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("cannot start {}", bin.display()))?;
+    let mut nginx = Nginx { child, port };
+    loop {
+        if let Some(status) = nginx.child.try_wait()? {
+            // The log goes with the bench's temporary directory: its last line is the reason.
+            let log = std::fs::read_to_string(dir.join("error.log")).unwrap_or_default();
+            bail!("nginx exited at start ({status}): {}", log.lines().last().unwrap_or("no error.log"));
+        }
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Ok(nginx);
+        }
+        if t.elapsed() > Duration::from_secs(10) {
+            bail!("nginx did not listen on port {port} within 10 s; see {d}/error.log");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 fn endpoint(port: u16) -> String {
@@ -896,9 +980,10 @@ impl Setup<'_> {
         py.run(loader.script_name().unwrap_or_default(), TARGETS[target], &args, &env)
     }
 
-    /// All the rows at one latency: Run:ai's trials, then `runs` rounds in shuffled orders.
-    fn measure(&self, port: u16, title: String) -> Table {
-        let mut rows: Vec<Row> = LOADERS
+    /// The rows of `loaders` at one latency: Run:ai's trials, then `runs` rounds in shuffled
+    /// orders.
+    fn measure(&self, port: u16, title: String, loaders: &[Loader]) -> Table {
+        let mut rows: Vec<Row> = loaders
             .iter()
             .map(|&loader| Row {
                 loader,
@@ -916,9 +1001,9 @@ impl Setup<'_> {
                 },
             })
             .collect();
-        let tuned_at = LOADERS.iter().position(|&l| l == Loader::RunaiTuned).unwrap_or(0);
+        let tuned_at = loaders.iter().position(|&l| l == Loader::RunaiTuned);
         let mut tuned = [None, None];
-        if rows[tuned_at].skipped.is_none() {
+        if let Some(tuned_at) = tuned_at.filter(|&i| rows[i].skipped.is_none()) {
             let mut notes = Vec::new();
             for (target, best) in tuned.iter_mut().enumerate() {
                 let mut tried = Vec::new();
@@ -949,14 +1034,15 @@ impl Setup<'_> {
         // the trusting row.
         for (target, what) in TARGETS.iter().enumerate() {
             if self.skip_turbo.is_none() {
-                for l in [Loader::TurboCacheWarm, Loader::TurboCacheTrusted] {
+                let cached = [Loader::TurboCacheWarm, Loader::TurboCacheTrusted];
+                for l in cached.into_iter().filter(|l| loaders.contains(l)) {
                     if let Err(e) = self.run_once(l, target, port, None) {
                         eprintln!("  filling the warm node cache ({what}) failed: {e}");
                     }
                 }
             }
         }
-        let items: Vec<(usize, usize)> = (0..LOADERS.len()).flat_map(|i| [(i, 0), (i, 1)]).collect();
+        let items: Vec<(usize, usize)> = (0..loaders.len()).flat_map(|i| [(i, 0), (i, 1)]).collect();
         for r in 0..self.runs {
             eprintln!("  run {} of {} ...", r + 1, self.runs);
             for k in run_order(items.len(), r) {
@@ -977,7 +1063,7 @@ impl Setup<'_> {
                         cell.peak_rss = cell.peak_rss.max(s.peak_rss);
                     }
                     Err(e) => {
-                        eprintln!("  {} ({}) failed: {e}", LOADERS[i].name(), TARGETS[target]);
+                        eprintln!("  {} ({}) failed: {e}", loaders[i].name(), TARGETS[target]);
                         cell.failed = Some(e);
                     }
                 }
@@ -1112,18 +1198,37 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
     };
 
     eprintln!("object rows, no added latency, {runs} runs ...");
-    let plain = setup.measure(server.port, "No added latency (loopback)".into());
+    let plain = setup.measure(server.port, "No added latency (loopback)".into(), &LOADERS);
     let proxy = start_proxy(&rt, server.port, LATENCY)?;
     eprintln!("object rows, {} ms added to every request, {runs} runs ...", LATENCY.as_millis());
     let slow = setup.measure(
         proxy.port,
         format!("{} ms added to every request (a TCP proxy holds each read from the client)", LATENCY.as_millis()),
+        &LOADERS,
     );
     drop(proxy);
     eprintln!("object rows, several processes ...");
     let together = cluster_rows(&setup, server.port)?;
     let server_start = server.start_s;
     drop(server);
+    // The same objects from a server that is not the limit.
+    let fast = match crate::test::nginx() {
+        None => Err("nginx is not installed (Debian's nginx-light; `cargo xtask test` installs it as root)".to_owned()),
+        Some(bin) => start_nginx(&bin, &s3_root, &tmp.join("nginx")).map_err(|e| format!("{e:#}")),
+    };
+    let fast = fast.map(|nginx| {
+        eprintln!("object rows against nginx, no added latency, {runs} runs ...");
+        let plain = setup.measure(nginx.port, "nginx, no added latency (loopback)".into(), &NGINX_LOADERS);
+        let slow = start_proxy(&rt, nginx.port, LATENCY).map(|proxy| {
+            eprintln!("object rows against nginx, {} ms added to every request, {runs} runs ...", LATENCY.as_millis());
+            setup.measure(
+                proxy.port,
+                format!("nginx, {} ms added to every request (the same proxy)", LATENCY.as_millis()),
+                &NGINX_LOADERS,
+            )
+        });
+        (plain, slow)
+    });
     let _ = std::fs::remove_dir_all(&tmp);
 
     let _ = writeln!(
@@ -1150,6 +1255,34 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
         render(&mut s, t, lens);
     }
     s.push_str(&together);
+    let _ = writeln!(
+        s,
+        "### The same objects served by nginx, a server faster than the client\n\n\
+         s3s-fs streams every GET in 4 KiB reads: its own throughput (the ceiling rows above) sets \
+         the pace of every loader, boto3's download included. S3's read path is plain HTTP (a \
+         path-style GET with a Range header, a HEAD), so nginx serves the files s3s-fs keeps under \
+         its root, the same bytes at the same URLs (its own ETags; signatures ignored; sendfile). \
+         The same loaders, processes, order and median; the node cache's rows are not repeated.\n"
+    );
+    let mut fast_tables = Vec::new();
+    match &fast {
+        Err(why) => {
+            let _ = writeln!(s, "Skipped: {why}.\n");
+        }
+        Ok((plain, slow)) => {
+            render(&mut s, plain, lens);
+            fast_tables.push(("nginx, 0 ms", plain));
+            match slow {
+                Ok(t) => {
+                    render(&mut s, t, lens);
+                    fast_tables.push(("nginx, 20 ms", t));
+                }
+                Err(e) => {
+                    let _ = writeln!(s, "The 20 ms rows: the proxy did not start ({e:#}).\n");
+                }
+            }
+        }
+    }
     let mut checks: Vec<(String, Option<f64>, f64)> = Vec::new();
     for t in [&plain, &slow] {
         let lat = if std::ptr::eq(t, &plain) { "0 ms" } else { "20 ms" };
@@ -1199,6 +1332,19 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
                 time(Loader::LocalFile).zip(time(Loader::TurboCacheTrusted)).map(|(a, b)| a / b),
                 1.0 / 1.2,
             ));
+        }
+    }
+    for (lat, t) in fast_tables {
+        let turbo = find(t, Loader::Turbo);
+        for (target, what) in TARGETS.iter().enumerate() {
+            let me = turbo.and_then(|r| r.time(target));
+            let ratio = |other: Option<f64>| Some(other? / me?);
+            let boto3 = find(t, Loader::Boto3).and_then(|r| r.time(target));
+            let kept = find(t, Loader::CeilingKept(16)).and_then(|r| r.time(target));
+            checks.push((format!("{lat}, {what}: turboio vs the ceiling"), ratio(best_ceiling(t, target)), 0.85));
+            checks.push((format!("{lat}, {what}: turboio vs the ceiling that keeps the bytes"), ratio(kept), 0.85));
+            checks.push((format!("{lat}, {what}: turboio vs Run:ai (faster row)"), ratio(best_runai(t, target)), 1.0));
+            checks.push((format!("{lat}, {what}: turboio vs boto3 download + load_file"), ratio(boto3), 1.5));
         }
     }
     if quick {

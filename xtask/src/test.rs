@@ -276,11 +276,14 @@ fn check_rust_versions() -> Result<()> {
 /// nginx for the `http://` range-read tests (Debian's `nginx-light`, installed here when
 /// missing and this runs as root). Returns whether it is there; the tests then require it.
 fn ensure_nginx() -> bool {
-    ensure_debian_package(
-        "nginx-light",
-        "the http:// range-read tests",
-        &["/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/bin/nginx"],
-    )
+    ensure_debian_package("nginx-light", "the http:// range-read tests", &NGINX)
+}
+
+const NGINX: [&str; 3] = ["/usr/sbin/nginx", "/usr/local/sbin/nginx", "/usr/bin/nginx"];
+
+/// The installed nginx binary (the object bench's fast server), if any.
+pub(crate) fn nginx() -> Option<PathBuf> {
+    NGINX.iter().map(PathBuf::from).find(|p| p.exists())
 }
 
 /// A Debian package for `what`, present when one of `paths` exists: installed with apt-get
