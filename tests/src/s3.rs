@@ -164,7 +164,7 @@ impl Nginx {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let d = dir.path().display();
         let conf = format!(
-            "daemon off; worker_processes 1; pid {d}/nginx.pid; error_log {d}/error.log;\n\
+            "daemon off; master_process off; pid {d}/nginx.pid; error_log {d}/error.log;\n\
              events {{ worker_connections 256; }}\n\
              http {{ access_log off; client_body_temp_path {d}/tmp; proxy_temp_path {d}/tmp; \
              fastcgi_temp_path {d}/tmp; uwsgi_temp_path {d}/tmp; scgi_temp_path {d}/tmp;\n\

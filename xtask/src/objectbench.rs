@@ -266,7 +266,20 @@ struct Nginx {
 }
 
 impl Drop for Nginx {
+    /// SIGTERM, which the master passes on to its workers before it exits (SIGKILL would leave
+    /// them serving, orphaned); SIGKILL only if it has not exited within 5 s.
     fn drop(&mut self) {
+        use nix::sys::signal::{kill, Signal};
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        if kill(pid, Signal::SIGTERM).is_ok() {
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_secs(5) {
+                if !matches!(self.child.try_wait(), Ok(None)) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
