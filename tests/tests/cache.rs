@@ -82,3 +82,37 @@ fn a_warm_model_load_with_a_replaced_shard_returns_the_new_model() {
     check(&second);
     check(&second);
 }
+
+#[test]
+fn a_load_that_starts_again_counts_its_bytes_once_in_the_progress_counter() {
+    let (dir, _versioned, opts) = setup();
+    let path = dir.path().join("store/w.safetensors");
+    let model = dir.path().join("store/m");
+    let groups = vec![vec![0, 1, 2], vec![3, 4, 5]];
+    let first = tensors(1);
+    turboio::save(&path, &views(&first), None, &SaveOptions::default()).unwrap();
+    turboio::model::save_model_dir_grouped(&model, &views(&first), &groups, None, &SaveOptions::default()).unwrap();
+    let counted = |what: &dyn Fn(&LoadOptions)| {
+        let progress = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        what(&LoadOptions { progress: Some(progress.clone()), ..opts.clone() });
+        progress.load(Ordering::Relaxed)
+    };
+    let file = |o: &LoadOptions| drop(load(&path, o).unwrap());
+    let whole = |o: &LoadOptions| drop(load_model(&model, o).unwrap());
+    // Cold, then warm: what one load of each adds.
+    let (file_once, model_once) = (counted(&file), counted(&whole));
+    assert!(file_once > 0 && model_once > 0);
+    assert_eq!(counted(&file), file_once);
+    assert_eq!(counted(&whole), model_once);
+
+    // Replaced (same sizes, other bytes): the warm load reads the stale copy, is told, and
+    // loads again; the counter holds one load's bytes, not two.
+    let second = tensors(2);
+    turboio::save(&path, &views(&second), None, &SaveOptions::default()).unwrap();
+    turboio::model::save_model_dir_grouped(&model, &views(&second), &groups, None, &SaveOptions::default()).unwrap();
+    let _cold = (counted(&file), counted(&whole)); // the new versions fill the cache
+    turboio::save(&path, &views(&first), None, &SaveOptions::default()).unwrap();
+    turboio::model::save_model_dir_grouped(&model, &views(&first), &groups, None, &SaveOptions::default()).unwrap();
+    assert_eq!(counted(&file), file_once, "a load of a replaced file");
+    assert_eq!(counted(&whole), model_once, "a load of a replaced model");
+}

@@ -8,6 +8,7 @@ use crate::options::{CachePolicy, LoadOptions};
 use crate::plan::{io_options, load_plain, open, read_header};
 use crate::{Error, Result};
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use turboio_format::Header;
 use turboio_storage::ReadRequest;
 
@@ -46,7 +47,7 @@ pub fn read_all(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Vec<u8>> {
 /// page-cache residency decide. Nothing partial is ever returned: on any error the memory is
 /// released and the error names the file.
 pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
-    again_if_changed(|| match opts.dtype {
+    again_if_changed(opts, || match opts.dtype {
         Some(target) => crate::cast::load_cast(path.as_ref(), opts, target),
         None => load_plain(path.as_ref(), opts),
     })
@@ -58,11 +59,21 @@ const ATTEMPTS: usize = 3;
 /// Runs `load` again when a file it read turned out to have been replaced meanwhile (a node
 /// cache's copy of an object, read while a request checked that it was current, found stale:
 /// the next attempt reads the new version), up to [`ATTEMPTS`] times in all.
-pub(crate) fn again_if_changed<T>(mut load: impl FnMut() -> Result<T>) -> Result<T> {
+///
+/// The bytes a discarded attempt added to `opts.progress` are taken off again before the next
+/// one, so a progress bar counts the load once (it steps back, then fills again).
+pub(crate) fn again_if_changed<T>(opts: &LoadOptions, mut load: impl FnMut() -> Result<T>) -> Result<T> {
     let mut attempt = 1;
     loop {
+        let before = opts.progress.as_ref().map(|p| p.load(Ordering::Relaxed));
         match load() {
-            Err(e) if e.is_changed() && attempt < ATTEMPTS => attempt += 1,
+            Err(e) if e.is_changed() && attempt < ATTEMPTS => {
+                attempt += 1;
+                if let (Some(p), Some(before)) = (&opts.progress, before) {
+                    let added = p.load(Ordering::Relaxed).saturating_sub(before);
+                    p.fetch_sub(added, Ordering::Relaxed);
+                }
+            }
             other => return other,
         }
     }

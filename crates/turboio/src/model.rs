@@ -410,7 +410,7 @@ impl LoadedModel {
 /// [module docs](self).
 pub fn load_model(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedModel> {
     let started = Instant::now();
-    crate::load::again_if_changed(|| load_model_once(path.as_ref(), opts, started))
+    crate::load::again_if_changed(opts, || load_model_once(path.as_ref(), opts, started))
 }
 
 fn load_model_once(path: &Path, opts: &LoadOptions, started: Instant) -> Result<LoadedModel> {

@@ -237,7 +237,7 @@ pub fn read_index(path: impl AsRef<Path>, opts: &LoadOptions, pt: &PtOptions) ->
 /// Loads every tensor of a PyTorch checkpoint (`.pt` / `.bin`) without executing its pickle;
 /// see the [module docs](self). `pt` chooses a top-level key and the parser's limits.
 pub fn load_pt(path: impl AsRef<Path>, opts: &LoadOptions, pt: &PtOptions) -> Result<LoadedPt> {
-    crate::load::again_if_changed(|| load_pt_once(path.as_ref(), opts, pt))
+    crate::load::again_if_changed(opts, || load_pt_once(path.as_ref(), opts, pt))
 }
 
 fn load_pt_once(path: &Path, opts: &LoadOptions, pt: &PtOptions) -> Result<LoadedPt> {
