@@ -63,6 +63,9 @@ impl Default for ObjectOptions {
     }
 }
 
+/// object_store's key (and its S3 spelling) for leaving out the system's root certificates.
+const NO_SYSTEM_CERTIFICATES: [&str; 2] = ["disable_system_certificates", "aws_disable_system_certificates"];
+
 /// turboio's own option keys (the rest go to object_store).
 const OWN_KEYS: &[&str] =
     &["concurrency", "part_size", "prefix_bytes", "max_bandwidth", "part_retries", "max_retries", "retry_timeout"];
@@ -185,8 +188,18 @@ impl ObjectOptions {
                     .or_else(|| std::env::var("AWS_ENDPOINT_URL_S3").ok())
                     .or_else(|| std::env::var("AWS_ENDPOINT_URL").ok())
                     .or_else(|| std::env::var("AWS_ENDPOINT").ok());
-                if endpoint.is_some_and(|e| e.starts_with("http://")) && self.value(&["allow_http"]).is_none() {
+                let plain = endpoint.is_some_and(|e| e.starts_with("http://"));
+                if plain && self.value(&["allow_http"]).is_none() {
                     b = b.with_config(AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp), "true");
+                }
+                // Every request of a plain-HTTP endpoint with static credentials goes to that
+                // endpoint without TLS, so the system's root certificates (about 150 files, 10 ms
+                // of a new process's first request here) are not loaded. Other credentials may
+                // be fetched over HTTPS (STS), so they keep them.
+                let static_keys = self.value(&["access_key_id", "aws_access_key_id"]).is_some()
+                    || std::env::var_os("AWS_ACCESS_KEY_ID").is_some();
+                if plain && static_keys && self.value(&NO_SYSTEM_CERTIFICATES).is_none() {
+                    b = b.with_config(AmazonS3ConfigKey::Client(ClientConfigKey::NoSystemCertificates), "true");
                 }
                 Arc::new(b.build().map_err(|e| e.to_string())?)
             }
@@ -209,7 +222,9 @@ impl ObjectOptions {
             ObjectStoreScheme::Http => {
                 let mut b = HttpBuilder::new().with_url(authority).with_retry(self.retry());
                 if url.scheme() == "http" {
+                    // One plain-HTTP server: no TLS, so no root certificates to load (see S3).
                     b = b.with_config(ClientConfigKey::AllowHttp, "true");
+                    b = b.with_config(ClientConfigKey::NoSystemCertificates, "true");
                 }
                 for (k, v) in &self.config {
                     let key: ClientConfigKey = k.parse().map_err(|_| unknown("HTTP", k))?;
