@@ -137,6 +137,19 @@ impl Loader {
         }
     }
 
+    /// A row about the node cache (it compares turboio with itself, or is its limit): not
+    /// repeated against nginx, which measures the loaders and the ceilings.
+    fn cache_row(self) -> bool {
+        matches!(
+            self,
+            Loader::TurboCacheCold
+                | Loader::TurboCacheWarm
+                | Loader::TurboCacheTrusted
+                | Loader::LocalFile
+                | Loader::Heads
+        )
+    }
+
     /// The name the child script knows (None: measured here).
     fn script_name(self) -> Option<&'static str> {
         match self {
@@ -150,18 +163,6 @@ impl Loader {
         }
     }
 }
-
-/// The rows measured against nginx (the server that is not the limit): the loaders and the
-/// ceilings, not the node cache's rows (those compare turboio with itself).
-const NGINX_LOADERS: [Loader; 7] = [
-    Loader::Turbo,
-    Loader::RunaiDefault,
-    Loader::RunaiTuned,
-    Loader::Boto3,
-    Loader::Ceiling(16),
-    Loader::Ceiling(32),
-    Loader::CeilingKept(16),
-];
 
 /// The two things loaded: one object, and a model under a key prefix.
 const TARGETS: [&str; 2] = ["file", "model"];
@@ -1229,15 +1230,16 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
         None => Err("nginx is not installed (Debian's nginx-light; `cargo xtask test` installs it as root)".to_owned()),
         Some(bin) => start_nginx(&bin, &s3_root, &tmp.join("nginx")).map_err(|e| format!("{e:#}")),
     };
+    let nginx_loaders: Vec<Loader> = LOADERS.into_iter().filter(|l| !l.cache_row()).collect();
     let fast = fast.map(|nginx| {
         eprintln!("object rows against nginx, no added latency, {runs} runs ...");
-        let plain = setup.measure(nginx.port, "nginx, no added latency (loopback)".into(), &NGINX_LOADERS);
+        let plain = setup.measure(nginx.port, "nginx, no added latency (loopback)".into(), &nginx_loaders);
         let slow = start_proxy(&rt, nginx.port, LATENCY).map(|proxy| {
             eprintln!("object rows against nginx, {} ms added to every request, {runs} runs ...", LATENCY.as_millis());
             setup.measure(
                 proxy.port,
                 format!("nginx, {} ms added to every request (the same proxy)", LATENCY.as_millis()),
-                &NGINX_LOADERS,
+                &nginx_loaders,
             )
         });
         (plain, slow)
