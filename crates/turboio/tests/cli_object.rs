@@ -24,38 +24,33 @@ fn fixture(bucket: &str, _extra: &[(&str, &str)]) -> Option<Fixture> {
 fn the_cli_loads_inspects_and_writes_urls() {
     let Some(fx) = fixture("cli", &[]) else { return };
     let bin = env!("CARGO_BIN_EXE_turboio");
-    let run = |args: &[&str]| {
-        let out = Command::new(bin)
-            .args(args)
+    let command = |args: &[&str]| {
+        let mut c = Command::new(bin);
+        c.args(args)
             .env("AWS_ENDPOINT_URL", fx.server.endpoint())
             .env("AWS_ACCESS_KEY_ID", s3::ACCESS_KEY)
             .env("AWS_SECRET_ACCESS_KEY", s3::SECRET_KEY)
-            .env("AWS_REGION", "us-east-1")
-            .output()
-            .unwrap();
+            .env("AWS_REGION", "us-east-1");
+        c
+    };
+    let result = |c: &mut Command| {
+        let out = c.output().unwrap();
         (
             out.status.success(),
             String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
         )
     };
+    let run = |args: &[&str]| result(&mut command(args));
     let (ok, out) = run(&["gen", "s3://cli/s.safetensors", "--size", "2MiB"]);
     assert!(ok, "{out}");
     let (ok, out) = run(&["load", "s3://cli/s.safetensors", "--check"]);
     assert!(ok && out.contains("check: all"), "{out}");
     // A plain-HTTP endpoint with static keys needs no root certificates: a machine (or a slim
     // container) without any loads from it ("builder error" before they were left out).
-    let out = Command::new(bin)
-        .args(["load", "s3://cli/s.safetensors", "--check"])
-        .env("AWS_ENDPOINT_URL", fx.server.endpoint())
-        .env("AWS_ACCESS_KEY_ID", s3::ACCESS_KEY)
-        .env("AWS_SECRET_ACCESS_KEY", s3::SECRET_KEY)
-        .env("AWS_REGION", "us-east-1")
-        .env("SSL_CERT_FILE", "/nonexistent/ca.pem")
-        .env("SSL_CERT_DIR", "/nonexistent")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() && text.contains("check: all"), "{text}");
+    let no_certificates = &mut command(&["load", "s3://cli/s.safetensors", "--check"]);
+    let (ok, out) =
+        result(no_certificates.env("SSL_CERT_FILE", "/nonexistent/ca.pem").env("SSL_CERT_DIR", "/nonexistent"));
+    assert!(ok && out.contains("check: all"), "{out}");
     let (ok, out) = run(&["gen", "s3://cli/model", "--size", "3MiB", "--shards", "3"]);
     assert!(ok, "{out}");
     let (ok, out) = run(&["inspect", "s3://cli/model", "--json"]);
