@@ -57,9 +57,10 @@ pub struct Args {
     pub pt: bool,
     /// Only the object-storage rows: the sample (the first size, default 4GiB) and a 9-shard
     /// model uploaded to a local s3s-fs (installed into `target/bench-tools` on first use), loaded
-    /// by turboio against Run:ai Model Streamer and boto3 + safetensors, and the server's
-    /// ranged-GET ceiling, with no added latency and with 20 ms per request (default 3 runs);
-    /// written to `object.md` in `--out`. (The full bench runs these rows too.)
+    /// by turboio against Run:ai Model Streamer and boto3 + safetensors, the server's ranged-GET
+    /// ceiling and the floors of a loader and of a node cache's fill, with no added latency and
+    /// with 20 ms per request, then against nginx (default 3 runs); written to `object.md` in
+    /// `--out`. (The full bench runs these rows too.)
     #[arg(long)]
     pub object: bool,
     /// Only the training-checkpoint rows: one tensor of the first size (default 1GiB) saved to a
@@ -79,7 +80,8 @@ pub struct Args {
     pub tensors: bool,
     /// Only the vLLM rows: weight loading by vLLM's default loader against the turboio plug-in
     /// on the real vLLM for the CPU (installed into `.venv-vllm`), a 1.6 GB float32 Llama, cold
-    /// and warm, with the worker's peak RSS (default 3 runs); written to `vllm.md` in `--out`.
+    /// and warm, with the worker's peak RSS, and warm the floor (vLLM's `load_weights` alone over
+    /// tensors already in memory) (default 3 runs); written to `vllm.md` in `--out`.
     #[arg(long)]
     pub vllm: bool,
     /// An SFCS directory (`sfcs://...`) for the SFCS rows (a save and copied loads through

@@ -23,9 +23,18 @@
 //!   here with object_store directly, same endpoint and credentials; and the same GETs with every
 //!   body copied into one fresh buffer as it arrives (the least a loader that returns the bytes
 //!   must do: on this 2-core machine the server, the copy and its page faults share the CPUs, so
-//!   this row, not the bodies-dropped one, is what a loader can reach). A check line also says
-//!   whether the ceiling itself is 1.5x boto3's download + load: when the server sets the pace,
-//!   the download runs at its speed too and no loader can be 1.5x faster.
+//!   this row, not the bodies-dropped one, is what a loader can reach). Two limit rows measure
+//!   what any loader must add to the bodies-dropped GETs, doing nothing else: the **floor of a
+//!   loader** faults in fresh memory of the bytes' size on a thread beside them (a load into CPU
+//!   memory returns them in pages the process has just allocated; nothing is copied), and the
+//!   **limit of a fill** writes their size to a local file with `O_DIRECT` beside them (what a
+//!   node cache's write-through costs at least). The "(limit)" check lines compare them with
+//!   the ceiling: where the floor is below 0.85x the ceiling, no loader reaches 0.85x of it on
+//!   this machine. A check line also says whether the ceiling itself is 1.5x boto3's download +
+//!   load: when the server sets the pace, the download runs at its speed too and no loader can
+//!   be 1.5x faster.
+//! - **Fast rows** (the warm node cache, the local files, the HEADs: tens of milliseconds in a
+//!   new process) are sampled [`FAST_REPEATS`] times per run, shuffled with the others.
 //! - **A server that is not the limit**: s3s-fs streams each GET in 4 KiB reads, so its
 //!   throughput paces every loader (boto3's download too). The loaders and ceilings run again
 //!   against nginx serving the files s3s-fs keeps under its root (the same bytes at the same
@@ -80,6 +89,14 @@ enum Loader {
     /// The same GETs, each body copied into one fresh buffer as it arrives: the least any
     /// loader that returns the bytes must do (write them into memory it just allocated).
     CeilingKept(usize),
+    /// The same GETs, bodies dropped, while a thread beside them faults in fresh memory of the
+    /// bytes' size (nothing copied): the floor of any loader that returns the bytes in memory
+    /// it allocates, on this machine's cores.
+    CeilingFaulted(usize),
+    /// The same GETs, bodies dropped, while a thread beside them writes as many bytes to a new
+    /// local file with `O_DIRECT` and syncs it: what writing a node cache's entry costs the
+    /// load at least (the cores and the VM's block device shared with the server).
+    CeilingWritten(usize),
     /// turboio with an empty node cache (`TURBOIO_CACHE_DIR`): the load fills it.
     TurboCacheCold,
     /// turboio with the node cache holding the objects (filled once before the runs).
@@ -94,7 +111,7 @@ enum Loader {
     Heads,
 }
 
-const LOADERS: [Loader; 12] = [
+const LOADERS: [Loader; 14] = [
     Loader::Turbo,
     Loader::TurboCacheCold,
     Loader::TurboCacheWarm,
@@ -107,7 +124,13 @@ const LOADERS: [Loader; 12] = [
     Loader::Ceiling(16),
     Loader::Ceiling(32),
     Loader::CeilingKept(16),
+    Loader::CeilingFaulted(16),
+    Loader::CeilingWritten(16),
 ];
+/// Samples of the rows that take milliseconds (warm node cache, local files, HEADs) per run:
+/// their medians are of a few tens of ms in new processes, where one slow start moves a median
+/// of three.
+const FAST_REPEATS: usize = 5;
 
 impl Loader {
     fn name(self) -> String {
@@ -124,6 +147,14 @@ impl Loader {
             Loader::CeilingKept(n) => {
                 format!("ceiling that keeps the bytes: the same GETs, {n} in flight, copied into one fresh buffer")
             }
+            Loader::CeilingFaulted(n) => format!(
+                "floor of a loader: the same GETs, {n} in flight, bodies dropped, while fresh memory of their size \
+                 is faulted in beside them (nothing copied)"
+            ),
+            Loader::CeilingWritten(n) => format!(
+                "limit of a fill: the same GETs, {n} in flight, bodies dropped, while their size is written to a \
+                 local file with O_DIRECT beside them"
+            ),
             Loader::TurboCacheCold => "turboio, node cache empty (the load fills it)".into(),
             Loader::TurboCacheWarm => "turboio, node cache holding the objects".into(),
             Loader::TurboCacheTrusted => {
@@ -147,7 +178,13 @@ impl Loader {
                 | Loader::TurboCacheTrusted
                 | Loader::LocalFile
                 | Loader::Heads
+                | Loader::CeilingWritten(_)
         )
+    }
+
+    /// A row measured [`FAST_REPEATS`] times per run.
+    fn fast(self) -> bool {
+        matches!(self, Loader::TurboCacheWarm | Loader::TurboCacheTrusted | Loader::LocalFile | Loader::Heads)
     }
 
     /// The name the child script knows (None: measured here).
@@ -159,8 +196,17 @@ impl Loader {
             Loader::LocalFile => Some("local"),
             Loader::RunaiDefault | Loader::RunaiTuned => Some("runai"),
             Loader::Boto3 => Some("boto3"),
-            Loader::Ceiling(_) | Loader::CeilingKept(_) | Loader::Heads => None,
+            Loader::Ceiling(_)
+            | Loader::CeilingKept(_)
+            | Loader::CeilingFaulted(_)
+            | Loader::CeilingWritten(_)
+            | Loader::Heads => None,
         }
+    }
+
+    /// Measured in this process (no peak RSS of a loader's own).
+    fn in_process(self) -> bool {
+        self.script_name().is_none()
     }
 }
 
@@ -469,6 +515,15 @@ async fn ceiling_kept(store: Arc<dyn ObjectStore>, objects: &[(Key, u64)], infli
         .buffer_unordered(inflight)
         .try_fold(0u64, |sum, n| async move { Ok(sum + n) })
         .await
+}
+
+/// Maps `len` bytes of fresh anonymous memory (4 KiB pages, as turboio's arenas), faults every
+/// page in (`MADV_POPULATE_WRITE`, one thread) and unmaps it: what a process pays to place `len`
+/// bytes in memory it has just allocated, before a byte is copied.
+fn fault_fresh(len: u64) -> Result<()> {
+    let arena = turboio::device::Arena::new(usize::try_from(len)?, false)?;
+    arena.prefault(1);
+    Ok(())
 }
 
 /// The latency proxy: accepts on 127.0.0.1, relays to the server, and holds every read from
@@ -949,14 +1004,36 @@ impl Setup<'_> {
             self.rt.block_on(heads).map_err(|e| format!("{e:#}"))?;
             return Ok(Sample { secs: t.elapsed().as_secs_f64(), peak_rss: 0 });
         }
-        if let Loader::Ceiling(n) | Loader::CeilingKept(n) = loader {
+        if let Loader::Ceiling(n) | Loader::CeilingKept(n) | Loader::CeilingFaulted(n) | Loader::CeilingWritten(n) =
+            loader
+        {
             let s = store(port).map_err(|e| e.to_string())?;
+            let objects = &self.objects[target];
             let t = Instant::now();
-            let kept = matches!(loader, Loader::CeilingKept(_));
-            let got = if kept {
-                self.rt.block_on(ceiling_kept(s, &self.objects[target], n))
-            } else {
-                self.rt.block_on(ceiling(s, &self.objects[target], n))
+            let got = match loader {
+                Loader::CeilingKept(_) => self.rt.block_on(ceiling_kept(s, objects, n)),
+                Loader::CeilingFaulted(_) => {
+                    let total: u64 = objects.iter().map(|(_, len)| len).sum();
+                    std::thread::scope(|scope| {
+                        let faulted = scope.spawn(|| fault_fresh(total));
+                        let got = self.rt.block_on(ceiling(s, objects, n));
+                        let faulted = faulted.join().unwrap_or_else(|_| Err(anyhow::anyhow!("fault thread panicked")));
+                        got.and_then(|n| faulted.map(|()| n))
+                    })
+                }
+                Loader::CeilingWritten(_) => {
+                    let total: u64 = objects.iter().map(|(_, len)| len).sum();
+                    let path = self.cache_cold.with_file_name("ceiling-written");
+                    let got = std::thread::scope(|scope| {
+                        let written = scope.spawn(|| crate::ceiling::odirect_write(&path, total, 4, PART as usize));
+                        let got = self.rt.block_on(ceiling(s, objects, n));
+                        let written = written.join().unwrap_or_else(|_| Err(anyhow::anyhow!("write thread panicked")));
+                        got.and_then(|n| written.map(|_| n))
+                    });
+                    let _ = std::fs::remove_file(&path);
+                    got
+                }
+                _ => self.rt.block_on(ceiling(s, objects, n)),
             };
             got.map_err(|e| format!("{e:#}"))?;
             return Ok(Sample { secs: t.elapsed().as_secs_f64(), peak_rss: 0 });
@@ -1011,7 +1088,11 @@ impl Setup<'_> {
                     | Loader::LocalFile => self.skip_turbo.clone(),
                     Loader::RunaiDefault | Loader::RunaiTuned => self.skip_runai.clone(),
                     Loader::Boto3 => self.skip_boto3.clone(),
-                    Loader::Ceiling(_) | Loader::CeilingKept(_) | Loader::Heads => None,
+                    Loader::Ceiling(_)
+                    | Loader::CeilingKept(_)
+                    | Loader::CeilingFaulted(_)
+                    | Loader::CeilingWritten(_)
+                    | Loader::Heads => None,
                 },
             })
             .collect();
@@ -1056,7 +1137,12 @@ impl Setup<'_> {
                 }
             }
         }
-        let items: Vec<(usize, usize)> = (0..loaders.len()).flat_map(|i| [(i, 0), (i, 1)]).collect();
+        let items: Vec<(usize, usize)> = (0..loaders.len())
+            .flat_map(|i| {
+                let repeats = if loaders[i].fast() { FAST_REPEATS } else { 1 };
+                std::iter::repeat_n([(i, 0), (i, 1)], repeats).flatten()
+            })
+            .collect();
         for r in 0..self.runs {
             eprintln!("  run {} of {} ...", r + 1, self.runs);
             for k in run_order(items.len(), r) {
@@ -1317,6 +1403,17 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
             // download runs at the server's speed too).
             let kept = find(t, Loader::CeilingKept(16)).and_then(|r| r.time(target));
             checks.push((format!("{lat}, {what}: turboio vs the ceiling that keeps the bytes"), ratio(kept), 0.85));
+            let faulted = find(t, Loader::CeilingFaulted(16)).and_then(|r| r.time(target));
+            checks.push((
+                format!("{lat}, {what}: turboio vs the floor of a loader (GETs + fresh memory faulted)"),
+                ratio(faulted),
+                0.85,
+            ));
+            checks.push((
+                format!("{lat}, {what}: (limit) the floor of a loader vs the ceiling"),
+                best_ceiling(t, target).zip(faulted).map(|(c, f)| c / f),
+                0.85,
+            ));
             let boto3 = find(t, Loader::Boto3).and_then(|r| r.time(target));
             let ceiling = best_ceiling(t, target);
             checks.push((
@@ -1334,6 +1431,16 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
             checks.push((
                 format!("{lat}, {what}: turboio without the cache vs with an empty cache it fills"),
                 time(Loader::Turbo).zip(time(Loader::TurboCacheCold)).map(|(a, b)| a / b),
+                1.0 / 1.1,
+            ));
+            checks.push((
+                format!(
+                    "{lat}, {what}: (limit) the ceiling vs the ceiling that writes the bytes to a local file beside"
+                ),
+                find(t, Loader::Ceiling(16))
+                    .and_then(|r| r.time(target))
+                    .zip(time(Loader::CeilingWritten(16)))
+                    .map(|(a, b)| a / b),
                 1.0 / 1.1,
             ));
             checks.push((
@@ -1427,7 +1534,7 @@ fn render(s: &mut String, t: &Table, lens: [u64; 2]) {
                 }
             }
         }
-        let rss = if matches!(r.loader, Loader::Ceiling(_) | Loader::CeilingKept(_) | Loader::Heads) {
+        let rss = if r.loader.in_process() {
             "n/a".to_owned()
         } else {
             format!("{:.2} / {:.2}", gib(r.cells[0].peak_rss), gib(r.cells[1].peak_rss))
