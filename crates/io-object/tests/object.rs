@@ -132,6 +132,42 @@ fn permanent_failures_are_clear_and_keep_secrets() {
     assert!(err.contains("no_such_option") && err.contains("s3://perm/x.bin"), "{err}");
 }
 
+/// `gs://` and `az://` URLs go to object_store's GCS and Azure clients, configured from their own
+/// keys (no emulator of either can be installed here, so this stops at the first request): each
+/// refuses another store's key, naming it, and a request to an address where nothing listens
+/// fails with the URL and without the credentials.
+#[test]
+fn gcs_and_azure_urls_use_their_own_clients_and_fail_with_the_url() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let endpoint = format!("http://127.0.0.1:{closed}");
+    // base64 of "fake-secret-key-for-turboio-tests": Azure's keys are base64.
+    let secret = "ZmFrZS1zZWNyZXQta2V5LWZvci10dXJib2lvLXRlc3Rz";
+    let gcs_key = format!(
+        r#"{{"private_key": "{secret}", "private_key_id": "k1", "client_email": "t@example.com", "gcs_base_url": "{endpoint}", "disable_oauth": true}}"#
+    );
+    let quick = [("max_retries", "0"), ("part_retries", "0"), ("retry_timeout", "1"), ("allow_http", "true")];
+    let cases = [
+        ("gs://bucket/dir/m.safetensors", vec![("service_account_key", gcs_key.as_str())], "aws_region", "GCS"),
+        (
+            "az://container/dir/m.safetensors",
+            vec![("account_name", "turboio"), ("access_key", secret), ("endpoint", endpoint.as_str())],
+            "google_service_account",
+            "Azure",
+        ),
+    ];
+    for (u, keys, foreign, store) in cases {
+        let st = ObjectStorage::new(ObjectOptions::from_pairs(keys.iter().chain(quick.iter()).copied()).unwrap());
+        let err = st.open(&url(u)).unwrap_err();
+        let (msg, dbg) = (err.to_string(), format!("{err:?}"));
+        // The client's request went out (a HEAD, to the configured endpoint) and was refused.
+        assert!(msg.contains(u) && msg.contains(&format!("HEAD {endpoint}/")) && !err.is_not_found(), "{u}: {msg}");
+        assert!(!msg.contains(secret) && !dbg.contains(secret) && !format!("{st:?}").contains(secret), "{u}: {msg}");
+        let wrong = ObjectOptions::from_pairs(keys.iter().chain([(foreign, "x")].iter()).copied()).unwrap();
+        let msg = ObjectStorage::new(wrong).open(&url(u)).unwrap_err().to_string();
+        assert!(msg.contains(foreign) && msg.contains(&format!("for {store}")) && msg.contains(u), "{u}: {msg}");
+    }
+}
+
 #[test]
 fn a_server_that_stops_fails_the_read_with_the_url() {
     let Some(mut s) = server() else { return };
