@@ -133,6 +133,19 @@ pub fn warm(path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Takes the file's pages out of the page cache (after syncing them), so that the next read
+/// brings them back as read-ahead does, in large folios: a file whose cached pages came from
+/// its writes sits in small ones, and maps several times slower than one read back (see
+/// MACHINE.md), which would make two copies of the same bytes load at different speeds.
+pub fn evict(path: &Path) -> Result<()> {
+    use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
+    let f = std::fs::File::open(path)?;
+    f.sync_data()?;
+    posix_fadvise(&f, 0, 0, PosixFadviseAdvice::POSIX_FADV_DONTNEED)
+        .with_context(|| format!("evicting {} from the page cache", path.display()))?;
+    Ok(())
+}
+
 pub fn drop_caches() -> std::result::Result<(), String> {
     nix::unistd::sync();
     std::fs::write("/proc/sys/vm/drop_caches", "3")

@@ -20,6 +20,16 @@ const LOADERS: [&str; 2] = ["auto", "turboio"];
 /// (`py_vllm.py`'s `bench-floor`): what no loader can go below, vLLM's own copies.
 const FLOOR: &str = "bench-floor";
 
+/// The load formats measured with a `cold` or `warm` page cache (the floor only warm: its reads
+/// are outside its timer either way).
+fn loaders_for(cache: &str) -> &'static [&'static str] {
+    if cache == "warm" {
+        &["auto", "turboio", FLOOR]
+    } else {
+        &LOADERS
+    }
+}
+
 /// One start's numbers.
 #[derive(Clone, Debug)]
 struct Run {
@@ -100,7 +110,7 @@ pub fn run(dir: &Path, runs: usize) -> Result<String> {
     let mut results: Vec<(&str, &str, Run)> = Vec::new();
     for r in 0..runs {
         for cache in ["cold", "warm"] {
-            let loaders: &[&str] = if cache == "warm" { &["auto", "turboio", FLOOR] } else { &LOADERS };
+            let loaders = loaders_for(cache);
             for i in run_order(loaders.len(), r) {
                 let loader = loaders[i];
                 if cache == "cold" {
@@ -143,7 +153,7 @@ pub fn run(dir: &Path, runs: usize) -> Result<String> {
     };
     let mut checks = Vec::new();
     for cache in ["cold", "warm"] {
-        let loaders: &[&str] = if cache == "warm" { &["auto", "turboio", FLOOR] } else { &LOADERS };
+        let loaders = loaders_for(cache);
         for &loader in loaders {
             let load = med(cache, loader, &|r| r.load_s);
             let every: Vec<String> = runs_of(cache, loader).iter().map(|r| format!("{:.2}", r.load_s)).collect();
