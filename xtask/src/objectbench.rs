@@ -23,16 +23,17 @@
 //!   here with object_store directly, same endpoint and credentials; and the same GETs with every
 //!   body copied into one fresh buffer as it arrives (the least a loader that returns the bytes
 //!   must do: on this 2-core machine the server, the copy and its page faults share the CPUs, so
-//!   this row, not the bodies-dropped one, is what a loader can reach). Two limit rows measure
-//!   what any loader must add to the bodies-dropped GETs, doing nothing else: the **floor of a
-//!   loader** faults in fresh memory of the bytes' size on a thread beside them (a load into CPU
-//!   memory returns them in pages the process has just allocated; nothing is copied), and the
-//!   **limit of a fill** writes their size to a local file with `O_DIRECT` beside them (what a
-//!   node cache's write-through costs at least). The "(limit)" check lines compare them with
-//!   the ceiling: where the floor is below 0.85x the ceiling, no loader reaches 0.85x of it on
-//!   this machine. A check line also says whether the ceiling itself is 1.5x boto3's download +
-//!   load: when the server sets the pace, the download runs at its speed too and no loader can
-//!   be 1.5x faster.
+//!   this row, not the bodies-dropped one, is what a loader can reach). Two rows measure what
+//!   work beside the bodies-dropped GETs costs them on these cores: the **floor of a loader**
+//!   faults in fresh memory of the bytes' size on a thread beside them (a load into CPU memory
+//!   returns them in pages the process has just allocated; nothing is copied), the least any
+//!   loader must add; and the **write beside** writes their size to a local file with
+//!   `O_DIRECT`, as fast as the disk takes it, beside them (a node cache's write-through at full
+//!   speed; the fill writes each part as it arrives, spread over the load, and measured cheaper).
+//!   The "(limit)" and "(write cost)" check lines compare them with the ceiling: where the
+//!   floor is below 0.85x the ceiling, no loader reaches 0.85x of it on this machine. A check
+//!   line also says whether the ceiling itself is 1.5x boto3's download + load: when the server
+//!   sets the pace, the download runs at its speed too and no loader can be 1.5x faster.
 //! - **Fast rows** (the warm node cache, the local files, the HEADs: tens of milliseconds in a
 //!   new process) are sampled [`FAST_REPEATS`] times per run, shuffled with the others, and the
 //!   rows whose ratios say what filling the cache costs (turboio with and without it, the
@@ -98,8 +99,9 @@ enum Loader {
     /// it allocates, on this machine's cores.
     CeilingFaulted(usize),
     /// The same GETs, bodies dropped, while a thread beside them writes as many bytes to a new
-    /// local file with `O_DIRECT` and syncs it: what writing a node cache's entry costs the
-    /// load at least (the cores and the VM's block device shared with the server).
+    /// local file with `O_DIRECT` as fast as the disk takes them and syncs it: what writing a
+    /// node cache's entry all at once costs the GETs (the cores and the VM's block device shared
+    /// with the server); a fill spreads the same writes over the load.
     CeilingWritten(usize),
     /// turboio with an empty node cache (`TURBOIO_CACHE_DIR`): the load fills it.
     TurboCacheCold,
@@ -160,8 +162,8 @@ impl Loader {
                  is faulted in beside them (nothing copied)"
             ),
             Loader::CeilingWritten(n) => format!(
-                "limit of a fill: the same GETs, {n} in flight, bodies dropped, while their size is written to a \
-                 local file with O_DIRECT beside them"
+                "write beside: the same GETs, {n} in flight, bodies dropped, while their size is written to a \
+                 local file with O_DIRECT beside them, at the disk's full speed"
             ),
             Loader::TurboCacheCold => "turboio, node cache empty (the load fills it)".into(),
             Loader::TurboCacheWarm => "turboio, node cache holding the objects".into(),
@@ -1453,7 +1455,8 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
             ));
             checks.push((
                 format!(
-                    "{lat}, {what}: (limit) the ceiling vs the ceiling that writes the bytes to a local file beside"
+                    "{lat}, {what}: (write cost) the ceiling vs the ceiling with the bytes written to a local file \
+                     beside at full speed"
                 ),
                 find(t, Loader::Ceiling(16))
                     .and_then(|r| r.time(target))
