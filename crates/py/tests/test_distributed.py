@@ -218,6 +218,58 @@ def test_fetch_once_replicates_a_model_and_the_store_serves_it_once(tmp, world):
         server.stop()
 
 
+def nccl_once_worker(rank, world, d, url, options):
+    import turboio
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{d}/init", rank=rank, world_size=world)
+    ref = big_model()
+    got = turboio.load_model(url, process_group=dist.group.WORLD, fetch="once", storage_options=options, cache_dir=f"{d}/cache")
+    assert got.keys() == ref.keys(), sorted(got)
+    for k, v in ref.items():
+        assert got[k].device.type == "cuda", (rank, k, got[k].device)
+        assert got[k].dtype == v.dtype and torch.equal(got[k].cpu(), v), (rank, k)
+    with open(f"{d}/once{rank}.json", "w") as f:
+        json.dump(turboio.fetch_report(), f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(os.environ.get("TURBOIO_TEST_CUDA") != "1", reason="TURBOIO_TEST_CUDA is not 1 (no GPU test)")
+def test_fetch_once_on_nccl(tmp):
+    """NCCL: every rank ends with the model on its GPU, each fetched about 1/W of it, and the
+    host's first rank published every shard to the node cache from GPU memory."""
+    pytest.importorskip("moto")
+    import turboio
+    from test_object import Server
+
+    world = min(2, torch.cuda.device_count())
+    assert world >= 1, "TURBOIO_TEST_CUDA=1 without a visible GPU"
+    server = Server()
+    try:
+        server.client.create_bucket(Bucket="nccl")
+        url = "s3://nccl/model"
+        turboio.save_model_dir(big_model(), url, max_shard_size="6MB", storage_options=server.options)
+        objects = server.client.list_objects_v2(Bucket="nccl", Prefix="model/")["Contents"]
+        shards = [o for o in objects if o["Key"].endswith(".safetensors")]
+        shard_bytes = sum(o["Size"] for o in shards)
+        d = tmp / "nccl"
+        d.mkdir()
+        mp.spawn(nccl_once_worker, args=(world, str(d), url, server.options), nprocs=world, join=True)
+        reports = [json.loads((d / f"once{r}.json").read_text()) for r in range(world)]
+        for rep in reports:
+            assert rep["fetched_bytes"] <= shard_bytes / world + (8 << 20), rep
+            assert rep["fetched_bytes"] + rep["received_bytes"] == shard_bytes, rep
+        assert sum(rep["cached_files"] for rep in reports) == len(shards), reports
+        server.faults("{}")
+        before = server.stats()["get_bytes"]
+        warm = turboio.load_model(url, storage_options=server.options, cache_dir=d / "cache")
+        assert torch.equal(warm["head"], big_model()["head"])
+        assert server.stats()["get_bytes"] - before < shard_bytes / 2, "the shards came from the node cache"
+    finally:
+        server.stop()
+
+
 def test_fetch_once_is_checked():
     import turboio
 

@@ -79,7 +79,8 @@ def load_model(
     times. Each shard's header and the index are checked as for a normal load, after the
     exchange. `turboio.fetch_report()` gives this rank's bytes fetched from storage and received
     over the group. With a node cache (`cache_dir` or `TURBOIO_CACHE_DIR`), the first rank of each
-    host publishes the shards there after the exchange. An object replaced during the load fails
+    host publishes the shards there after the exchange (with NCCL, each shard copied back from
+    the GPU to host memory first, one at a time). An object replaced during the load fails
     it on every rank. Not with `use_cipher` (the pieces would travel encrypted); `dtype` and
     `shard_dims` apply after the exchange. Use it when the store, not the network between the
     ranks, is the bottleneck (object storage shared by many nodes); on a local disk each rank
@@ -236,17 +237,22 @@ def _load_replicated(path, pg, storage, num_thread, cache):
             else:
                 received += n
     # With a node cache, the first rank of each host publishes every shard there (all the
-    # ranks hold all the bytes now): later loads on the host are local.
+    # ranks hold all the bytes now): later loads on the host are local. On NCCL the shards are
+    # on the GPU: each is copied back to host memory first, one at a time.
     cached = 0
-    if storage is not None and storage.has_cache() and not on_gpu:
+    if storage is not None and storage.has_cache():
         import socket
 
         hosts = [None] * world
         dist.all_gather_object(hosts, socket.gethostname(), group=pg)
         if hosts.index(hosts[rank]) == rank:
             for shard, (n, tag), buf in zip(shards, versions, bufs):
-                if tag is not None and storage._cache_insert(shard, n, tag, buf.data_ptr(), n):
+                if tag is None:
+                    continue
+                host = buf.cpu() if on_gpu else buf
+                if storage._cache_insert(shard, n, tag, host.data_ptr(), n):
                     cached += 1
+                del host
     _last_fetch.clear()
     _last_fetch.update(
         files=len(shards),
