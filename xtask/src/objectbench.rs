@@ -38,8 +38,9 @@
 //!   new process) are sampled [`FAST_REPEATS`] times per run, shuffled with the others, and the
 //!   rows whose ratios say what filling the cache costs (turboio with and without it, the
 //!   ceiling with and without the write beside) [`FILL_REPEATS`] times. The local files and the
-//!   server's copies are read back once first (`benchkit::evict`), so that they sit in the page
-//!   cache as the cache's entries do.
+//!   server's copies are taken out of the page cache once first (`benchkit::evict`) and read
+//!   back by the warm before each run, so that they sit in the page cache as the cache's entries
+//!   do.
 //! - **A server that is not the limit**: s3s-fs streams each GET in 4 KiB reads, so its
 //!   throughput paces every loader (boto3's download too). The loaders and ceilings run again
 //!   against nginx serving the files s3s-fs keeps under its root (the same bytes at the same
@@ -1310,12 +1311,12 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
     };
 
     // The local files (written by the bench's generator) and the server's copies (written by
-    // its uploads) are read back once, as the warm cache's entries are (written with O_DIRECT,
-    // then read): the same bytes then sit in the page cache alike, in read-ahead's large folios,
-    // and the local rows compare the cache's work, not how each file got into memory.
+    // its uploads) are taken out of the page cache once, and read back by the warm before each
+    // run, as the warm cache's entries are (written with O_DIRECT, then read): the same bytes
+    // then sit in the page cache alike, in read-ahead's large folios, and the local rows compare
+    // the cache's work, not how each file got into memory.
     for p in setup.local_files.iter().chain(&setup.stored).flatten() {
         crate::benchkit::evict(p)?;
-        warm(p)?;
     }
     eprintln!("object rows, no added latency, {runs} runs ...");
     let plain = setup.measure(server.port, "No added latency (loopback)".into(), &LOADERS);
@@ -1407,23 +1408,24 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
     let mut checks: Vec<(String, Option<f64>, f64)> = Vec::new();
     let tables = [("0 ms", &plain), ("20 ms", &slow)].into_iter().chain(fast_tables);
     for (lat, t) in tables {
-        let turbo = find(t, Loader::Turbo);
         for (target, what) in TARGETS.iter().enumerate() {
-            let me = turbo.and_then(|r| r.time(target));
+            let time = |l| find(t, l).and_then(|r| r.time(target));
+            let me = time(Loader::Turbo);
             let ratio = |other: Option<f64>| Some(other? / me?);
-            checks.push((format!("{lat}, {what}: turboio vs the ceiling"), ratio(best_ceiling(t, target)), 0.85));
+            let ceiling = best_ceiling(t, target);
+            checks.push((format!("{lat}, {what}: turboio vs the ceiling"), ratio(ceiling), 0.85));
             checks.push((format!("{lat}, {what}: turboio vs Run:ai (faster row)"), ratio(best_runai(t, target)), 1.0));
             checks.push((
                 format!("{lat}, {what}: turboio vs boto3 download + load_file"),
-                ratio(find(t, Loader::Boto3).and_then(|r| r.time(target))),
+                ratio(time(Loader::Boto3)),
                 1.5,
             ));
             // What is reachable here: the ceiling that writes the bytes into memory as a loader
             // must; and whether even the ceiling is 1.5x boto3 (on a server-bound machine the
             // download runs at the server's speed too).
-            let kept = find(t, Loader::CeilingKept(16)).and_then(|r| r.time(target));
+            let kept = time(Loader::CeilingKept(16));
             checks.push((format!("{lat}, {what}: turboio vs the ceiling that keeps the bytes"), ratio(kept), 0.85));
-            let faulted = find(t, Loader::CeilingFaulted(16)).and_then(|r| r.time(target));
+            let faulted = time(Loader::CeilingFaulted(16));
             checks.push((
                 format!("{lat}, {what}: turboio vs the floor of a loader (GETs + fresh memory faulted)"),
                 ratio(faulted),
@@ -1431,11 +1433,10 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
             ));
             checks.push((
                 format!("{lat}, {what}: (limit) the floor of a loader vs the ceiling"),
-                best_ceiling(t, target).zip(faulted).map(|(c, f)| c / f),
+                ceiling.zip(faulted).map(|(c, f)| c / f),
                 0.85,
             ));
-            let boto3 = find(t, Loader::Boto3).and_then(|r| r.time(target));
-            let ceiling = best_ceiling(t, target);
+            let boto3 = time(Loader::Boto3);
             checks.push((
                 format!("{lat}, {what}: (limit) the ceiling itself vs boto3 download + load_file"),
                 boto3.zip(ceiling).map(|(b, c)| b / c),
@@ -1447,7 +1448,6 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
             if find(t, Loader::TurboCacheWarm).is_none() {
                 continue;
             }
-            let time = |l| find(t, l).and_then(|r| r.time(target));
             checks.push((
                 format!("{lat}, {what}: turboio without the cache vs with an empty cache it fills"),
                 time(Loader::Turbo).zip(time(Loader::TurboCacheCold)).map(|(a, b)| a / b),
@@ -1458,10 +1458,7 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
                     "{lat}, {what}: (write cost) the ceiling vs the ceiling with the bytes written to a local file \
                      beside at full speed"
                 ),
-                find(t, Loader::Ceiling(16))
-                    .and_then(|r| r.time(target))
-                    .zip(time(Loader::CeilingWritten(16)))
-                    .map(|(a, b)| a / b),
+                time(Loader::Ceiling(16)).zip(time(Loader::CeilingWritten(16))).map(|(a, b)| a / b),
                 1.0 / 1.1,
             ));
             checks.push((

@@ -170,6 +170,21 @@ def once_worker(rank, world, d, url, options):
     dist.destroy_process_group()
 
 
+def upload_big_model(server, bucket):
+    """`big_model()` saved in several shards under s3://BUCKET/model; returns the URL, the
+    number of shards, and the bytes of the shards and of the index."""
+    import turboio
+
+    server.client.create_bucket(Bucket=bucket)
+    url = f"s3://{bucket}/model"
+    turboio.save_model_dir(big_model(), url, max_shard_size="6MB", storage_options=server.options)
+    objects = server.client.list_objects_v2(Bucket=bucket, Prefix="model/")["Contents"]
+    shards = [o for o in objects if o["Key"].endswith(".safetensors")]
+    index_bytes = sum(o["Size"] for o in objects if o["Key"].endswith(".json"))
+    assert len(shards) >= 3
+    return url, len(shards), sum(o["Size"] for o in shards), index_bytes
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_fetch_once_replicates_a_model_and_the_store_serves_it_once(tmp, world):
     pytest.importorskip("moto")
@@ -178,14 +193,7 @@ def test_fetch_once_replicates_a_model_and_the_store_serves_it_once(tmp, world):
 
     server = Server()
     try:
-        bucket = f"once{world}"
-        server.client.create_bucket(Bucket=bucket)
-        url = f"s3://{bucket}/model"
-        turboio.save_model_dir(big_model(), url, max_shard_size="6MB", storage_options=server.options)
-        objects = server.client.list_objects_v2(Bucket=bucket, Prefix="model/")["Contents"]
-        shard_bytes = sum(o["Size"] for o in objects if o["Key"].endswith(".safetensors"))
-        index_bytes = sum(o["Size"] for o in objects if o["Key"].endswith(".json"))
-        assert sum(o["Key"].endswith(".safetensors") for o in objects) >= 3
+        url, shards, shard_bytes, index_bytes = upload_big_model(server, f"once{world}")
         d = tmp / f"once{world}"
         d.mkdir()
         server.faults("{}")
@@ -206,7 +214,6 @@ def test_fetch_once_replicates_a_model_and_the_store_serves_it_once(tmp, world):
         print(f"W={world}: shards {shard_bytes} B; fetched per rank {fetched}; server sent {served} B for three loads")
         opening = 3 * world * (1 << 20) * 2
         assert served <= 3 * shard_bytes + opening + 6 * index_bytes, (served, shard_bytes)
-        shards = sum(o["Key"].endswith(".safetensors") for o in objects)
         assert sum(json.loads((d / f"once{r}.json").read_text())["cached_files"] for r in range(world)) == shards
         urls = [json.loads(p.read_text())["url"] for p in (d / "cache").glob("*.json")]
         assert sum(u.endswith(".safetensors") for u in urls) == shards, urls  # (and the index)
@@ -247,12 +254,7 @@ def test_fetch_once_on_nccl(tmp):
     assert world >= 1, "TURBOIO_TEST_CUDA=1 without a visible GPU"
     server = Server()
     try:
-        server.client.create_bucket(Bucket="nccl")
-        url = "s3://nccl/model"
-        turboio.save_model_dir(big_model(), url, max_shard_size="6MB", storage_options=server.options)
-        objects = server.client.list_objects_v2(Bucket="nccl", Prefix="model/")["Contents"]
-        shards = [o for o in objects if o["Key"].endswith(".safetensors")]
-        shard_bytes = sum(o["Size"] for o in shards)
+        url, shards, shard_bytes, _ = upload_big_model(server, "nccl")
         d = tmp / "nccl"
         d.mkdir()
         mp.spawn(nccl_once_worker, args=(world, str(d), url, server.options), nprocs=world, join=True)
@@ -260,7 +262,7 @@ def test_fetch_once_on_nccl(tmp):
         for rep in reports:
             assert rep["fetched_bytes"] <= shard_bytes / world + (8 << 20), rep
             assert rep["fetched_bytes"] + rep["received_bytes"] == shard_bytes, rep
-        assert sum(rep["cached_files"] for rep in reports) == len(shards), reports
+        assert sum(rep["cached_files"] for rep in reports) == shards, reports
         server.faults("{}")
         before = server.stats()["get_bytes"]
         warm = turboio.load_model(url, storage_options=server.options, cache_dir=d / "cache")
