@@ -58,7 +58,7 @@ pub struct Args {
     /// Only the object-storage rows: the sample (the first size, default 4GiB) and a 9-shard
     /// model uploaded to a local s3s-fs (installed into `target/bench-tools` on first use), loaded
     /// by turboio against Run:ai Model Streamer and boto3 + safetensors, the server's ranged-GET
-    /// ceiling, the floor of a loader and what a node cache's write costs beside it, with no
+    /// ceiling, the floor of a loader and the floor of a node cache's fill, with no
     /// added latency and with 20 ms per request, then against nginx (default 3 runs); written to
     /// `object.md` in `--out`. (The full bench runs these rows too.)
     #[arg(long)]

@@ -27,17 +27,21 @@
 //!   work beside the bodies-dropped GETs costs them on these cores: the **floor of a loader**
 //!   faults in fresh memory of the bytes' size on a thread beside them (a load into CPU memory
 //!   returns them in pages the process has just allocated; nothing is copied), the least any
-//!   loader must add; and the **write beside** writes their size to a local file with
-//!   `O_DIRECT`, as fast as the disk takes it, beside them (a node cache's write-through at full
-//!   speed; the fill writes each part as it arrives, spread over the load, and measured cheaper).
-//!   The "(limit)" and "(write cost)" check lines compare them with the ceiling: where the
-//!   floor is below 0.85x the ceiling, no loader reaches 0.85x of it on this machine. A check
+//!   loader must add. The **floor of a fill** is the ceiling that keeps the bytes (in fresh,
+//!   page-aligned memory) with each part written to a local file as soon as it has arrived, by a
+//!   thread of its own, with `O_DIRECT` (each object's last, unaligned part through the page
+//!   cache), the file synced at the end: exactly the work a node cache's fill adds to a load,
+//!   on the least a load does, so its ratio to the ceiling that keeps the bytes is the most a
+//!   filling load can keep of a load without the cache on this machine. The "(limit)" check
+//!   lines compare them with the ceilings: where the floor is below 0.85x the ceiling, no loader
+//!   reaches 0.85x of it on this machine. A check
 //!   line also says whether the ceiling itself is 1.5x boto3's download + load: when the server
 //!   sets the pace, the download runs at its speed too and no loader can be 1.5x faster.
 //! - **Fast rows** (the warm node cache, the local files, the HEADs: tens of milliseconds in a
 //!   new process) are sampled [`FAST_REPEATS`] times per run, shuffled with the others, and the
 //!   rows whose ratios say what filling the cache costs (turboio with and without it, the
-//!   ceiling with and without the write beside) [`FILL_REPEATS`] times. The local files and the
+//!   ceiling that keeps the bytes with and without the writes; the ceiling too)
+//!   [`FILL_REPEATS`] times. The local files and the
 //!   server's copies are taken out of the page cache once first (`benchkit::evict`) and read
 //!   back by the warm before each run, so that they sit in the page cache as the cache's entries
 //!   do.
@@ -99,11 +103,10 @@ enum Loader {
     /// bytes' size (nothing copied): the floor of any loader that returns the bytes in memory
     /// it allocates, on this machine's cores.
     CeilingFaulted(usize),
-    /// The same GETs, bodies dropped, while a thread beside them writes as many bytes to a new
-    /// local file with `O_DIRECT` as fast as the disk takes them and syncs it: what writing a
-    /// node cache's entry all at once costs the GETs (the cores and the VM's block device shared
-    /// with the server); a fill spreads the same writes over the load.
-    CeilingWritten(usize),
+    /// [`Loader::CeilingKept`] into fresh page-aligned memory, each part written to a new local
+    /// file as soon as it has arrived (a writer thread, `O_DIRECT`), the file synced at the end:
+    /// the work a node cache's fill adds to a load, on the least a load does.
+    CeilingFilled(usize),
     /// turboio with an empty node cache (`TURBOIO_CACHE_DIR`): the load fills it.
     TurboCacheCold,
     /// turboio with the node cache holding the objects (filled once before the runs).
@@ -132,15 +135,16 @@ const LOADERS: [Loader; 14] = [
     Loader::Ceiling(32),
     Loader::CeilingKept(16),
     Loader::CeilingFaulted(16),
-    Loader::CeilingWritten(16),
+    Loader::CeilingFilled(16),
 ];
 /// Samples of the rows that take milliseconds (warm node cache, local files, HEADs) per run:
 /// their medians are of a few tens of ms in new processes, where one slow start moves a median
 /// of three.
 const FAST_REPEATS: usize = 5;
 /// Samples per run of the rows whose ratios say what filling the node cache costs (turboio with
-/// and without it, the ceiling with and without the write beside it): a few percent, which a
-/// median of three seconds-long samples on this VM does not resolve.
+/// and without it, the ceiling that keeps the bytes with and without the writes) and of the
+/// ceiling: a few percent, which a median of three seconds-long samples on this VM does not
+/// resolve.
 const FILL_REPEATS: usize = 3;
 
 impl Loader {
@@ -162,9 +166,9 @@ impl Loader {
                 "floor of a loader: the same GETs, {n} in flight, bodies dropped, while fresh memory of their size \
                  is faulted in beside them (nothing copied)"
             ),
-            Loader::CeilingWritten(n) => format!(
-                "write beside: the same GETs, {n} in flight, bodies dropped, while their size is written to a \
-                 local file with O_DIRECT beside them, at the disk's full speed"
+            Loader::CeilingFilled(n) => format!(
+                "floor of a fill: the ceiling that keeps the bytes ({n} in flight, into fresh aligned memory), \
+                 each part written to a local file with O_DIRECT as it arrives (a writer thread), synced at the end"
             ),
             Loader::TurboCacheCold => "turboio, node cache empty (the load fills it)".into(),
             Loader::TurboCacheWarm => "turboio, node cache holding the objects".into(),
@@ -189,7 +193,7 @@ impl Loader {
                 | Loader::TurboCacheTrusted
                 | Loader::LocalFile
                 | Loader::Heads
-                | Loader::CeilingWritten(_)
+                | Loader::CeilingFilled(_)
         )
     }
 
@@ -197,7 +201,11 @@ impl Loader {
     fn repeats(self) -> usize {
         match self {
             Loader::TurboCacheWarm | Loader::TurboCacheTrusted | Loader::LocalFile | Loader::Heads => FAST_REPEATS,
-            Loader::Turbo | Loader::TurboCacheCold | Loader::Ceiling(16) | Loader::CeilingWritten(_) => FILL_REPEATS,
+            Loader::Turbo
+            | Loader::TurboCacheCold
+            | Loader::Ceiling(16)
+            | Loader::CeilingKept(16)
+            | Loader::CeilingFilled(_) => FILL_REPEATS,
             _ => 1,
         }
     }
@@ -214,7 +222,7 @@ impl Loader {
             Loader::Ceiling(_)
             | Loader::CeilingKept(_)
             | Loader::CeilingFaulted(_)
-            | Loader::CeilingWritten(_)
+            | Loader::CeilingFilled(_)
             | Loader::Heads => None,
         }
     }
@@ -1019,7 +1027,7 @@ impl Setup<'_> {
             self.rt.block_on(heads).map_err(|e| format!("{e:#}"))?;
             return Ok(Sample { secs: t.elapsed().as_secs_f64(), peak_rss: 0 });
         }
-        if let Loader::Ceiling(n) | Loader::CeilingKept(n) | Loader::CeilingFaulted(n) | Loader::CeilingWritten(n) =
+        if let Loader::Ceiling(n) | Loader::CeilingKept(n) | Loader::CeilingFaulted(n) | Loader::CeilingFilled(n) =
             loader
         {
             let s = store(port).map_err(|e| e.to_string())?;
@@ -1029,11 +1037,9 @@ impl Setup<'_> {
             let got = match loader {
                 Loader::CeilingKept(_) => self.rt.block_on(ceiling_kept(s, objects, n)),
                 Loader::CeilingFaulted(_) => self.ceiling_beside(s, objects, n, || fault_fresh(total)),
-                Loader::CeilingWritten(_) => {
-                    let path = self.cache_cold.with_file_name("ceiling-written");
-                    let got = self.ceiling_beside(s, objects, n, || {
-                        crate::ceiling::odirect_write(&path, total, 4, PART as usize).map(drop)
-                    });
+                Loader::CeilingFilled(_) => {
+                    let path = self.cache_cold.with_file_name("ceiling-filled");
+                    let got = self.ceiling_filled(s, objects, n, &path);
                     let _ = std::fs::remove_file(&path);
                     got
                 }
@@ -1089,6 +1095,88 @@ impl Setup<'_> {
             let got = self.rt.block_on(ceiling(s, objects, n));
             let beside = beside.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the thread beside the GETs panicked")));
             got.and_then(|n| beside.map(|()| n))
+        })
+    }
+
+    /// [`ceiling_kept`] into fresh page-aligned memory (each object at a 4 KiB boundary, as in
+    /// a file of its own), each part handed to a writer thread as soon as its body has arrived
+    /// and written at its offset in a new file at `path`: with `O_DIRECT` from that memory where
+    /// aligned (every part but an object's last), through the page cache otherwise; the file
+    /// synced at the end. The hand-over (a channel of 16 parts, the sender waiting when it is
+    /// full) and the writes are the node cache's fill's.
+    fn ceiling_filled(
+        &self,
+        store: Arc<dyn ObjectStore>,
+        objects: &[(Key, u64)],
+        inflight: usize,
+        path: &Path,
+    ) -> Result<u64> {
+        use std::os::unix::fs::{FileExt, OpenOptionsExt};
+        const ALIGN: u64 = 4096;
+        let total: u64 = objects.iter().map(|(_, len)| len.next_multiple_of(ALIGN)).sum();
+        let mut arena = turboio::device::Arena::new(usize::try_from(total)?, false)?;
+        let file = std::fs::File::options().write(true).create(true).truncate(true).open(path)?;
+        file.set_len(total)?;
+        let direct = std::fs::File::options()
+            .write(true)
+            .custom_flags(nix::fcntl::OFlag::O_DIRECT.bits())
+            .open(path)
+            .with_context(|| format!("{}: open with O_DIRECT", path.display()))?;
+        let mut parts = Vec::new();
+        let mut rest: &mut [u8] = arena.as_mut_slice();
+        let mut at = 0u64;
+        for (key, len) in objects {
+            let (object, tail) = std::mem::take(&mut rest).split_at_mut(len.next_multiple_of(ALIGN) as usize);
+            rest = tail;
+            let mut left: &mut [u8] = &mut object[..*len as usize];
+            for a in (0..*len).step_by(PART as usize) {
+                let b = (a + PART).min(*len);
+                let (dst, tail) = std::mem::take(&mut left).split_at_mut((b - a) as usize);
+                left = tail;
+                parts.push((key.clone(), a, b, at + a, dst));
+            }
+            at += len.next_multiple_of(ALIGN);
+        }
+        std::thread::scope(|scope| {
+            let (tx, rx) = std::sync::mpsc::sync_channel::<(u64, &[u8])>(16);
+            let writer = scope.spawn(move || -> Result<()> {
+                for (offset, bytes) in rx {
+                    if (bytes.len() as u64).is_multiple_of(ALIGN) {
+                        direct.write_all_at(bytes, offset)?;
+                    } else {
+                        file.write_all_at(bytes, offset)?;
+                    }
+                }
+                file.sync_data()?;
+                Ok(())
+            });
+            let gets = futures_util::stream::iter(parts)
+                .map(|(key, a, b, offset, dst)| {
+                    let store = store.clone();
+                    let tx = tx.clone();
+                    async move {
+                        let opts = GetOptions { range: Some(GetRange::Bounded(a..b)), ..Default::default() };
+                        let mut body = store.get_opts(&key, opts).await?.into_stream();
+                        let mut n = 0usize;
+                        while let Some(chunk) = body.next().await {
+                            let chunk = chunk?;
+                            let end = n + chunk.len();
+                            anyhow::ensure!(end <= dst.len(), "{key} bytes {a}..{b}: more bytes came");
+                            dst[n..end].copy_from_slice(&chunk);
+                            n = end;
+                        }
+                        anyhow::ensure!(n as u64 == b - a, "{key} bytes {a}..{b}: {n} bytes came");
+                        let done: &[u8] = dst;
+                        tx.send((offset, done)).map_err(|_| anyhow::anyhow!("the writer thread stopped"))?;
+                        Ok(n as u64)
+                    }
+                })
+                .buffer_unordered(inflight)
+                .try_fold(0u64, |sum, n| async move { Ok(sum + n) });
+            let got = self.rt.block_on(gets);
+            drop(tx);
+            let written = writer.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the writer thread panicked")));
+            got.and_then(|n| written.map(|()| n))
         })
     }
 
@@ -1455,10 +1543,10 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
             ));
             checks.push((
                 format!(
-                    "{lat}, {what}: (write cost) the ceiling vs the ceiling with the bytes written to a local file \
-                     beside at full speed"
+                    "{lat}, {what}: (limit of a fill) the ceiling that keeps the bytes vs the same with each part \
+                     written to a local file as it arrives"
                 ),
-                time(Loader::Ceiling(16)).zip(time(Loader::CeilingWritten(16))).map(|(a, b)| a / b),
+                kept.zip(time(Loader::CeilingFilled(16))).map(|(a, b)| a / b),
                 1.0 / 1.1,
             ));
             checks.push((
