@@ -41,7 +41,12 @@
 //!   new process) are sampled [`FAST_REPEATS`] times per run, shuffled with the others, and the
 //!   rows whose ratios say what filling the cache costs (turboio with and without it, the
 //!   ceiling that keeps the bytes with and without the writes; the ceiling too)
-//!   [`FILL_REPEATS`] times. The local files and the
+//!   [`FILL_REPEATS`] times; those two pairs ([`PAIRS`]) run back to back (which goes first
+//!   alternates) and their checks are the median of the pairs' ratios, so that the server's
+//!   drift between rows (10-30% here) stays out of a cost of a few percent. A warm load that
+//!   asks the store returns when the HEADs have answered, and the first read of its pages
+//!   follows: its "(limit of asking)" is the longer of the local row's load and the HEADs alone,
+//!   plus the local row's read of the pages. The local files and the
 //!   server's copies are taken out of the page cache once first (`benchkit::evict`) and read
 //!   back by the warm before each run, so that they sit in the page cache as the cache's entries
 //!   do.
@@ -146,6 +151,10 @@ const FAST_REPEATS: usize = 5;
 /// ceiling: a few percent, which a median of three seconds-long samples on this VM does not
 /// resolve.
 const FILL_REPEATS: usize = 3;
+/// Rows measured in pairs, back to back (see `measure`): the first's time over the second's
+/// is a fill's cost (turboio without and with the cache; its floor).
+const PAIRS: [(Loader, Loader); 2] =
+    [(Loader::Turbo, Loader::TurboCacheCold), (Loader::CeilingKept(16), Loader::CeilingFilled(16))];
 
 impl Loader {
     fn name(self) -> String {
@@ -239,6 +248,9 @@ const TARGETS: [&str; 2] = ["file", "model"];
 #[derive(Default, Clone)]
 struct Cell {
     times: Vec<f64>,
+    /// The part of each time spent reading the result after the load returned (the Python
+    /// rows' first read of every page; 0 for the rows measured here).
+    touches: Vec<f64>,
     peak_rss: u64,
     failed: Option<String>,
 }
@@ -663,6 +675,8 @@ fn shard_names(dir: &Path) -> Result<Vec<String>> {
 /// One child run's result.
 struct Sample {
     secs: f64,
+    /// The part of `secs` after the load returned (the first read of every page).
+    touch: f64,
     peak_rss: u64,
 }
 
@@ -709,8 +723,9 @@ impl Py<'_> {
         cmd.envs(env.iter().map(|(k, v)| (k, v)));
         let child = cmd.spawn().map_err(|e| format!("cannot start {}: {e}", self.python.display()))?;
         let v = self.result_of(child, &out, &err, Instant::now())?;
-        let secs = v["load_s"].as_f64().unwrap_or(f64::NAN) + v["touch_s"].as_f64().unwrap_or(f64::NAN);
-        Ok(Sample { secs, peak_rss: v["peak_rss_bytes"].as_u64().unwrap_or(0) })
+        let touch = v["touch_s"].as_f64().unwrap_or(f64::NAN);
+        let secs = v["load_s"].as_f64().unwrap_or(f64::NAN) + touch;
+        Ok(Sample { secs, touch, peak_rss: v["peak_rss_bytes"].as_u64().unwrap_or(0) })
     }
 }
 
@@ -1025,7 +1040,7 @@ impl Setup<'_> {
             }
             let heads = futures_util::future::try_join_all(keys.iter().map(|k| s.head(k)));
             self.rt.block_on(heads).map_err(|e| format!("{e:#}"))?;
-            return Ok(Sample { secs: t.elapsed().as_secs_f64(), peak_rss: 0 });
+            return Ok(Sample { secs: t.elapsed().as_secs_f64(), touch: 0.0, peak_rss: 0 });
         }
         if let Loader::Ceiling(n) | Loader::CeilingKept(n) | Loader::CeilingFaulted(n) | Loader::CeilingFilled(n) =
             loader
@@ -1046,7 +1061,7 @@ impl Setup<'_> {
                 _ => self.rt.block_on(ceiling(s, objects, n)),
             };
             got.map_err(|e| format!("{e:#}"))?;
-            return Ok(Sample { secs: t.elapsed().as_secs_f64(), peak_rss: 0 });
+            return Ok(Sample { secs: t.elapsed().as_secs_f64(), touch: 0.0, peak_rss: 0 });
         }
         let py = self.py.as_ref().ok_or("no Python")?;
         let mut env = self.env(port);
@@ -1238,16 +1253,28 @@ impl Setup<'_> {
                 }
             }
         }
-        let items: Vec<(usize, usize)> = (0..loaders.len())
-            .flat_map(|i| {
-                let repeats = loaders[i].repeats();
-                std::iter::repeat_n([(i, 0), (i, 1)], repeats).flatten()
-            })
-            .collect();
+        // The units of a run's shuffled order: one sample, or a pair of the rows whose ratio says
+        // what a fill costs, measured back to back (which goes first alternates), so that the
+        // server's drift between rows does not enter the ratio.
+        let at = |l: Loader| loaders.iter().position(|&x| x == l);
+        let partner = |i: usize| PAIRS.iter().find(|(a, _)| *a == loaders[i]).and_then(|&(_, b)| at(b));
+        let paired = |i: usize| PAIRS.iter().any(|&(a, b)| b == loaders[i] && at(a).is_some());
+        let mut units: Vec<Vec<(usize, usize)>> = Vec::new();
+        for i in (0..loaders.len()).filter(|&i| !paired(i)) {
+            for n in 0..loaders[i].repeats() {
+                for target in 0..TARGETS.len() {
+                    units.push(match partner(i) {
+                        Some(j) if n % 2 == 0 => vec![(i, target), (j, target)],
+                        Some(j) => vec![(j, target), (i, target)],
+                        None => vec![(i, target)],
+                    });
+                }
+            }
+        }
         for r in 0..self.runs {
             eprintln!("  run {} of {} ...", r + 1, self.runs);
-            for k in run_order(items.len(), r) {
-                let (i, target) = items[k];
+            let order = run_order(units.len(), r);
+            for &(i, target) in order.iter().flat_map(|&k| &units[k]) {
                 let row = &rows[i];
                 if row.skipped.is_some() || row.cells[target].failed.is_some() {
                     continue;
@@ -1261,6 +1288,7 @@ impl Setup<'_> {
                 match result {
                     Ok(s) => {
                         cell.times.push(s.secs);
+                        cell.touches.push(s.touch);
                         cell.peak_rss = cell.peak_rss.max(s.peak_rss);
                     }
                     Err(e) => {
@@ -1536,17 +1564,21 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
             if find(t, Loader::TurboCacheWarm).is_none() {
                 continue;
             }
+            let pairs = |a, b| paired_ratio(find(t, a)?, find(t, b)?, target);
             checks.push((
-                format!("{lat}, {what}: turboio without the cache vs with an empty cache it fills"),
-                time(Loader::Turbo).zip(time(Loader::TurboCacheCold)).map(|(a, b)| a / b),
+                format!(
+                    "{lat}, {what}: turboio without the cache vs with an empty cache it fills (median of the \
+                     back-to-back pairs' ratios)"
+                ),
+                pairs(Loader::Turbo, Loader::TurboCacheCold),
                 1.0 / 1.1,
             ));
             checks.push((
                 format!(
                     "{lat}, {what}: (limit of a fill) the ceiling that keeps the bytes vs the same with each part \
-                     written to a local file as it arrives"
+                     written to a local file as it arrives (pairs, as above)"
                 ),
-                kept.zip(time(Loader::CeilingFilled(16))).map(|(a, b)| a / b),
+                pairs(Loader::CeilingKept(16), Loader::CeilingFilled(16)),
                 1.0 / 1.1,
             ));
             checks.push((
@@ -1554,9 +1586,21 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
                 time(Loader::LocalFile).zip(time(Loader::TurboCacheWarm)).map(|(a, b)| a / b),
                 1.0 / 1.2,
             ));
+            // A load that asks returns when the HEADs have answered, at the earliest, and the
+            // first read of its pages comes after that: its floor is the longer of the local
+            // load and the HEADs, plus the local row's read of the pages.
+            let local = find(t, Loader::LocalFile).filter(|_| time(Loader::LocalFile).is_some());
+            let touch = local.map(|r| median(&r.cells[target].touches));
+            let floor = time(Loader::LocalFile)
+                .zip(touch)
+                .zip(time(Loader::Heads))
+                .map(|((l, touch), heads)| (l - touch).max(heads) + touch);
             checks.push((
-                format!("{lat}, {what}: (limit) a local file vs the HEADs alone of a warm cache that asks"),
-                time(Loader::LocalFile).zip(time(Loader::Heads)).map(|(a, b)| a / b),
+                format!(
+                    "{lat}, {what}: (limit of asking) a local file vs the longer of its load and the HEADs alone, \
+                     plus its first read of the pages"
+                ),
+                time(Loader::LocalFile).zip(floor).map(|(a, b)| a / b),
                 1.0 / 1.2,
             ));
             checks.push((
@@ -1583,6 +1627,15 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
         }
     }
     Ok(s)
+}
+
+/// The median of `a`'s time over `b`'s, sample by sample: the rows measured in pairs
+/// ([`PAIRS`]), whose k-th samples ran back to back.
+fn paired_ratio(a: &Row, b: &Row, target: usize) -> Option<f64> {
+    a.time(target)?;
+    b.time(target)?;
+    let (a, b) = (&a.cells[target].times, &b.cells[target].times);
+    (a.len() == b.len()).then(|| median(&a.iter().zip(b).map(|(x, y)| x / y).collect::<Vec<_>>()))
 }
 
 fn find(t: &Table, loader: Loader) -> Option<&Row> {
