@@ -1575,6 +1575,14 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
             ));
             checks.push((
                 format!(
+                    "{lat}, {what}: turboio filling the cache vs the floor of a fill (the kept-bytes ceiling doing \
+                     the same writes)"
+                ),
+                time(Loader::CeilingFilled(16)).zip(time(Loader::TurboCacheCold)).map(|(a, b)| a / b),
+                1.0 / 1.1,
+            ));
+            checks.push((
+                format!(
                     "{lat}, {what}: (limit of a fill) the ceiling that keeps the bytes vs the same with each part \
                      written to a local file as it arrives (pairs, as above)"
                 ),
