@@ -532,24 +532,28 @@ async fn ceiling_kept(store: Arc<dyn ObjectStore>, objects: &[(Key, u64)], infli
     futures_util::stream::iter(parts)
         .map(|(key, a, b, dst)| {
             let store = store.clone();
-            async move {
-                let opts = GetOptions { range: Some(GetRange::Bounded(a..b)), ..Default::default() };
-                let mut body = store.get_opts(&key, opts).await?.into_stream();
-                let mut n = 0usize;
-                while let Some(chunk) = body.next().await {
-                    let chunk = chunk?;
-                    let end = n + chunk.len();
-                    anyhow::ensure!(end <= dst.len(), "{key} bytes {a}..{b}: more bytes came");
-                    dst[n..end].copy_from_slice(&chunk);
-                    n = end;
-                }
-                anyhow::ensure!(n as u64 == b - a, "{key} bytes {a}..{b}: {n} bytes came");
-                Ok(n as u64)
-            }
+            async move { get_into(store.as_ref(), &key, a, b, dst).await }
         })
         .buffer_unordered(inflight)
         .try_fold(0u64, |sum, n| async move { Ok(sum + n) })
         .await
+}
+
+/// One ranged GET of `key`'s bytes `a..b`, its body copied into `dst` (their length) as it
+/// arrives; returns the bytes received.
+async fn get_into(store: &dyn ObjectStore, key: &Key, a: u64, b: u64, dst: &mut [u8]) -> Result<u64> {
+    let opts = GetOptions { range: Some(GetRange::Bounded(a..b)), ..Default::default() };
+    let mut body = store.get_opts(key, opts).await?.into_stream();
+    let mut n = 0usize;
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk?;
+        let end = n + chunk.len();
+        anyhow::ensure!(end <= dst.len(), "{key} bytes {a}..{b}: more bytes came");
+        dst[n..end].copy_from_slice(&chunk);
+        n = end;
+    }
+    anyhow::ensure!(n as u64 == b - a, "{key} bytes {a}..{b}: {n} bytes came");
+    Ok(n as u64)
 }
 
 /// Maps `len` bytes of fresh anonymous memory (4 KiB pages, as turboio's arenas), faults every
@@ -1170,20 +1174,10 @@ impl Setup<'_> {
                     let store = store.clone();
                     let tx = tx.clone();
                     async move {
-                        let opts = GetOptions { range: Some(GetRange::Bounded(a..b)), ..Default::default() };
-                        let mut body = store.get_opts(&key, opts).await?.into_stream();
-                        let mut n = 0usize;
-                        while let Some(chunk) = body.next().await {
-                            let chunk = chunk?;
-                            let end = n + chunk.len();
-                            anyhow::ensure!(end <= dst.len(), "{key} bytes {a}..{b}: more bytes came");
-                            dst[n..end].copy_from_slice(&chunk);
-                            n = end;
-                        }
-                        anyhow::ensure!(n as u64 == b - a, "{key} bytes {a}..{b}: {n} bytes came");
+                        let n = get_into(store.as_ref(), &key, a, b, &mut *dst).await?;
                         let done: &[u8] = dst;
                         tx.send((offset, done)).map_err(|_| anyhow::anyhow!("the writer thread stopped"))?;
-                        Ok(n as u64)
+                        Ok(n)
                     }
                 })
                 .buffer_unordered(inflight)
