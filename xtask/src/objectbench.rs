@@ -30,13 +30,13 @@
 //!   loader must add. The **floor of a fill** is the ceiling that keeps the bytes (in fresh,
 //!   page-aligned memory) with each part written to a local file as soon as it has arrived, by a
 //!   thread of its own, with `O_DIRECT` (each object's last, unaligned part through the page
-//!   cache), the file synced at the end: exactly the work a node cache's fill adds to a load,
-//!   on the least a load does, so its ratio to the ceiling that keeps the bytes is the most a
-//!   filling load can keep of a load without the cache on this machine. The "(limit)" check
-//!   lines compare them with the ceilings: where the floor is below 0.85x the ceiling, no loader
-//!   reaches 0.85x of it on this machine. A check
-//!   line also says whether the ceiling itself is 1.5x boto3's download + load: when the server
-//!   sets the pace, the download runs at its speed too and no loader can be 1.5x faster.
+//!   cache), the file synced at the end: the work a node cache's fill adds to a load, done the
+//!   plain way on the least a load does (turboio's fill hands its parts over from the backend's
+//!   threads and measured faster than it). The "(limit)" check lines compare these rows with
+//!   the ceilings: where the floor of a loader is below 0.85x the ceiling, no loader reaches
+//!   0.85x of it on this machine. A check line also says whether the ceiling itself is 1.5x
+//!   boto3's download + load: when the server sets the pace, the download runs at its speed too
+//!   and no loader can be 1.5x faster.
 //! - **Fast rows** (the warm node cache, the local files, the HEADs: tens of milliseconds in a
 //!   new process) are sampled [`FAST_REPEATS`] times per run, shuffled with the others, and the
 //!   rows whose ratios say what filling the cache costs (turboio with and without it, the
@@ -46,10 +46,9 @@
 //!   drift between rows (10-30% here) stays out of a cost of a few percent. A warm load that
 //!   asks the store returns when the HEADs have answered, and the first read of its pages
 //!   follows: its "(limit of asking)" is the longer of the local row's load and the HEADs alone,
-//!   plus the local row's read of the pages. The local files and the
-//!   server's copies are taken out of the page cache once first (`benchkit::evict`) and read
-//!   back by the warm before each run, so that they sit in the page cache as the cache's entries
-//!   do.
+//!   plus the local row's read of the pages. The local files and the server's copies are taken
+//!   out of the page cache once first (`benchkit::evict`) and read back by the warm before each
+//!   run, so that they sit in the page cache as the cache's entries do.
 //! - **A server that is not the limit**: s3s-fs streams each GET in 4 KiB reads, so its
 //!   throughput paces every loader (boto3's download too). The loaders and ceilings run again
 //!   against nginx serving the files s3s-fs keeps under its root (the same bytes at the same
@@ -264,9 +263,19 @@ struct Row {
 }
 
 impl Row {
-    fn time(&self, target: usize) -> Option<f64> {
+    /// The cell's samples, if it was measured without a failure.
+    fn measured(&self, target: usize) -> Option<&Cell> {
         let c = &self.cells[target];
-        (self.skipped.is_none() && c.failed.is_none() && !c.times.is_empty()).then(|| median(&c.times))
+        (self.skipped.is_none() && c.failed.is_none() && !c.times.is_empty()).then_some(c)
+    }
+
+    fn time(&self, target: usize) -> Option<f64> {
+        self.measured(target).map(|c| median(&c.times))
+    }
+
+    /// The median of the part of each sample after the load returned.
+    fn touch(&self, target: usize) -> Option<f64> {
+        self.measured(target).map(|c| median(&c.touches))
     }
 }
 
@@ -517,26 +526,41 @@ async fn ceiling(store: Arc<dyn ObjectStore>, objects: &[(Key, u64)], inflight: 
 /// its pages are faulted in by the copy, as a loader's are) as it arrives, by the thread that
 /// drives the requests.
 async fn ceiling_kept(store: Arc<dyn ObjectStore>, objects: &[(Key, u64)], inflight: usize) -> Result<u64> {
-    let total: u64 = objects.iter().map(|(_, len)| len).sum();
-    let mut buf = vec![0u8; usize::try_from(total)?];
-    let mut parts = Vec::new();
-    let mut rest: &mut [u8] = &mut buf;
-    for (key, len) in objects {
-        for a in (0..*len).step_by(PART as usize) {
-            let b = (a + PART).min(*len);
-            let (dst, tail) = std::mem::take(&mut rest).split_at_mut((b - a) as usize);
-            rest = tail;
-            parts.push((key.clone(), a, b, dst));
-        }
-    }
-    futures_util::stream::iter(parts)
-        .map(|(key, a, b, dst)| {
+    let mut buf = vec![0u8; usize::try_from(laid_out(objects, 1))?];
+    futures_util::stream::iter(split_parts(objects, &mut buf, 1))
+        .map(|(key, a, b, _, dst)| {
             let store = store.clone();
             async move { get_into(store.as_ref(), &key, a, b, dst).await }
         })
         .buffer_unordered(inflight)
         .try_fold(0u64, |sum, n| async move { Ok(sum + n) })
         .await
+}
+
+/// The bytes `objects` take end to end, each starting at a multiple of `align`.
+fn laid_out(objects: &[(Key, u64)], align: u64) -> u64 {
+    objects.iter().map(|(_, len)| len.next_multiple_of(align)).sum()
+}
+
+/// `mem` ([`laid_out`] bytes) cut into the ceiling's parts: for each [`PART`] of each object,
+/// its key, its bytes `a..b`, its offset in `mem` and the slice of `mem` it goes to.
+fn split_parts<'m>(objects: &[(Key, u64)], mem: &'m mut [u8], align: u64) -> Vec<(Key, u64, u64, u64, &'m mut [u8])> {
+    let mut parts = Vec::new();
+    let mut rest = mem;
+    let mut at = 0u64;
+    for (key, len) in objects {
+        let (object, tail) = std::mem::take(&mut rest).split_at_mut(len.next_multiple_of(align) as usize);
+        rest = tail;
+        let mut left: &mut [u8] = &mut object[..*len as usize];
+        for a in (0..*len).step_by(PART as usize) {
+            let b = (a + PART).min(*len);
+            let (dst, tail) = std::mem::take(&mut left).split_at_mut((b - a) as usize);
+            left = tail;
+            parts.push((key.clone(), a, b, at + a, dst));
+        }
+        at += len.next_multiple_of(align);
+    }
+    parts
 }
 
 /// One ranged GET of `key`'s bytes `a..b`, its body copied into `dst` (their length) as it
@@ -1132,7 +1156,7 @@ impl Setup<'_> {
     ) -> Result<u64> {
         use std::os::unix::fs::{FileExt, OpenOptionsExt};
         const ALIGN: u64 = 4096;
-        let total: u64 = objects.iter().map(|(_, len)| len.next_multiple_of(ALIGN)).sum();
+        let total = laid_out(objects, ALIGN);
         let mut arena = turboio::device::Arena::new(usize::try_from(total)?, false)?;
         let file = std::fs::File::options().write(true).create(true).truncate(true).open(path)?;
         file.set_len(total)?;
@@ -1141,21 +1165,7 @@ impl Setup<'_> {
             .custom_flags(nix::fcntl::OFlag::O_DIRECT.bits())
             .open(path)
             .with_context(|| format!("{}: open with O_DIRECT", path.display()))?;
-        let mut parts = Vec::new();
-        let mut rest: &mut [u8] = arena.as_mut_slice();
-        let mut at = 0u64;
-        for (key, len) in objects {
-            let (object, tail) = std::mem::take(&mut rest).split_at_mut(len.next_multiple_of(ALIGN) as usize);
-            rest = tail;
-            let mut left: &mut [u8] = &mut object[..*len as usize];
-            for a in (0..*len).step_by(PART as usize) {
-                let b = (a + PART).min(*len);
-                let (dst, tail) = std::mem::take(&mut left).split_at_mut((b - a) as usize);
-                left = tail;
-                parts.push((key.clone(), a, b, at + a, dst));
-            }
-            at += len.next_multiple_of(ALIGN);
-        }
+        let parts = split_parts(objects, arena.as_mut_slice(), ALIGN);
         std::thread::scope(|scope| {
             let (tx, rx) = std::sync::mpsc::sync_channel::<(u64, &[u8])>(16);
             let writer = scope.spawn(move || -> Result<()> {
@@ -1591,8 +1601,7 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
             // A load that asks returns when the HEADs have answered, at the earliest, and the
             // first read of its pages comes after that: its floor is the longer of the local
             // load and the HEADs, plus the local row's read of the pages.
-            let local = find(t, Loader::LocalFile).filter(|_| time(Loader::LocalFile).is_some());
-            let touch = local.map(|r| median(&r.cells[target].touches));
+            let touch = find(t, Loader::LocalFile).and_then(|r| r.touch(target));
             let floor = time(Loader::LocalFile)
                 .zip(touch)
                 .zip(time(Loader::Heads))
@@ -1634,9 +1643,7 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
 /// The median of `a`'s time over `b`'s, sample by sample: the rows measured in pairs
 /// ([`PAIRS`]), whose k-th samples ran back to back.
 fn paired_ratio(a: &Row, b: &Row, target: usize) -> Option<f64> {
-    a.time(target)?;
-    b.time(target)?;
-    let (a, b) = (&a.cells[target].times, &b.cells[target].times);
+    let (a, b) = (&a.measured(target)?.times, &b.measured(target)?.times);
     (a.len() == b.len()).then(|| median(&a.iter().zip(b).map(|(x, y)| x / y).collect::<Vec<_>>()))
 }
 
