@@ -53,8 +53,9 @@
 //!   staging it ([`Device::upload_from_host`]).
 //! - [`Device::borrow`]: a view of memory someone else owns (a PyTorch CUDA tensor being saved).
 //!
-//! Staging buffers can be kept in a [`StagingPool`] and reused across loads (pinned memory is
-//! slow to allocate); the CUDA and test devices take one.
+//! Staging buffers are kept in a [`StagingPool`] and reused across loads (pinned memory is
+//! slow to allocate: see the `staging` module docs for what is pinned, when and how much); the
+//! CUDA device keeps one per ordinal per process, the test devices take one.
 //!
 //! # Devices
 //!
@@ -84,7 +85,7 @@ pub use cpu::{
 pub use error::DeviceError;
 pub use libs::cuda_library_dirs;
 pub use npu::NpuDevice;
-pub use staging::{PooledStaging, StagingPool};
+pub use staging::{PooledStaging, StagingPool, DEFAULT_MAX_BUFFERS};
 
 use std::any::Any;
 use std::fmt;
@@ -318,6 +319,14 @@ pub trait Device: Send + Sync + fmt::Debug {
 
     /// A host buffer of `len` bytes for staging copies (page-aligned; pinned on GPUs).
     fn alloc_staging(&self, len: usize) -> Result<Staging>;
+
+    /// The pool [`alloc_staging`](Self::alloc_staging) takes from, when the device keeps one
+    /// (`None`, the default: every buffer is new). A staged load takes at most
+    /// [`StagingPool::max_buffers`] slots so that a steady-state load allocates none; callers
+    /// size or release it through this.
+    fn staging_pool(&self) -> Option<&StagingPool> {
+        None
+    }
 
     /// Starts copying `src[..len]` into `dst` at `dst_offset`. The copy may still be running
     /// when this returns; [`Transfer::wait`] finishes it and returns `src`. Several uploads into

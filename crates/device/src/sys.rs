@@ -178,6 +178,16 @@ impl RawMap {
     }
 }
 
+impl RawMap {
+    /// Locks the mapping's pages in memory (`mlock`: faulted in now, never swapped out), as
+    /// pinned memory is.
+    pub(crate) fn lock(&self) -> io::Result<()> {
+        // SAFETY: the range is exactly our live mapping; mlock changes residency, not contents.
+        unsafe { mman::mlock(self.ptr.cast::<c_void>(), self.len) }?;
+        Ok(())
+    }
+}
+
 impl Drop for RawMap {
     fn drop(&mut self) {
         // SAFETY: we own the mapping and nothing borrows it any more (&mut self).

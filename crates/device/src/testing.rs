@@ -1,5 +1,6 @@
-//! A device whose memory the CPU cannot address: the proof that the [`Device`] contract is not
-//! CPU-shaped.
+//! Devices for tests: one whose memory the CPU cannot address (the proof that the [`Device`]
+//! contract is not CPU-shaped), and a performance model of a GPU ([`ModelDevice`]) that measures
+//! the staged pipeline on machines without one.
 //!
 //! [`OpaqueDevice`] keeps each allocation in memory owned by a copy-engine thread. An
 //! allocation's [`host`](Allocation::host) is `None`, so loads must stage through host buffers;
@@ -20,6 +21,10 @@
 //! - [`with_staging_pool`](OpaqueDevice::with_staging_pool): staging buffers come from a pool.
 //! - [`with_key_failure`](OpaqueDevice::with_key_failure): [`prepare_key`](Device::prepare_key)
 //!   fails, as the CUDA device's does without NVRTC.
+
+mod model;
+
+pub use model::{GpuModel, ModelAllocation, ModelCounters, ModelDevice};
 
 use crate::cpu::Arena;
 use crate::{

@@ -216,6 +216,13 @@ pub struct ReadReport {
     pub direct_refused: bool,
 }
 
+/// How many page-cache residency probes (a whole-file `mmap`, `mincore` over a sample,
+/// `munmap`; [`StorageFile::cached_fraction`]) this process has run: a load decides its file's
+/// state once, so tests and reports count them per load.
+pub fn residency_probes() -> u64 {
+    sys::PROBES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Whether io_uring works here (probed once, then cached).
 pub fn io_uring_available() -> bool {
     uring::available()

@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use turboio_storage::{
-    for_each_chunk, run_workers, split_requests, Chunk, DirectIo, IoOptions, RangeReader, ReadRequest, StorageError,
-    StorageFile,
+    for_each_chunk, run_workers, split_requests, Chunk, DirectIo, IoOptions, RangeReader, ReadAhead, ReadRequest,
+    StorageError, StorageFile,
 };
 
 /// Default bytes per chunk handed to a worker.
@@ -84,7 +84,7 @@ impl PosixFile {
         // Asked only when the choice depends on it (a probe costs a few system calls).
         let cold = std::cell::OnceCell::new();
         let is_cold = || *cold.get_or_init(|| self.cached_fraction().is_some_and(|f| f < self.cfg.cached_threshold));
-        let (method, want_direct) = self.choose(opts, &is_cold);
+        let (method, want_direct) = self.choose(opts, &is_cold, requests.len());
         let direct_fd =
             if want_direct && !self.refused_at_read.load(Ordering::Relaxed) { self.direct_file()? } else { None };
         let refused_before = want_direct && direct_fd.is_none();
@@ -92,7 +92,9 @@ impl PosixFile {
             // Advisory: a kernel that refuses reads around the ranges, as before.
             let _ = sys::random_access(&self.file);
         }
-        let read_ahead = direct_fd.is_none() && method != ReadMethod::IoUring && is_cold();
+        // A caller that leads the read-ahead itself has decided: no probe, no read-ahead here.
+        let read_ahead =
+            opts.read_ahead == ReadAhead::Backend && direct_fd.is_none() && method != ReadMethod::IoUring && is_cold();
         let run = Run {
             file: self,
             opts,
@@ -115,13 +117,19 @@ impl PosixFile {
     }
 
     /// Which method, and whether to bypass the cache.
-    fn choose(&self, opts: &IoOptions<'_>, is_cold: &dyn Fn() -> bool) -> (ReadMethod, bool) {
+    ///
+    /// Automatic: io_uring for `O_DIRECT` reads, except one request on one thread (a pipeline's
+    /// chunk): that is one `O_DIRECT` `pread` of the whole aligned range, which the kernel
+    /// splits and queues at once, where a ring would be set up and torn down for one read.
+    fn choose(&self, opts: &IoOptions<'_>, is_cold: &dyn Fn() -> bool, requests: usize) -> (ReadMethod, bool) {
         let direct = match opts.direct {
             DirectIo::Off => false,
             DirectIo::On => true,
             DirectIo::Auto => is_cold(),
         };
+        let one_read = requests == 1 && opts.threads == 1;
         let method = match self.cfg.method {
+            ReadMethod::Auto if direct && one_read => ReadMethod::Threads,
             ReadMethod::Auto if direct => ReadMethod::IoUring,
             ReadMethod::Auto => ReadMethod::Threads,
             m => m,
@@ -312,7 +320,14 @@ impl Run<'_, '_, '_> {
         if self.bypass().is_none() {
             return self.file.read_buffered(c.dst, c.offset);
         }
-        let pieces = plan_direct(c.offset, c.dst.as_ptr() as usize, c.dst.len(), block);
+        // Where the memory is congruent with the file, one `pread` per aligned run of the chunk
+        // (up to MAX_BLOCK): the kernel splits a large O_DIRECT read and queues the pieces at
+        // once, where pieces of `block` read one after the other would keep one request in
+        // flight per thread. Elsewhere every piece goes through the bounce buffer, `block` at a
+        // time.
+        let congruent = c.dst.as_ptr() as u64 % crate::plan::ALIGN == c.offset % crate::plan::ALIGN;
+        let piece = if congruent { MAX_BLOCK } else { block };
+        let pieces = plan_direct(c.offset, c.dst.as_ptr() as usize, c.dst.len(), piece);
         for piece in &pieces {
             let (dst_off, n, _) = piece.target();
             let target = &mut c.dst[dst_off..dst_off + n];
@@ -679,6 +694,14 @@ impl StorageFile for PosixFile {
 
     fn cached_fraction(&self) -> Option<f64> {
         sys::cached_fraction(&self.file, self.len)
+    }
+
+    fn will_need(&self, offset: u64, len: u64) {
+        let len = len.min(self.len.saturating_sub(offset));
+        if len > 0 {
+            // Advisory: if the kernel refuses, the readers read the pages themselves.
+            let _ = sys::will_need(&self.file, offset, len);
+        }
     }
 }
 

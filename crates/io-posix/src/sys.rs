@@ -228,6 +228,9 @@ fn page_size() -> u64 {
     u64::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
 }
 
+/// Residency probes run by this process ([`cached_fraction`]).
+pub(crate) static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Sample spans of the residency probe.
 const SPANS: u64 = 64;
 /// Pages per span.
@@ -252,6 +255,7 @@ fn sample_spans(pages: u64) -> Vec<(u64, u64)> {
 /// start reading the probed pages in the background, so the probe would change what it
 /// measures; `cachestat` has the same permission rule as `mincore`.)
 pub(crate) fn cached_fraction(file: &File, len: u64) -> Option<f64> {
+    PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     if len == 0 {
         return Some(1.0);
     }

@@ -80,6 +80,19 @@ pub enum DirectIo {
     Off,
 }
 
+/// Who decides how a cold file is read ahead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReadAhead {
+    /// The backend: the local backend probes the file's page-cache state and, when it is cold,
+    /// reads ahead of the call's own readers.
+    #[default]
+    Backend,
+    /// The caller: it has decided once, for a whole load, how the file is read, and leads any
+    /// read-ahead itself ([`StorageFile::will_need`]). The backend neither probes nor reads ahead
+    /// (a pipeline that reads a file a chunk per call would otherwise pay both per chunk).
+    Caller,
+}
+
 /// How a bulk read or write is done. Backends ignore what does not apply to them.
 #[derive(Clone, Copy, Default)]
 pub struct IoOptions<'h> {
@@ -107,6 +120,8 @@ pub struct IoOptions<'h> {
     /// (`POSIX_FADV_RANDOM`), which would otherwise read up to its window (often MiBs) past
     /// each range. Backends that cannot ignore it.
     pub sparse: bool,
+    /// Who reads ahead of a cold file ([`ReadAhead`]).
+    pub read_ahead: ReadAhead,
 }
 
 impl Debug for IoOptions<'_> {
@@ -255,6 +270,12 @@ pub trait StorageFile: Send + Sync + Debug {
     fn requests_in_flight(&self) -> usize {
         1
     }
+
+    /// Asks the backend to start bringing `[offset, offset + len)` in, without waiting for it
+    /// (the local backend: `POSIX_FADV_WILLNEED` into the page cache). Advisory: the default, and
+    /// any backend that cannot, does nothing. Leads the reads of a caller that reads ahead itself
+    /// ([`ReadAhead::Caller`]).
+    fn will_need(&self, _offset: u64, _len: u64) {}
 
     /// The local file descriptor, for backends whose files can be memory-mapped.
     fn local_file(&self) -> Option<&std::fs::File> {

@@ -318,7 +318,7 @@ fn upload(
     if device.uploads_from_host() {
         device.upload_from_host(host, memory.as_ref(), 0)?;
     } else {
-        let chunk = if opts.staging_chunk == 0 { 16 << 20 } else { opts.staging_chunk };
+        let chunk = if opts.staging_chunk == 0 { crate::to_device::DEFAULT_CHUNK } else { opts.staging_chunk };
         let mut pending = None;
         for (i, part) in host.chunks(chunk).enumerate() {
             let mut staging = device.alloc_staging(part.len())?;

@@ -139,7 +139,7 @@ pub struct LoadOptions {
     pub device: Option<Arc<dyn Device>>,
     /// The storage backend; the local file system when `None`.
     pub storage: Option<Arc<dyn Storage>>,
-    /// Host staging chunk size for devices the CPU cannot address; 0 means 16 MiB.
+    /// Bytes per pinned staging slot for devices the CPU cannot address; 0 means 8 MiB.
     pub staging_chunk: usize,
     /// Bytes read so far are added here (for progress bars).
     pub progress: Option<Arc<AtomicU64>>,

@@ -501,8 +501,9 @@ impl Planned {
             let mappable = if self.opened.local_file().is_some() { host } else { 0 };
             crate::memory::Needs { host, mappable, ..Default::default() }
         } else {
+            // The slots of a staged load (see `to_device::StagePlan`), pinned once per process.
             let threads = turboio_storage::threads_or_default(opts.threads);
-            let pinned = (threads as u64 + 2) * staging_chunk(opts) as u64;
+            let pinned = (threads * crate::to_device::SLOTS_PER_READER * staging_chunk(opts)) as u64;
             crate::memory::Needs { device: len, pinned: pinned.min(len), ..Default::default() }
         }
     }
@@ -679,20 +680,20 @@ pub(crate) struct Done {
     pub(crate) report: LoadReport,
 }
 
-/// The staging chunk a load into a device uses (16 MiB unless asked otherwise).
+/// The staging chunk a load into a device uses (8 MiB unless asked otherwise).
 fn staging_chunk(opts: &LoadOptions) -> usize {
     if opts.staging_chunk == 0 {
-        16 << 20
+        crate::to_device::DEFAULT_CHUNK
     } else {
         opts.staging_chunk
     }
 }
 
-/// The staging chunk under a host budget: the buffers of every reader (and two more in flight)
-/// within half the budget, at least 1 MiB.
+/// The staging chunk under a host budget: the slots of every reader within half the budget, at
+/// least 1 MiB.
 fn budget_chunk(opts: &LoadOptions, budget: u64) -> usize {
     let threads = turboio_storage::threads_or_default(opts.threads);
-    let fit = (budget / 2 / (threads as u64 + 2)) as usize;
+    let fit = (budget / 2 / (threads * crate::to_device::SLOTS_PER_READER) as u64) as usize;
     staging_chunk(opts).min(fit.max(1 << 20) / ALIGN as usize * ALIGN as usize)
 }
 

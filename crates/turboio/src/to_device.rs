@@ -10,8 +10,10 @@
 //!    may still refuse, as CUDA does unless told otherwise), `LoadMode::Copied` never takes it.
 //! 2. **From storage straight into device memory** ([`StorageFile::reads_to_device`], GDS) for
 //!    files that are not hot (DMA from the disk would re-read a cached file).
-//! 3. **Staged**: readers fill host staging buffers that the device copies while the next
-//!    chunk is read.
+//! 3. **Staged** ([`load_staged`]): readers fill pinned slots from the device's pool (pinned once
+//!    per process) that the device copies while the next chunk is read; how the file is read
+//!    (hot, cold kept in the page cache behind one read-ahead cursor, cold with `O_DIRECT`) is
+//!    decided once per load.
 //!
 //! A path that is refused falls through to the next with one line in
 //! [`LoadReport::fallbacks`](crate::LoadReport::fallbacks) saying why; nothing here fails a
@@ -31,10 +33,10 @@ use crate::options::{CachePolicy, LoadMode, LoadOptions};
 use crate::select::Run;
 use crate::{Error, Result};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
 use turboio_device::{AfterUpload, Allocation, Device, DeviceKey, FileMapping, Transfer};
-use turboio_storage::{DeviceDst, DeviceReadRequest, IoOptions, ReadRequest, StorageError};
+use turboio_storage::{DeviceDst, DeviceReadRequest, DirectIo, IoOptions, ReadAhead, ReadRequest, StorageError};
 
 /// Alignment of the data section in device memory.
 pub(crate) const DEVICE_ALIGN: u64 = 16;
@@ -199,7 +201,7 @@ fn fill_with(
     }
 
     // 3. Staged.
-    load_staged(opened, device, memory, runs, shift, opts.staging_chunk, io, key)
+    load_staged(opened, device, memory, runs, shift, opts.staging_chunk, hot, io, key)
 }
 
 /// Maps the file, populates the runs' pages from the page cache, and has the device copy
@@ -236,10 +238,94 @@ fn upload_mapped(
     Ok(())
 }
 
-/// Fills device memory the CPU cannot address: each worker reads chunks into its own host
-/// staging buffers and hands them to the device; with two buffers per worker, reading the next
-/// chunk overlaps the device's copy of the previous one. With a device key, the readers hand
-/// over ciphertext and each chunk is decrypted on the device right after its copy.
+/// Slots each reader cycles through: one being filled while the device copies the others.
+pub(crate) const SLOTS_PER_READER: usize = 3;
+
+/// Default bytes per staging slot (InstantTensor's chunk): small enough that a reader's next
+/// read overlaps its last copy early, large enough that a copy's fixed costs vanish.
+pub(crate) const DEFAULT_CHUNK: usize = 8 << 20;
+
+/// How far the read-ahead cursor of a cold, cached load runs ahead of the readers.
+const READ_AHEAD_WINDOW: u64 = 256 << 20;
+/// Bytes asked for per `will_need` call of the cursor.
+const READ_AHEAD_STEP: u64 = 32 << 20;
+
+/// How a staged load reads its file, decided once per load (no per-chunk probe).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StageRead {
+    /// The file is in the page cache: each reader `pread`s straight into its slots.
+    Hot,
+    /// Cold, and kept in the page cache (so the next process is hot): buffered reads led by
+    /// one read-ahead cursor for the whole load.
+    ColdKept,
+    /// Cold, the page cache bypassed: `O_DIRECT` reads straight into the slots.
+    ColdDirect,
+}
+
+impl StageRead {
+    fn method(self) -> &'static str {
+        match self {
+            StageRead::Hot => "staged: hot, pread into pinned slots",
+            StageRead::ColdKept => "staged: cold, buffered reads led by one read-ahead cursor",
+            StageRead::ColdDirect => "staged: cold, O_DIRECT into pinned slots",
+        }
+    }
+}
+
+/// The shape of a staged load: how it reads, and its readers and slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StagePlan {
+    pub read: StageRead,
+    /// Bytes per slot (a multiple of 4 KiB).
+    pub chunk: usize,
+    pub readers: usize,
+    pub slots_per_reader: usize,
+}
+
+impl StagePlan {
+    /// Readers and slots for `total` bytes: one reader per thread asked for (at most one per
+    /// chunk), [`SLOTS_PER_READER`] slots each, all within the device pool's
+    /// [`max_buffers`](turboio_device::StagingPool::max_buffers) so that a steady-state load
+    /// takes every slot from the pool and pins nothing.
+    pub(crate) fn new(read: StageRead, chunk: usize, total: u64, threads: usize, device: &dyn Device) -> StagePlan {
+        let chunk = if chunk == 0 { DEFAULT_CHUNK } else { chunk.next_multiple_of(4096) };
+        let chunks = usize::try_from(total.div_ceil(chunk as u64)).unwrap_or(usize::MAX).max(1);
+        let mut readers = turboio_storage::threads_or_default(threads).clamp(1, chunks);
+        let mut slots_per_reader = SLOTS_PER_READER;
+        if let Some(max) = device.staging_pool().map(|p| p.max_buffers().max(1)) {
+            if readers * slots_per_reader > max {
+                readers = readers.min((max / 2).max(1));
+                slots_per_reader = (max / readers).clamp(1, SLOTS_PER_READER);
+            }
+        }
+        StagePlan { read, chunk, readers, slots_per_reader }
+    }
+}
+
+/// The chunks of `runs` as (file position, memory offset, bytes): chunk boundaries fall on
+/// multiples of `chunk` in the stored file (`base` is where the plain file starts in it), so
+/// every chunk but a run's first starts 4 KiB aligned, as `O_DIRECT` wants.
+fn chunks_of(runs: &[Run], chunk: usize, base: u64) -> Vec<(u64, usize, usize)> {
+    let mut out = Vec::new();
+    for r in runs {
+        let mut off = 0usize;
+        while off < r.len {
+            let raw = base + r.file_offset + off as u64;
+            let to_boundary = (chunk as u64 - raw % chunk as u64) as usize;
+            let n = to_boundary.min(r.len - off);
+            out.push((r.file_offset + off as u64, r.mem_offset + off, n));
+            off += n;
+        }
+    }
+    out
+}
+
+/// Fills device memory the CPU cannot address through pinned slots: each reader reads chunks
+/// into its slots (taken from the device's pool: pinned once per process) and hands each to
+/// the device as soon as it is full, so reading chunk *n+1* overlaps copying chunk *n*. How the
+/// file is read is decided here, once ([`StageRead`]); a cold load kept in the page cache gets
+/// one read-ahead cursor for the whole load. With a device key, the readers hand over
+/// ciphertext and each chunk is decrypted on the device right after its copy.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn load_staged(
     opened: &Opened,
@@ -248,77 +334,202 @@ pub(crate) fn load_staged(
     runs: &[Run],
     shift: usize,
     chunk: usize,
+    hot: bool,
     io: &IoOptions<'_>,
     key: Option<&dyn DeviceKey>,
 ) -> Result<ReadInfo> {
-    const ALIGN: usize = 4096;
     let path = opened.path();
-    let chunk = if chunk == 0 { 16 << 20 } else { chunk.next_multiple_of(ALIGN) };
-    // (file position, memory offset, bytes) of every chunk of every run.
-    let chunks: Vec<(u64, usize, usize)> = runs
-        .iter()
-        .flat_map(|r| {
-            (0..r.len)
-                .step_by(chunk)
-                .map(move |off| (r.file_offset + off as u64, r.mem_offset + off, chunk.min(r.len - off)))
-        })
-        .collect();
+    let read = match (hot, io.direct) {
+        (true, _) => StageRead::Hot,
+        (false, DirectIo::On) => StageRead::ColdDirect,
+        (false, _) => StageRead::ColdKept,
+    };
     let total: u64 = runs.iter().map(|r| r.len as u64).sum();
-    let workers = io.worker_count(total, chunk).min(chunks.len().max(1));
+    let plan = StagePlan::new(read, chunk, total, io.threads, device);
+    let chunks = chunks_of(runs, plan.chunk, opened.offset());
     let next = AtomicUsize::new(0);
-    let info: Mutex<ReadInfo> = Mutex::new(ReadInfo::default());
-    let per_read = IoOptions { threads: 1, ..*io };
-
-    turboio_storage::run_workers(vec![(); workers], |(), failed| {
-        let mut inflight: VecDeque<Transfer> = VecDeque::new();
-        let result = (|| -> Result<()> {
-            let mut free = Vec::with_capacity(2);
-            for _ in 0..2 {
-                free.push(device.alloc_staging(chunk).map_err(|e| Error::device(path, e))?);
-            }
-            loop {
-                if failed.load(Ordering::Relaxed) {
-                    return Ok(());
-                }
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&(pos, at, len)) = chunks.get(i) else {
-                    return Ok(());
-                };
-                let mut buf = match free.pop() {
-                    Some(b) => b,
-                    None => match inflight.pop_front() {
-                        Some(t) => t.wait().map_err(|e| Error::device(path, e))?,
-                        None => device.alloc_staging(chunk).map_err(|e| Error::device(path, e))?,
-                    },
-                };
-                let dst = &mut buf.as_mut_slice()[..len];
-                let reqs = vec![ReadRequest { offset: pos, dst }];
-                let r = match key {
-                    Some(_) => opened.read_undecrypted(reqs, &per_read)?,
-                    None => opened.read(reqs, &per_read)?,
-                };
-                *info.lock().unwrap_or_else(|p| p.into_inner()) = r;
-                let after = match key {
-                    Some(key) => AfterUpload::Keystream { key, pos },
-                    None => AfterUpload::Nothing,
-                };
-                let t = device.upload_with(buf, len, memory, shift + at, after).map_err(|e| Error::device(path, e))?;
-                inflight.push_back(t);
-            }
-        })();
-        // Every transfer still running is waited for, success or not: the device may be
-        // writing from those buffers.
-        let mut drained = Ok(());
-        for t in inflight {
-            if let Err(e) = t.wait() {
-                drained = drained.and(Err(Error::device(path, e)));
-            }
+    // Slots handed out in all: every reader's share, but never more than there are chunks, the
+    // same for every load of the same file, so that a steady-state load finds them all pooled.
+    let slots = AtomicUsize::new((plan.readers * plan.slots_per_reader).min(chunks.len()));
+    let direct_used = AtomicBool::new(false);
+    let direct_refused = AtomicBool::new(false);
+    // One call per chunk, on its reader's thread, with everything decided: no probe, no
+    // read-ahead of its own.
+    let per_read = IoOptions {
+        threads: 1,
+        chunk_size: plan.chunk,
+        direct: if read == StageRead::ColdDirect { DirectIo::On } else { DirectIo::Off },
+        read_ahead: ReadAhead::Caller,
+        ..*io
+    };
+    let cursor = Cursor::default();
+    let result = std::thread::scope(|s| {
+        if read == StageRead::ColdKept {
+            s.spawn(|| cursor.lead(opened, &chunks, &next, io));
         }
-        result.and(drained)
-    })?;
+        let r = turboio_storage::run_workers(vec![(); plan.readers], |(), failed| {
+            let r = read_chunks(
+                opened,
+                device,
+                memory,
+                &chunks,
+                &next,
+                &slots,
+                &plan,
+                shift,
+                &per_read,
+                key,
+                failed,
+                &cursor,
+                (&direct_used, &direct_refused),
+            );
+            cursor.moved();
+            r
+        });
+        cursor.finish();
+        r
+    });
+    result?;
     device.synchronize().map_err(|e| Error::device(path, e))?;
-    let info = *info.lock().unwrap_or_else(|p| p.into_inner());
-    Ok(info)
+    Ok(ReadInfo {
+        method: read.method(),
+        direct: direct_used.load(Ordering::Relaxed),
+        direct_refused: direct_refused.load(Ordering::Relaxed),
+    })
+}
+
+/// One reader: takes its share of slots from the device's pool, then takes the next chunk,
+/// reads it into a free slot (else the oldest in flight, once its copy is done), and hands it to
+/// the device.
+#[allow(clippy::too_many_arguments)]
+fn read_chunks(
+    opened: &Opened,
+    device: &dyn Device,
+    memory: &dyn Allocation,
+    chunks: &[(u64, usize, usize)],
+    next: &AtomicUsize,
+    slots: &AtomicUsize,
+    plan: &StagePlan,
+    shift: usize,
+    per_read: &IoOptions<'_>,
+    key: Option<&dyn DeviceKey>,
+    failed: &AtomicBool,
+    cursor: &Cursor,
+    (direct_used, direct_refused): (&AtomicBool, &AtomicBool),
+) -> Result<()> {
+    let path = opened.path();
+    let mut inflight: VecDeque<Transfer> = VecDeque::with_capacity(plan.slots_per_reader);
+    let mut free = Vec::with_capacity(plan.slots_per_reader);
+    let result = (|| -> Result<()> {
+        let share = slots
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n - n.min(plan.slots_per_reader)))
+            .map_or(0, |n| n.min(plan.slots_per_reader));
+        for _ in 0..share {
+            free.push(device.alloc_staging(plan.chunk).map_err(|e| Error::device(path, e))?);
+        }
+        loop {
+            if failed.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            cursor.moved();
+            let Some(&(pos, at, len)) = chunks.get(i) else {
+                return Ok(());
+            };
+            let mut buf = match free.pop() {
+                Some(b) => b,
+                None => match inflight.pop_front() {
+                    Some(t) => t.wait().map_err(|e| Error::device(path, e))?,
+                    None => device.alloc_staging(plan.chunk).map_err(|e| Error::device(path, e))?,
+                },
+            };
+            let dst = buf.as_mut_slice().get_mut(..len).ok_or_else(|| Error::Unsupported {
+                path: path.to_owned(),
+                message: format!("{} gave a staging buffer smaller than {len} bytes", device.id()),
+            })?;
+            let reqs = vec![ReadRequest { offset: pos, dst }];
+            let r = match key {
+                Some(_) => opened.read_undecrypted(reqs, per_read)?,
+                None => opened.read(reqs, per_read)?,
+            };
+            if r.direct {
+                direct_used.store(true, Ordering::Relaxed);
+            }
+            if r.direct_refused {
+                direct_refused.store(true, Ordering::Relaxed);
+            }
+            let after = match key {
+                Some(key) => AfterUpload::Keystream { key, pos },
+                None => AfterUpload::Nothing,
+            };
+            let t = device.upload_with(buf, len, memory, shift + at, after).map_err(|e| Error::device(path, e))?;
+            inflight.push_back(t);
+        }
+    })();
+    // Every transfer still running is waited for, success or not: the device may be reading
+    // those buffers. The slots go back to the pool as they drop.
+    let mut drained = Ok(());
+    for t in inflight {
+        if let Err(e) = t.wait() {
+            drained = drained.and(Err(Error::device(path, e)));
+        }
+    }
+    result.and(drained)
+}
+
+/// The read-ahead cursor of a cold load kept in the page cache: one thread asks the storage for
+/// the chunks the readers will read next ([`StorageFile::will_need`](turboio_storage::StorageFile::will_need)),
+/// at most [`READ_AHEAD_WINDOW`] ahead of them, so the disk sees a deep queue of sequential
+/// reads instead of the few small ones each blocked `pread` would start.
+#[derive(Default)]
+struct Cursor {
+    state: Mutex<bool>,
+    moved: Condvar,
+}
+
+impl Cursor {
+    /// A reader took a chunk (or stopped). The lock orders this with the cursor's check, so no
+    /// wake-up is lost.
+    fn moved(&self) {
+        drop(self.state.lock().unwrap_or_else(|p| p.into_inner()));
+        self.moved.notify_one();
+    }
+
+    /// The readers are done.
+    fn finish(&self) {
+        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.moved.notify_all();
+    }
+
+    fn lead(&self, opened: &Opened, chunks: &[(u64, usize, usize)], next: &AtomicUsize, io: &IoOptions<'_>) {
+        let base = opened.offset();
+        let mut ahead = 0usize;
+        while ahead < chunks.len() {
+            // Wait while the cursor is a window ahead of the chunk the readers take next.
+            {
+                let mut done = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                loop {
+                    if *done || io.check_cancel().is_err() {
+                        return;
+                    }
+                    let reading = next.load(Ordering::Relaxed).min(chunks.len() - 1);
+                    if chunks[ahead].0 < chunks[reading].0 + READ_AHEAD_WINDOW {
+                        break;
+                    }
+                    done = self.moved.wait(done).unwrap_or_else(|p| p.into_inner());
+                }
+            }
+            // The next step: contiguous chunks up to READ_AHEAD_STEP bytes.
+            let (start, _, first) = chunks[ahead];
+            let mut end = start + first as u64;
+            ahead += 1;
+            while ahead < chunks.len() && chunks[ahead].0 == end && end - start < READ_AHEAD_STEP {
+                end += chunks[ahead].2 as u64;
+                ahead += 1;
+            }
+            opened.raw().will_need(base + start, end - start);
+        }
+    }
 }
 
 #[cfg(test)]

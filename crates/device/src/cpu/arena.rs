@@ -80,6 +80,16 @@ impl Arena {
     pub fn prefault(&self, threads: usize) {
         let _ = advise_parallel(&self.map, MmapAdvise::MADV_POPULATE_WRITE, threads);
     }
+
+    /// Locks every page in memory (`mlock`, which faults them in first), as pinned memory is.
+    /// Fails where the locked-memory limit (`RLIMIT_MEMLOCK`) does not allow it.
+    pub fn lock(&self) -> Result<()> {
+        self.map.lock().map_err(|source| DeviceError::OutOfMemory {
+            device: DeviceId::CPU,
+            len: self.map.len(),
+            source,
+        })
+    }
 }
 
 impl HostBuffer for Arena {

@@ -184,11 +184,14 @@ pub(crate) unsafe fn htod(ctx: &CudaContext, dst: u64, src: &[u8]) -> Result<(),
     unsafe { result::memcpy_htod_sync(dst, src) }
 }
 
-/// An event recorded on a stream: the point a transfer is complete.
+/// An event: recorded on a stream, the point a transfer is complete. Events are made once and
+/// recorded again for later transfers (creating and destroying one per chunk costs driver calls
+/// on every chunk).
 pub(crate) struct Event {
     event: sys::CUevent,
     ctx: Arc<CudaContext>,
-    waited: bool,
+    /// Recorded and not waited for since.
+    pending: bool,
 }
 
 // SAFETY: a CUevent handle may be used from any thread once the owning context is bound (every
@@ -196,25 +199,30 @@ pub(crate) struct Event {
 unsafe impl Send for Event {}
 
 impl Event {
-    /// Records the work queued on `stream` so far. The event blocks (rather than spins) the
-    /// thread that waits on it, leaving the cores to the readers.
-    pub(crate) fn record(stream: &CudaStream) -> Result<Event, DriverError> {
-        let ctx = stream.context().clone();
-        let _bound = bind(&ctx)?;
+    /// A new event of `ctx`. It blocks (rather than spins) the thread that waits on it, leaving
+    /// the cores to the readers.
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<Event, DriverError> {
+        let _bound = bind(ctx)?;
         let mut event: sys::CUevent = std::ptr::null_mut();
         let flags =
             sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         // SAFETY: `event` is a valid out-pointer; the context is current.
         unsafe { sys::cuEventCreate(&mut event, flags).result()? };
-        let e = Event { event, ctx, waited: false };
+        Ok(Event { event, ctx: ctx.clone(), pending: false })
+    }
+
+    /// Records the work queued on `stream` so far (a stream of this event's context).
+    pub(crate) fn record(&mut self, stream: &CudaStream) -> Result<(), DriverError> {
+        let _bound = bind(&self.ctx)?;
         // SAFETY: both handles are live and belong to the current context.
-        unsafe { sys::cuEventRecord(e.event, stream.cu_stream()).result()? };
-        Ok(e)
+        unsafe { sys::cuEventRecord(self.event, stream.cu_stream()).result()? };
+        self.pending = true;
+        Ok(())
     }
 
     /// Blocks until the recorded work is done.
-    pub(crate) fn wait(mut self) -> Result<(), DriverError> {
-        self.waited = true;
+    pub(crate) fn wait(&mut self) -> Result<(), DriverError> {
+        self.pending = false;
         let _bound = bind(&self.ctx)?;
         // SAFETY: the event is live (destroyed only in Drop).
         unsafe { sys::cuEventSynchronize(self.event).result() }
@@ -227,7 +235,7 @@ impl Drop for Event {
         // SAFETY: the handle is live and owned. An event dropped unwaited (an error path) is
         // waited for first: the memory of its transfer may be freed right after.
         unsafe {
-            if !self.waited {
+            if self.pending {
                 let _ = sys::cuEventSynchronize(self.event);
             }
             let _ = sys::cuEventDestroy_v2(self.event);
@@ -265,11 +273,6 @@ impl PinnedMemory {
         // SAFETY: valid, initialised, owned for the life of self; mutation needs &mut self.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
-
-    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in as_slice, with exclusive access through &mut self.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
 }
 
 impl Drop for PinnedMemory {
@@ -286,6 +289,10 @@ pub(crate) struct Registered {
     ptr: *mut c_void,
     ctx: Arc<CudaContext>,
 }
+
+// SAFETY: the value only remembers which pages it registered; unregistering may happen on any
+// thread once the owning context is bound (Drop binds it).
+unsafe impl Send for Registered {}
 
 impl Registered {
     /// Registers the pages covering `bytes`, read-only where the device supports it (then the

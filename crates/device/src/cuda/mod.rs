@@ -17,10 +17,13 @@
 //!   and records an event; the [`Transfer`] waits on that event and hands the buffer back. With
 //!   two buffers per reader thread, reading chunk *n+1* overlaps copying chunk *n*, and the
 //!   copies of several readers run on several DMA queues at once.
-//! - **Staging buffers** are page-locked (`cuMemHostAlloc`, portable, not write-combined, since
-//!   the save path reads them back) and come from a [`StagingPool`] the device owns, reused
-//!   across loads: pinning costs milliseconds per buffer. [`CudaDevice::with_pinned_staging`]
-//!   turns pinning off (veTurboIO's `use_pinmem=False`).
+//! - **Staging buffers** are fresh anonymous memory registered with the driver
+//!   (`cuMemHostRegister`; never zeroed by us, not write-combined, since the save path reads
+//!   them back) and come from the process's [`StagingPool`] for this ordinal, which every
+//!   `CudaDevice` of the ordinal shares: pinning runs at about 2 GB/s on the H200 VMs, so a
+//!   buffer is pinned once per process and reused by every later load.
+//!   [`CudaDevice::with_pinned_staging`] turns pinning off (veTurboIO's `use_pinmem=False`).
+//!   Events are made once and recorded again by later uploads.
 //! - **Decryption after upload**: [`prepare_key`](Device::prepare_key) compiles the kernel of
 //!   [`aes_kernel`](crate::aes_kernel) with NVRTC for the device's architecture (once per
 //!   device), expands the key on the host and copies the round keys to device memory;
@@ -38,7 +41,7 @@
 //! - **Downloads** (saves, `--check`) wait for the device's streams, then copy synchronously.
 //!
 //! Streams, the context and the compiled kernel are shared by every [`CudaDevice`] of one
-//! ordinal in a process; each `CudaDevice` value has its own staging pool unless given one.
+//! ordinal in a process, and so is the staging pool unless a device is given its own.
 //!
 //! **The calling thread's current context is left as it was.** Every driver call may run on a
 //! caller's thread (torch's main thread, or whichever thread drops the last tensor of a load and
@@ -213,6 +216,10 @@ struct Shared {
     read_only_register: bool,
     sm_count: u32,
     arch: (i32, i32),
+    /// The process's pinned staging pool for this ordinal (see the `staging` module docs).
+    pool: StagingPool,
+    /// Events no transfer uses now, recorded again by the next uploads.
+    events: Mutex<Vec<ffi::Event>>,
 }
 
 impl Shared {
@@ -255,6 +262,8 @@ impl Shared {
             ),
             ctx,
             streams,
+            pool: StagingPool::default(),
+            events: Mutex::new(Vec::new()),
             next: AtomicUsize::new(0),
             kernel: OnceLock::new(),
             cast_kernel: OnceLock::new(),
@@ -337,10 +346,12 @@ impl CudaDevice {
     /// Opens `cuda:ordinal`. Fails cleanly ([`DeviceError::Unavailable`]) when libcuda is
     /// missing, no device is visible, or the ordinal is out of range.
     pub fn new(ordinal: u32) -> Result<CudaDevice> {
-        Ok(CudaDevice { shared: Shared::get(ordinal)?, pool: StagingPool::default(), pinned: true })
+        let shared = Shared::get(ordinal)?;
+        Ok(CudaDevice { pool: shared.pool.clone(), shared, pinned: true })
     }
 
-    /// Uses `pool` for staging buffers (share one pool across devices or loads to reuse them).
+    /// Uses `pool` for staging buffers instead of the process's pool for this ordinal (which
+    /// every `CudaDevice::new` of the ordinal shares).
     pub fn with_staging_pool(mut self, pool: StagingPool) -> Self {
         self.pool = pool;
         self
@@ -349,13 +360,12 @@ impl CudaDevice {
     /// Page-locked staging buffers (default) or ordinary ones (slower copies; veTurboIO's
     /// `use_pinmem=False`).
     pub fn with_pinned_staging(mut self, pinned: bool) -> Self {
+        if pinned != self.pinned {
+            // Pageable buffers never join the pinned pool (nor the other way round).
+            self.pool = if pinned { self.shared.pool.clone() } else { StagingPool::default() };
+        }
         self.pinned = pinned;
         self
-    }
-
-    /// The staging pool.
-    pub fn staging_pool(&self) -> &StagingPool {
-        &self.pool
     }
 
     /// The compute capability, e.g. `(9, 0)` for an H100.
@@ -485,22 +495,28 @@ impl Allocation for CudaAllocation {
     }
 }
 
-/// A pinned staging buffer.
-struct PinnedStaging(ffi::PinnedMemory);
+/// A pinned staging buffer: fresh anonymous memory (zero pages from the kernel; nothing here
+/// writes it) registered with the driver (`cuMemHostRegister`, as InstantTensor does: faster
+/// than `cuMemHostAlloc` plus the memset its memory would need).
+struct PinnedStaging {
+    // Fields drop in order: unregistered before unmapped.
+    _registered: ffi::Registered,
+    arena: Arena,
+}
 
 impl fmt::Debug for PinnedStaging {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "PinnedStaging({} bytes)", self.0.as_slice().len())
+        write!(f, "PinnedStaging({} bytes)", self.arena.len())
     }
 }
 
 impl HostBuffer for PinnedStaging {
     fn as_slice(&self) -> &[u8] {
-        self.0.as_slice()
+        self.arena.as_slice()
     }
 
     fn as_mut_slice(&mut self) -> &mut [u8] {
-        self.0.as_mut_slice()
+        self.arena.as_mut_slice()
     }
 }
 
@@ -508,18 +524,19 @@ impl HostBuffer for PinnedStaging {
 struct CudaPending {
     event: Option<ffi::Event>,
     staging: Option<Staging>,
-    device: DeviceId,
+    shared: Arc<Shared>,
 }
 
 impl PendingTransfer for CudaPending {
     fn wait(mut self: Box<Self>) -> Result<Staging> {
-        if let Some(e) = self.event.take() {
-            e.wait().map_err(|e| DeviceError::Driver {
-                device: self.device,
-                message: format!("copy failed: {}", ffi::describe(e)),
-            })?;
+        let device = self.shared.id;
+        if let Some(mut e) = self.event.take() {
+            e.wait()
+                .map_err(|e| DeviceError::Driver { device, message: format!("copy failed: {}", ffi::describe(e)) })?;
+            // Done with: the next upload records it again.
+            self.shared.events.lock().unwrap_or_else(|p| p.into_inner()).push(e);
         }
-        self.staging.take().ok_or(DeviceError::Driver { device: self.device, message: "transfer waited twice".into() })
+        self.staging.take().ok_or(DeviceError::Driver { device, message: "transfer waited twice".into() })
     }
 }
 
@@ -583,18 +600,35 @@ impl Device for CudaDevice {
         Ok(Box::new(CudaAllocation { device: self.shared.id, ptr, len, owned: true, ctx: self.shared.ctx.clone() }))
     }
 
+    fn staging_pool(&self) -> Option<&StagingPool> {
+        Some(&self.pool)
+    }
+
     fn alloc_staging(&self, len: usize) -> Result<Staging> {
         let pinned = self.pinned;
         let ctx = self.shared.ctx.clone();
+        let events = &self.shared.events;
         let id = self.shared.id;
         let buf = self.pool.take(len, |len| -> Result<Staging> {
             if pinned {
-                let m = ffi::PinnedMemory::new(&ctx, len).map_err(|e| DeviceError::OutOfMemory {
-                    device: id,
-                    len,
-                    source: std::io::Error::other(format!("pinned host memory: {}", ffi::describe(e))),
+                let arena = Arena::new(len, false)?;
+                // SAFETY: the arena's pages stay mapped until the registration is dropped (the
+                // struct's field order), and the driver only pins them.
+                let registered = unsafe { ffi::Registered::new(&ctx, arena.as_slice(), false) }.map_err(|e| {
+                    DeviceError::OutOfMemory {
+                        device: id,
+                        len,
+                        source: std::io::Error::other(format!("pinning host memory: {}", ffi::describe(e))),
+                    }
                 })?;
-                Ok(Box::new(PinnedStaging(m)))
+                // An event per slot, made with it: a transfer holds one slot and one event, so
+                // uploads find a free event and never create one.
+                let event = ffi::Event::new(&ctx).map_err(|e| DeviceError::Driver {
+                    device: id,
+                    message: format!("creating an event: {}", ffi::describe(e)),
+                })?;
+                events.lock().unwrap_or_else(|p| p.into_inner()).push(event);
+                Ok(Box::new(PinnedStaging { _registered: registered, arena }))
             } else {
                 Ok(Box::new(Arena::new(len, false)?))
             }
@@ -631,8 +665,17 @@ impl Device for CudaDevice {
         if let AfterUpload::Keystream { key, pos } = after {
             self.queue_keystream(self.own_key(key)?, stream, at, len, pos)?;
         }
-        let event = ffi::Event::record(stream).map_err(|e| self.shared.driver_error("recording an event", e))?;
-        Ok(Transfer::Pending(Box::new(CudaPending { event: Some(event), staging: Some(src), device: self.shared.id })))
+        let reused = self.shared.events.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mut event = match reused {
+            Some(e) => e,
+            None => ffi::Event::new(&self.shared.ctx).map_err(|e| self.shared.driver_error("creating an event", e))?,
+        };
+        event.record(stream).map_err(|e| self.shared.driver_error("recording an event", e))?;
+        Ok(Transfer::Pending(Box::new(CudaPending {
+            event: Some(event),
+            staging: Some(src),
+            shared: self.shared.clone(),
+        })))
     }
 
     fn download(&self, src: &dyn Allocation, src_offset: usize, dst: &mut [u8]) -> Result<()> {
