@@ -557,3 +557,78 @@ fn saves_from_device_memory_are_byte_identical_and_fall_back() {
     assert!(turboio::save_from_device(&out, dev.as_ref(), &[short], None, &SaveOptions::default()).is_err());
     assert!(!out.exists());
 }
+
+/// A model's shards fill through one pipeline (every shard's chunks in one queue): each tensor
+/// lands in its own shard's device memory, plain, encrypted (decrypted on the device), with the
+/// page cache bypassed, and for a selection.
+#[test]
+fn a_models_shards_fill_through_one_pipeline() {
+    let d = disk_dir();
+    let names: Vec<String> = (0..7).map(|i| format!("layers.{i}.weight")).collect();
+    // Sizes that cross chunk boundaries at odd places.
+    let data: Vec<Vec<u8>> = (0..7).map(|i| bytes((1 << 20) + 4096 * i + 12 * i, 40 + i as u64)).collect();
+    let shapes: Vec<[usize; 1]> = data.iter().map(|b| [b.len()]).collect();
+    let views: Vec<SaveTensor<'_>> = names
+        .iter()
+        .zip(&data)
+        .zip(&shapes)
+        .map(|((n, b), s)| SaveTensor { name: n, dtype: Dtype::U8, shape: s, data: b })
+        .collect();
+    let plain = d.path().join("plain");
+    let report = turboio::save_model_dir(&plain, &views, None, 2 << 20, &SaveOptions::default()).unwrap();
+    assert!(report.shards.len() >= 3, "{report:?}");
+    let enc = fixed(16);
+    let encrypted = d.path().join("encrypted");
+    turboio::save_model_dir(
+        &encrypted,
+        &views,
+        None,
+        2 << 20,
+        &SaveOptions { encryption: Some(enc.clone()), ..Default::default() },
+    )
+    .unwrap();
+    let cases: Vec<(&str, &Path, Arc<OpaqueDevice>, LoadOptions)> = {
+        let dev = |decrypts: bool| {
+            Arc::new(if decrypts { OpaqueDevice::new(0).with_decryption() } else { OpaqueDevice::new(0) })
+        };
+        let (a, b, c, e) = (dev(false), dev(false), dev(false), dev(true));
+        vec![
+            ("plain", &plain, a.clone(), LoadOptions { mode: LoadMode::Copied, ..dev_opts(&a) }),
+            (
+                "bypass",
+                &plain,
+                b.clone(),
+                LoadOptions { mode: LoadMode::Copied, cache: turboio::CachePolicy::Bypass, ..dev_opts(&b) },
+            ),
+            (
+                "selection",
+                &plain,
+                c.clone(),
+                LoadOptions {
+                    mode: LoadMode::Copied,
+                    tensors: Some(turboio::Selection::names(["layers.1.weight", "layers.5.weight"])),
+                    ..dev_opts(&c)
+                },
+            ),
+            ("encrypted", &encrypted, e.clone(), LoadOptions { encryption: Some(enc.clone()), ..dev_opts(&e) }),
+        ]
+    };
+    for (label, dir, dev, opts) in cases {
+        let m = turboio::load_model(dir, &opts).unwrap_or_else(|e| panic!("{label}: {e}"));
+        let want: Vec<usize> = if label == "selection" { vec![1, 5] } else { (0..7).collect() };
+        assert_eq!(m.len(), want.len(), "{label}");
+        for &i in &want {
+            let t = m.tensor(&names[i]).unwrap_or_else(|| panic!("{label}: no {}", names[i]));
+            let shard = m.shards().iter().find(|s| s.tensor(&names[i]).is_some()).unwrap();
+            assert!(shard.to_host(t.name()).unwrap() == data[i], "{label}: tensor {} differs", names[i]);
+        }
+        if label == "encrypted" {
+            assert_eq!(dev.decrypted_bytes(), dev.uploaded_bytes(), "{label}: every byte decrypted on the device");
+            assert!(dev.decrypted_bytes() > 0);
+        }
+        for s in m.shards() {
+            assert!(s.report().read.method.starts_with("staged"), "{label}: {}", s.report().read.method);
+            assert!(s.report().fallbacks.is_empty(), "{label}: {:?}", s.report().fallbacks);
+        }
+    }
+}

@@ -94,6 +94,17 @@ pub struct Args {
     /// with the reason where the device cannot be opened.
     #[arg(long)]
     pub device: Option<String>,
+    /// Only the staged loads through the performance model of a GPU (any machine): a model
+    /// directory (the first size, default 4GiB) hot and cold, steady state and first load in a
+    /// new process, against the pread, read-ahead and O_DIRECT io_uring ceilings with the same
+    /// readers, with the model's counters, CPU seconds per GB and a load's fixed cost (against a
+    /// 256 MiB model); written to `gpu-model.md` in `--out`.
+    #[arg(long)]
+    pub gpu_model: bool,
+    /// The model's settings for `--gpu-model` (e.g. `link=25,pin=1.5`; see `GpuModel::parse`):
+    /// the H200 VMs' measurements by default.
+    #[arg(long, default_value = "")]
+    pub gpu_model_spec: String,
     /// Only the GPU rows of `--device` (turboio's and the Python peers', hot and cold, with the
     /// ceiling and the GPU checks), for every size: a GPU machine's short lease. Written to
     /// `gpu.md` / `gpu.json` in `--out`.
@@ -263,6 +274,15 @@ pub fn run(args: Args) -> Result<()> {
         std::fs::create_dir_all(&args.out)?;
         std::fs::write(args.out.join("model.md"), &report)?;
         println!("{report}\nwrote {}", args.out.join("model.md").display());
+        return Ok(());
+    }
+    if args.gpu_model {
+        let size = if args.sizes.is_empty() && !args.quick { 4 << 30 } else { sizes[0] };
+        let small = (256u64 << 20).min(size / 4).max(64 << 20);
+        let report = crate::gpumodel::run(&args.dir, size, small, runs, args.no_cold, &args.gpu_model_spec)?;
+        std::fs::create_dir_all(&args.out)?;
+        std::fs::write(args.out.join("gpu-model.md"), &report)?;
+        println!("{report}\nwrote {}", args.out.join("gpu-model.md").display());
         return Ok(());
     }
     if args.object {

@@ -4,7 +4,8 @@
 //!   ceilings, hot and cold, written to `target/bench/`; with `--device`, GPU rows too; with
 //!   `--model`, only the whole-model rows (sharded directories, 2-rank gloo); with `--pt`, only
 //!   the `.pt` rows (loads, converting loads, conversions); with `--object`, only the
-//!   object-storage rows (S3 on a local s3s-fs, against Run:ai Model Streamer and boto3).
+//!   object-storage rows (S3 on a local s3s-fs, against Run:ai Model Streamer and boto3); with
+//!   `--gpu-model`, staged loads through the performance model of a GPU against the ceilings.
 //! - `cargo xtask bindgen [--check]`: io-gds's cuFile declarations generated from cufile.h
 //!   (`--check`: fail if the committed file differs from a fresh generation).
 //! - `cargo xtask test`: everything CI runs (fmt, clippy, tests in every feature set, docs,
@@ -16,6 +17,7 @@ mod bindgen;
 mod cachebench;
 mod ceiling;
 mod gpubench;
+mod gpumodel;
 mod modelbench;
 mod objectbench;
 mod ptbench;
@@ -49,6 +51,10 @@ enum Command {
     Test(test::Args),
     /// Generate io-gds's cuFile declarations from cufile.h (`--check`: compare instead).
     Bindgen(bindgen::Args),
+    /// One load of a model through a new model device, in this new process (`bench
+    /// --gpu-model`'s first-load rows).
+    #[command(hide = true)]
+    GpuModelChild(gpumodel::ChildArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -56,6 +62,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Test(a) => test::run(a),
         Command::Bindgen(a) => bindgen::run(a),
+        Command::GpuModelChild(a) => gpumodel::child(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

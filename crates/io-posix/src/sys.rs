@@ -1,6 +1,6 @@
 //! System calls and aligned memory. Everything `unsafe` outside the ring lives here, each
 //! call checked and turned into an `io::Result`. System calls go through nix's wrappers; the
-//! few nix does not wrap (`mincore`, the lease `fcntl`s, a `flock` that outlives no guard) call
+//! few nix does not wrap (`cachestat`, `mincore`, the lease `fcntl`s, a `flock` that outlives no guard) call
 //! libc, each saying why at the call.
 
 use crate::plan::ALIGN;
@@ -246,8 +246,8 @@ fn sample_spans(pages: u64) -> Vec<(u64, u64)> {
 }
 
 /// Estimates the fraction of the file's pages in the page cache from a sample (see
-/// [`sample_spans`]): `mmap` without populating, `mincore`, `munmap`; no page is read, faulted or
-/// brought into the cache.
+/// [`sample_spans`]): `cachestat` per span where the kernel has it, else `mmap` without
+/// populating, `mincore`, `munmap`; no page is read, faulted or brought into the cache.
 ///
 /// Since Linux 5.2, `mincore` reports page-cache residency only for files the caller owns or
 /// may write; for others it sees only pages mapped into this process, i.e. none, and the file
@@ -263,8 +263,70 @@ pub(crate) fn cached_fraction(file: &File, len: u64) -> Option<f64> {
     let pages = len.div_ceil(page);
     let spans = sample_spans(pages);
     let sampled: u64 = spans.iter().map(|s| s.1).sum();
-    let resident = mincore_sample(file, len, page, &spans)?;
+    let resident = cachestat_sample(file, page, &spans).or_else(|| mincore_sample(file, len, page, &spans))?;
     Some(resident as f64 / sampled as f64)
+}
+
+/// `cachestat(2)`'s number: 451 on every architecture (it came after the syscall tables were
+/// unified); the libc crate does not define it for glibc targets.
+const SYS_CACHESTAT: libc::c_long = 451;
+
+/// `struct cachestat_range` of <linux/mman.h>.
+#[repr(C)]
+struct CachestatRange {
+    off: u64,
+    len: u64,
+}
+
+/// `struct cachestat` of <linux/mman.h>.
+#[repr(C)]
+#[derive(Default)]
+struct Cachestat {
+    nr_cache: u64,
+    nr_dirty: u64,
+    nr_writeback: u64,
+    nr_evicted: u64,
+    nr_recently_evicted: u64,
+}
+
+/// Set once `cachestat` answered `ENOSYS` (a kernel before 6.5): only `mincore` is tried then.
+static NO_CACHESTAT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The sample's resident pages by `cachestat(2)` (Linux 6.5+): a system call per span, no
+/// mapping. The `mmap`/`munmap` pair of the `mincore` probe takes the process's mmap lock for
+/// writing and shoots down TLBs: hundreds of microseconds to milliseconds while other threads
+/// fault or the driver pins memory. `None` where the kernel lacks it or refuses (the caller
+/// falls back to `mincore`).
+fn cachestat_sample(file: &File, page: u64, spans: &[(u64, u64)]) -> Option<u64> {
+    use std::sync::atomic::Ordering;
+    if NO_CACHESTAT.load(Ordering::Relaxed) {
+        return None;
+    }
+    let mut resident = 0u64;
+    for &(first, n) in spans {
+        let range = CachestatRange { off: first * page, len: n * page };
+        let mut stat = Cachestat::default();
+        // SAFETY: a plain system call on a descriptor we own; `range` and `stat` are live,
+        // correctly laid out (repr(C), the kernel's structs) and `stat` is writable.
+        // libc: neither libc nor nix wraps cachestat.
+        let ret = unsafe {
+            libc::syscall(
+                SYS_CACHESTAT,
+                file.as_raw_fd(),
+                &range as *const CachestatRange,
+                &mut stat as *mut Cachestat,
+                0,
+            )
+        };
+        if ret != 0 {
+            if io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS) {
+                NO_CACHESTAT.store(true, Ordering::Relaxed);
+            }
+            return None;
+        }
+        resident += stat.nr_cache.min(n);
+    }
+    Some(resident)
 }
 
 fn mincore_sample(file: &File, len: u64, page: u64, spans: &[(u64, u64)]) -> Option<u64> {

@@ -496,6 +496,11 @@ fn load_files(mut files: ModelFiles, local: bool, opts: &LoadOptions, started: I
     // small shards do not leave it idle (it bounds its requests itself).
     let threads = turboio_storage::threads_or_default(opts.threads);
     let streams = planned.iter().map(Planned::requests_in_flight).max().unwrap_or(1);
+    // Staged shards of local files fill together: one pipeline, every shard's chunks in one
+    // queue, so the readers share one set of pinned slots and stay busy to the model's last
+    // chunk (shards filled side by side would leave one reader alone on the largest one's tail,
+    // shards one after another would meet at the end of each).
+    let together = streams == 1 && planned.len() > 1 && planned.iter().all(Planned::is_staged);
     let workers = planned.len().clamp(1, threads.max(streams));
     let per_fill = (threads / workers).max(1);
     for p in &planned {
@@ -504,7 +509,7 @@ fn load_files(mut files: ModelFiles, local: bool, opts: &LoadOptions, started: I
     let mut order: Vec<usize> = (0..planned.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(planned[i].bytes()));
     let io = IoOptions {
-        threads: per_fill,
+        threads: if together { threads } else { per_fill },
         progress: opts.progress.as_deref(),
         cancel: opts.cancel.as_deref(),
         ..Default::default()
@@ -512,24 +517,30 @@ fn load_files(mut files: ModelFiles, local: bool, opts: &LoadOptions, started: I
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     // Each shard with the result of its fill (None: not filled, because another one failed).
     type Slot = std::sync::Mutex<(Planned, Option<Result<crate::ReadInfo>>)>;
-    let slots: Vec<Slot> = planned.into_iter().map(|p| std::sync::Mutex::new((p, None))).collect();
-    let next = AtomicUsize::new(0);
-    let failed = AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        for _ in 0..workers {
-            scope.spawn(|| {
-                while let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
-                    if failed.load(Ordering::Relaxed) {
-                        break;
+    let slots: Vec<Slot> = if together {
+        let reads = Planned::fill_together(&mut planned, device, opts, &io)?;
+        planned.into_iter().zip(reads).map(|(p, r)| std::sync::Mutex::new((p, Some(Ok(r))))).collect()
+    } else {
+        let slots: Vec<Slot> = planned.into_iter().map(|p| std::sync::Mutex::new((p, None))).collect();
+        let next = AtomicUsize::new(0);
+        let failed = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            for _ in 0..workers {
+                scope.spawn(|| {
+                    while let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        if failed.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        let mut slot = slots[i].lock().unwrap_or_else(|e| e.into_inner());
+                        let r = slot.0.fill(device, opts, &io);
+                        failed.fetch_or(r.is_err(), Ordering::Relaxed);
+                        slot.1 = Some(r);
                     }
-                    let mut slot = slots[i].lock().unwrap_or_else(|e| e.into_inner());
-                    let r = slot.0.fill(device, opts, &io);
-                    failed.fetch_or(r.is_err(), Ordering::Relaxed);
-                    slot.1 = Some(r);
-                }
-            });
-        }
-    });
+                });
+            }
+        });
+        slots
+    };
     let filled: Vec<(Planned, Option<Result<crate::ReadInfo>>)> =
         slots.into_iter().map(|s| s.into_inner().unwrap_or_else(|e| e.into_inner())).collect();
     // Nothing partial: the first failure (in shard order) is the answer, and every load is

@@ -438,6 +438,12 @@ impl Planned {
         }
     }
 
+    /// True if the fill stages through host slots into device memory (after
+    /// [`allocate`](Self::allocate)).
+    pub(crate) fn is_staged(&self) -> bool {
+        matches!(self.fill, Fill::Staged { .. })
+    }
+
     /// The requests in flight one fill of this file keeps (see
     /// `StorageFile::requests_in_flight`).
     pub(crate) fn requests_in_flight(&self) -> usize {
@@ -595,6 +601,66 @@ impl Planned {
         };
         check_cancel(&path, opts)?;
         Ok(info)
+    }
+
+    /// Fills every planned staged load of `planned` (a model's shards, each allocated here)
+    /// through one pipeline (see [`crate::to_device::fill_all`]): the readers take every shard's
+    /// chunks from one queue. The read of each, in `planned`'s order.
+    pub(crate) fn fill_together(
+        planned: &mut [Planned],
+        device: &dyn Device,
+        opts: &LoadOptions,
+        io: &IoOptions<'_>,
+    ) -> Result<Vec<ReadInfo>> {
+        for p in planned.iter_mut() {
+            p.allocate(device, opts)?;
+        }
+        let budgeted;
+        let opts = match opts.max_host_memory {
+            Some(budget) => {
+                budgeted = LoadOptions { staging_chunk: budget_chunk(opts, budget), ..opts.clone() };
+                &budgeted
+            }
+            None => opts,
+        };
+        let threads = turboio_storage::threads_or_default(io.threads);
+        let wholes: Vec<[crate::select::Run; 1]> = planned
+            .iter()
+            .map(|p| [crate::select::Run { file_offset: p.file_start, len: p.span, mem_offset: 0 }])
+            .collect();
+        let mut jobs = Vec::with_capacity(planned.len());
+        for (p, whole) in planned.iter().zip(&wholes) {
+            let Fill::Staged { memory } = &p.fill else {
+                return Err(Error::Unsupported {
+                    path: p.path.clone(),
+                    message: "internal: a shard filled together is not staged".into(),
+                });
+            };
+            let direct = if p.cache.kept { DirectIo::Off } else { DirectIo::On };
+            let (runs, sparse) = match &p.selected {
+                Some(s) => (&s.runs[..], true),
+                None => (&whole[..], false),
+            };
+            jobs.push(crate::to_device::Job {
+                opened: &p.opened,
+                memory: memory.as_ref(),
+                runs,
+                shift: p.shift,
+                cached: p.cached_fraction,
+                io: IoOptions { threads, direct, sparse, ..*io },
+            });
+        }
+        let filled = crate::to_device::fill_all(&jobs, device, opts)?;
+        drop(jobs);
+        let mut reads = Vec::with_capacity(filled.len());
+        for (p, f) in planned.iter_mut().zip(filled) {
+            p.fallbacks = f.fallbacks;
+            reads.push(f.read);
+        }
+        if let Some(p) = planned.first() {
+            check_cancel(&p.path, opts)?;
+        }
+        Ok(reads)
     }
 
     /// The loaded safetensors file (call after [`fill`](Self::fill)).

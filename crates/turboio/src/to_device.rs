@@ -57,10 +57,21 @@ pub(crate) struct Filled {
     pub fallbacks: Vec<String>,
 }
 
-/// Fills `memory[shift + run.mem_offset ..][..run.len]` with the plain bytes
-/// `run.file_offset ..][..run.len]` for every run: the whole data section as one run, or a
-/// selection's runs, all through one pipeline (one device key, one set of staging buffers and
-/// readers, one GPUDirect call).
+/// One file of a fill: `memory[shift + run.mem_offset ..][..run.len]` gets the plain bytes
+/// `run.file_offset ..][..run.len]` for every run (the whole data section as one run, or a
+/// selection's runs), read with `io` (its `direct` and `sparse` are the file's own).
+pub(crate) struct Job<'a> {
+    pub opened: &'a Opened,
+    pub memory: &'a dyn Allocation,
+    pub runs: &'a [Run],
+    pub shift: usize,
+    /// The file's page-cache residency, as planned.
+    pub cached: Option<f64>,
+    pub io: IoOptions<'a>,
+}
+
+/// Fills one file (see [`Job`]) through one pipeline: one device key, one set of slots and
+/// readers, or one GPUDirect call.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fill(
     opened: &Opened,
@@ -72,49 +83,89 @@ pub(crate) fn fill(
     opts: &LoadOptions,
     io: &IoOptions<'_>,
 ) -> Result<Filled> {
-    let path = opened.path();
-    let id = device.id();
-    if opts.mode == LoadMode::Lazy {
-        return Err(Error::Unsupported {
-            path: path.to_owned(),
-            message: format!(
-                "lazy loads map the file into CPU memory; a load to {id} copies it (use auto, mapped or copied)"
-            ),
-        });
-    }
-    let mut fallbacks = Vec::new();
-
-    // The key on the device, for encrypted files, when the device can decrypt.
-    let key: Option<Box<dyn DeviceKey>> = match opened.key_material() {
-        Some((k, iv)) if device.decrypts_after_upload() => match device.prepare_key(k, &iv) {
-            Ok(k) => Some(k),
-            Err(e) => {
-                fallbacks.push(format!("decrypting on the CPU: {e}"));
-                None
-            }
-        },
-        _ => None,
-    };
-    let hot = cached.is_some_and(|f| f >= HOT);
-    let result = fill_with(opened, device, memory, runs, shift, hot, opts, io, key.as_deref(), &mut fallbacks);
-    // Device keys live only for the load (dropping waits for the device, then zeroes them).
-    drop(key);
-    Ok(Filled { read: result?, fallbacks })
+    let job = Job { opened, memory, runs, shift, cached, io: *io };
+    let mut filled = fill_all(std::slice::from_ref(&job), device, opts)?;
+    filled
+        .pop()
+        .ok_or_else(|| Error::Unsupported { path: opened.path().to_owned(), message: "internal: no fill".into() })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn fill_with(
-    opened: &Opened,
+/// Fills every file of `jobs` (a model's shards): each takes the page-cache mapping or
+/// GPUDirect Storage where those apply, and all the others go through **one** staging
+/// pipeline, their chunks in one queue, so the readers stay busy from the first shard's first
+/// chunk to the last shard's last instead of meeting at the end of every shard.
+pub(crate) fn fill_all(jobs: &[Job<'_>], device: &dyn Device, opts: &LoadOptions) -> Result<Vec<Filled>> {
+    let id = device.id();
+    if opts.mode == LoadMode::Lazy {
+        if let Some(j) = jobs.first() {
+            return Err(Error::Unsupported {
+                path: j.opened.path().to_owned(),
+                message: format!(
+                    "lazy loads map the file into CPU memory; a load to {id} copies it (use auto, mapped or copied)"
+                ),
+            });
+        }
+    }
+    let mut fallbacks: Vec<Vec<String>> = jobs.iter().map(|_| Vec::new()).collect();
+    // The key on the device, for encrypted files, when the device can decrypt; each lives only
+    // for the load (dropping waits for the device, then zeroes it).
+    let keys: Vec<Option<Box<dyn DeviceKey>>> = jobs
+        .iter()
+        .zip(&mut fallbacks)
+        .map(|(j, fallbacks)| match j.opened.key_material() {
+            Some((k, iv)) if device.decrypts_after_upload() => match device.prepare_key(k, &iv) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    fallbacks.push(format!("decrypting on the CPU: {e}"));
+                    None
+                }
+            },
+            _ => None,
+        })
+        .collect();
+    let mut reads: Vec<Option<ReadInfo>> = Vec::with_capacity(jobs.len());
+    for ((j, key), fallbacks) in jobs.iter().zip(&keys).zip(&mut fallbacks) {
+        let hot = j.cached.is_some_and(|f| f >= HOT);
+        reads.push(direct_paths(j, device, hot, opts, key.as_deref(), fallbacks)?);
+    }
+    let staged: Vec<Staged<'_>> = jobs
+        .iter()
+        .zip(&keys)
+        .zip(&reads)
+        .filter(|(_, read)| read.is_none())
+        .map(|((j, key), _)| Staged { job: j, hot: j.cached.is_some_and(|f| f >= HOT), key: key.as_deref() })
+        .collect();
+    let mut staged_reads = load_staged(&staged, device, opts.staging_chunk)?.into_iter();
+    drop(keys);
+    reads
+        .into_iter()
+        .zip(fallbacks)
+        .zip(jobs)
+        .map(|((read, fallbacks), j)| {
+            let read = match read {
+                Some(r) => r,
+                None => staged_reads.next().ok_or_else(|| Error::Unsupported {
+                    path: j.opened.path().to_owned(),
+                    message: "internal: a staged file was not filled".into(),
+                })?,
+            };
+            Ok(Filled { read, fallbacks })
+        })
+        .collect()
+}
+
+/// The paths that need no staging: from the page-cache mapping, or from storage straight into
+/// device memory; `None` when neither applies (the file is staged), with a line in `fallbacks`
+/// for each that was refused.
+fn direct_paths(
+    job: &Job<'_>,
     device: &dyn Device,
-    memory: &dyn Allocation,
-    runs: &[Run],
-    shift: usize,
     hot: bool,
     opts: &LoadOptions,
-    io: &IoOptions<'_>,
     key: Option<&dyn DeviceKey>,
     fallbacks: &mut Vec<String>,
-) -> Result<ReadInfo> {
+) -> Result<Option<ReadInfo>> {
+    let Job { opened, memory, runs, shift, ref io, .. } = *job;
     let path = opened.path();
     let id = device.id();
     let encrypted = opened.encrypted();
@@ -140,11 +191,11 @@ fn fill_with(
             Some(_) => {}
             None => match upload_mapped(opened, device, memory, runs, shift, io) {
                 Ok(()) => {
-                    return Ok(ReadInfo {
+                    return Ok(Some(ReadInfo {
                         method: "mmap, DMA from the page cache",
                         direct: false,
                         direct_refused: false,
-                    })
+                    }))
                 }
                 Err(Error::Device { source, .. }) => {
                     fallbacks.push(format!("not copied from the page cache: {source}"))
@@ -190,7 +241,7 @@ fn fill_with(
                             }
                         }
                         device.synchronize().map_err(|e| Error::device(path, e))?;
-                        return Ok(ReadInfo { method: "gds", direct: true, direct_refused: false });
+                        return Ok(Some(ReadInfo { method: "gds", direct: true, direct_refused: false }));
                     }
                     Err(StorageError::Cancelled) => return Err(Error::Cancelled { path: path.to_owned() }),
                     Err(StorageError::Unsupported { what, .. }) => fallbacks.push(what),
@@ -199,9 +250,7 @@ fn fill_with(
             }
         }
     }
-
-    // 3. Staged.
-    load_staged(opened, device, memory, runs, shift, opts.staging_chunk, hot, io, key)
+    Ok(None)
 }
 
 /// Maps the file, populates the runs' pages from the page cache, and has the device copy
@@ -238,8 +287,11 @@ fn upload_mapped(
     Ok(())
 }
 
-/// Slots each reader cycles through: one being filled while the device copies the others.
-pub(crate) const SLOTS_PER_READER: usize = 3;
+/// Slots each reader cycles through: one being filled while the device copies the other. Two
+/// suffice while the link copies a slot faster than a reader fills one (the H200's 55 GB/s
+/// against a few GB/s per reader); where the readers outrun the link, they wait for it, and more
+/// slots would only pin more memory.
+pub(crate) const SLOTS_PER_READER: usize = 2;
 
 /// Default bytes per staging slot (InstantTensor's chunk): small enough that a reader's next
 /// read overlaps its last copy early, large enough that a copy's fixed costs vanish.
@@ -302,179 +354,230 @@ impl StagePlan {
     }
 }
 
-/// The chunks of `runs` as (file position, memory offset, bytes): chunk boundaries fall on
-/// multiples of `chunk` in the stored file (`base` is where the plain file starts in it), so
-/// every chunk but a run's first starts 4 KiB aligned, as `O_DIRECT` wants.
-fn chunks_of(runs: &[Run], chunk: usize, base: u64) -> Vec<(u64, usize, usize)> {
-    let mut out = Vec::new();
+/// A chunk of a staged fill: which file, its plain position, where it goes in that file's
+/// memory, its length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Chunk {
+    file: usize,
+    pos: u64,
+    at: usize,
+    len: usize,
+}
+
+/// The chunks of `runs` of file `file`: chunk boundaries fall on multiples of `chunk` in the
+/// stored file (`base` is where the plain file starts in it), so every chunk but a run's first
+/// starts 4 KiB aligned, as `O_DIRECT` wants.
+fn chunks_of(file: usize, runs: &[Run], chunk: usize, base: u64, out: &mut Vec<Chunk>) {
     for r in runs {
         let mut off = 0usize;
         while off < r.len {
             let raw = base + r.file_offset + off as u64;
             let to_boundary = (chunk as u64 - raw % chunk as u64) as usize;
-            let n = to_boundary.min(r.len - off);
-            out.push((r.file_offset + off as u64, r.mem_offset + off, n));
-            off += n;
+            let len = to_boundary.min(r.len - off);
+            out.push(Chunk { file, pos: r.file_offset + off as u64, at: r.mem_offset + off, len });
+            off += len;
+        }
+    }
+}
+
+/// The last `readers` chunks cut in four (4 KiB aligned), so that the readers finish together:
+/// whole chunks at the end would leave all but one reader idle for up to a chunk's read.
+fn split_tail(chunks: Vec<Chunk>, readers: usize) -> Vec<Chunk> {
+    const PIECES: usize = 4;
+    if readers < 2 {
+        return chunks;
+    }
+    let cut = chunks.len().saturating_sub(readers);
+    let mut out = Vec::with_capacity(chunks.len() + readers * (PIECES - 1));
+    for (i, c) in chunks.into_iter().enumerate() {
+        let piece = (c.len / PIECES).next_multiple_of(4096);
+        if i < cut || c.len < PIECES * 16384 {
+            out.push(c);
+            continue;
+        }
+        let mut off = 0;
+        while off < c.len {
+            let len = piece.min(c.len - off);
+            out.push(Chunk { pos: c.pos + off as u64, at: c.at + off, len, ..c });
+            off += len;
         }
     }
     out
 }
 
-/// Fills device memory the CPU cannot address through pinned slots: each reader reads chunks
-/// into its slots (taken from the device's pool: pinned once per process) and hands each to
-/// the device as soon as it is full, so reading chunk *n+1* overlaps copying chunk *n*. How the
-/// file is read is decided here, once ([`StageRead`]); a cold load kept in the page cache gets
-/// one read-ahead cursor for the whole load. With a device key, the readers hand over
-/// ciphertext and each chunk is decrypted on the device right after its copy.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn load_staged(
-    opened: &Opened,
-    device: &dyn Device,
-    memory: &dyn Allocation,
-    runs: &[Run],
-    shift: usize,
-    chunk: usize,
+/// A file of a staged fill.
+struct Staged<'a> {
+    job: &'a Job<'a>,
     hot: bool,
-    io: &IoOptions<'_>,
-    key: Option<&dyn DeviceKey>,
-) -> Result<ReadInfo> {
-    let path = opened.path();
-    let read = match (hot, io.direct) {
-        (true, _) => StageRead::Hot,
-        (false, DirectIo::On) => StageRead::ColdDirect,
-        (false, _) => StageRead::ColdKept,
-    };
-    let total: u64 = runs.iter().map(|r| r.len as u64).sum();
-    let plan = StagePlan::new(read, chunk, total, io.threads, device);
-    let chunks = chunks_of(runs, plan.chunk, opened.offset());
+    key: Option<&'a dyn DeviceKey>,
+}
+
+/// What the readers of one file use: how it is read, and what they saw.
+struct StagedFile<'a> {
+    read: StageRead,
+    per_read: IoOptions<'a>,
+    direct_used: AtomicBool,
+    direct_refused: AtomicBool,
+}
+
+/// Fills device memory the CPU cannot address through pinned slots, for every file of
+/// `files` in one pipeline: each reader takes its share of slots from the device's pool (pinned
+/// once per process), then chunks from one queue (every file's, in order), reading each into a
+/// slot and handing it to the device as soon as it is full, so reading chunk *n+1* overlaps
+/// copying chunk *n*. How each file is read is decided here, once ([`StageRead`]); cold files
+/// kept in the page cache get one read-ahead cursor for the whole fill. With a device key, the
+/// readers hand over ciphertext and each chunk is decrypted on the device right after its copy.
+fn load_staged(files: &[Staged<'_>], device: &dyn Device, chunk: usize) -> Result<Vec<ReadInfo>> {
+    let Some(first) = files.first() else { return Ok(Vec::new()) };
+    let io = &first.job.io;
+    let total: u64 = files.iter().flat_map(|f| f.job.runs).map(|r| r.len as u64).sum();
+    let ctx: Vec<StagedFile<'_>> = files
+        .iter()
+        .map(|f| {
+            let read = match (f.hot, f.job.io.direct) {
+                (true, _) => StageRead::Hot,
+                (false, DirectIo::On) => StageRead::ColdDirect,
+                (false, _) => StageRead::ColdKept,
+            };
+            StagedFile {
+                read,
+                // One call per chunk, on its reader's thread, with everything decided: no
+                // probe, no read-ahead of its own.
+                per_read: IoOptions {
+                    threads: 1,
+                    direct: if read == StageRead::ColdDirect { DirectIo::On } else { DirectIo::Off },
+                    read_ahead: ReadAhead::Caller,
+                    ..f.job.io
+                },
+                direct_used: AtomicBool::new(false),
+                direct_refused: AtomicBool::new(false),
+            }
+        })
+        .collect();
+    let plan = StagePlan::new(ctx[0].read, chunk, total, io.threads, device);
+    let mut chunks = Vec::new();
+    for (i, f) in files.iter().enumerate() {
+        chunks_of(i, f.job.runs, plan.chunk, f.job.opened.offset(), &mut chunks);
+    }
+    let chunks = split_tail(chunks, plan.readers);
+    let ctx: Vec<StagedFile<'_>> = ctx
+        .into_iter()
+        .map(|c| StagedFile { per_read: IoOptions { chunk_size: plan.chunk, ..c.per_read }, ..c })
+        .collect();
     let next = AtomicUsize::new(0);
     // Slots handed out in all: every reader's share, but never more than there are chunks, the
-    // same for every load of the same file, so that a steady-state load finds them all pooled.
+    // same for every load of the same files, so that a steady-state load finds them all pooled.
     let slots = AtomicUsize::new((plan.readers * plan.slots_per_reader).min(chunks.len()));
-    let direct_used = AtomicBool::new(false);
-    let direct_refused = AtomicBool::new(false);
-    // One call per chunk, on its reader's thread, with everything decided: no probe, no
-    // read-ahead of its own.
-    let per_read = IoOptions {
-        threads: 1,
-        chunk_size: plan.chunk,
-        direct: if read == StageRead::ColdDirect { DirectIo::On } else { DirectIo::Off },
-        read_ahead: ReadAhead::Caller,
-        ..*io
-    };
     let cursor = Cursor::default();
+    let lead = ctx.iter().any(|c| c.read == StageRead::ColdKept);
+    let pipeline = Pipeline { files, ctx: &ctx, device, chunks: &chunks, next: &next, slots: &slots, plan: &plan };
     let result = std::thread::scope(|s| {
-        if read == StageRead::ColdKept {
-            s.spawn(|| cursor.lead(opened, &chunks, &next, io));
+        if lead {
+            s.spawn(|| cursor.lead(&pipeline, io));
         }
         let r = turboio_storage::run_workers(vec![(); plan.readers], |(), failed| {
-            let r = read_chunks(
-                opened,
-                device,
-                memory,
-                &chunks,
-                &next,
-                &slots,
-                &plan,
-                shift,
-                &per_read,
-                key,
-                failed,
-                &cursor,
-                (&direct_used, &direct_refused),
-            );
+            let r = pipeline.read_chunks(failed, &cursor);
             cursor.moved();
             r
         });
         cursor.finish();
         r
     });
+    // Every reader waited for each of its transfers (each copy, and the decryption after it,
+    // complete): nothing of this fill is left on the device, and no device-wide
+    // synchronisation is needed.
     result?;
-    device.synchronize().map_err(|e| Error::device(path, e))?;
-    Ok(ReadInfo {
-        method: read.method(),
-        direct: direct_used.load(Ordering::Relaxed),
-        direct_refused: direct_refused.load(Ordering::Relaxed),
-    })
+    Ok(ctx
+        .iter()
+        .map(|c| ReadInfo {
+            method: c.read.method(),
+            direct: c.direct_used.load(Ordering::Relaxed),
+            direct_refused: c.direct_refused.load(Ordering::Relaxed),
+        })
+        .collect())
 }
 
-/// One reader: takes its share of slots from the device's pool, then takes the next chunk,
-/// reads it into a free slot (else the oldest in flight, once its copy is done), and hands it to
-/// the device.
-#[allow(clippy::too_many_arguments)]
-fn read_chunks(
-    opened: &Opened,
-    device: &dyn Device,
-    memory: &dyn Allocation,
-    chunks: &[(u64, usize, usize)],
-    next: &AtomicUsize,
-    slots: &AtomicUsize,
-    plan: &StagePlan,
-    shift: usize,
-    per_read: &IoOptions<'_>,
-    key: Option<&dyn DeviceKey>,
-    failed: &AtomicBool,
-    cursor: &Cursor,
-    (direct_used, direct_refused): (&AtomicBool, &AtomicBool),
-) -> Result<()> {
-    let path = opened.path();
-    let mut inflight: VecDeque<Transfer> = VecDeque::with_capacity(plan.slots_per_reader);
-    let mut free = Vec::with_capacity(plan.slots_per_reader);
-    let result = (|| -> Result<()> {
-        let share = slots
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n - n.min(plan.slots_per_reader)))
-            .map_or(0, |n| n.min(plan.slots_per_reader));
-        for _ in 0..share {
-            free.push(device.alloc_staging(plan.chunk).map_err(|e| Error::device(path, e))?);
-        }
-        loop {
-            if failed.load(Ordering::Relaxed) {
-                return Ok(());
+/// What every reader of a staged fill shares.
+struct Pipeline<'p, 'a> {
+    files: &'p [Staged<'a>],
+    ctx: &'p [StagedFile<'a>],
+    device: &'p dyn Device,
+    chunks: &'p [Chunk],
+    next: &'p AtomicUsize,
+    slots: &'p AtomicUsize,
+    plan: &'p StagePlan,
+}
+
+impl Pipeline<'_, '_> {
+    /// One reader: takes its share of slots from the device's pool, then takes the next chunk,
+    /// reads it into a free slot (else the oldest in flight, once its copy is done), and hands
+    /// it to the device.
+    fn read_chunks(&self, failed: &AtomicBool, cursor: &Cursor) -> Result<()> {
+        let (device, plan) = (self.device, self.plan);
+        let first_path = self.files[0].job.opened.path();
+        let mut inflight: VecDeque<(usize, Transfer)> = VecDeque::with_capacity(plan.slots_per_reader);
+        let mut free = Vec::with_capacity(plan.slots_per_reader);
+        let result = (|| -> Result<()> {
+            let share = self
+                .slots
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n - n.min(plan.slots_per_reader)))
+                .map_or(0, |n| n.min(plan.slots_per_reader));
+            for _ in 0..share {
+                free.push(device.alloc_staging(plan.chunk).map_err(|e| Error::device(first_path, e))?);
             }
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            cursor.moved();
-            let Some(&(pos, at, len)) = chunks.get(i) else {
-                return Ok(());
-            };
-            let mut buf = match free.pop() {
-                Some(b) => b,
-                None => match inflight.pop_front() {
-                    Some(t) => t.wait().map_err(|e| Error::device(path, e))?,
-                    None => device.alloc_staging(plan.chunk).map_err(|e| Error::device(path, e))?,
-                },
-            };
-            let dst = buf.as_mut_slice().get_mut(..len).ok_or_else(|| Error::Unsupported {
-                path: path.to_owned(),
-                message: format!("{} gave a staging buffer smaller than {len} bytes", device.id()),
-            })?;
-            let reqs = vec![ReadRequest { offset: pos, dst }];
-            let r = match key {
-                Some(_) => opened.read_undecrypted(reqs, per_read)?,
-                None => opened.read(reqs, per_read)?,
-            };
-            if r.direct {
-                direct_used.store(true, Ordering::Relaxed);
+            loop {
+                if failed.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
+                let i = self.next.fetch_add(1, Ordering::Relaxed);
+                cursor.moved();
+                let Some(&Chunk { file, pos, at, len }) = self.chunks.get(i) else {
+                    return Ok(());
+                };
+                let (f, c) = (&self.files[file], &self.ctx[file]);
+                let path = f.job.opened.path();
+                let mut buf = match free.pop() {
+                    Some(b) => b,
+                    None => match inflight.pop_front() {
+                        Some((k, t)) => t.wait().map_err(|e| Error::device(self.files[k].job.opened.path(), e))?,
+                        None => device.alloc_staging(plan.chunk).map_err(|e| Error::device(path, e))?,
+                    },
+                };
+                let dst = buf.as_mut_slice().get_mut(..len).ok_or_else(|| Error::Unsupported {
+                    path: path.to_owned(),
+                    message: format!("{} gave a staging buffer smaller than {len} bytes", device.id()),
+                })?;
+                let reqs = vec![ReadRequest { offset: pos, dst }];
+                let r = match f.key {
+                    Some(_) => f.job.opened.read_undecrypted(reqs, &c.per_read)?,
+                    None => f.job.opened.read(reqs, &c.per_read)?,
+                };
+                if r.direct {
+                    c.direct_used.store(true, Ordering::Relaxed);
+                }
+                if r.direct_refused {
+                    c.direct_refused.store(true, Ordering::Relaxed);
+                }
+                let after = match f.key {
+                    Some(key) => AfterUpload::Keystream { key, pos },
+                    None => AfterUpload::Nothing,
+                };
+                let t = device
+                    .upload_with(buf, len, f.job.memory, f.job.shift + at, after)
+                    .map_err(|e| Error::device(path, e))?;
+                inflight.push_back((file, t));
             }
-            if r.direct_refused {
-                direct_refused.store(true, Ordering::Relaxed);
+        })();
+        // Every transfer still running is waited for, success or not: the device may be
+        // reading those buffers. The slots go back to the pool as they drop.
+        let mut drained = Ok(());
+        for (k, t) in inflight {
+            if let Err(e) = t.wait() {
+                drained = drained.and(Err(Error::device(self.files[k].job.opened.path(), e)));
             }
-            let after = match key {
-                Some(key) => AfterUpload::Keystream { key, pos },
-                None => AfterUpload::Nothing,
-            };
-            let t = device.upload_with(buf, len, memory, shift + at, after).map_err(|e| Error::device(path, e))?;
-            inflight.push_back(t);
         }
-    })();
-    // Every transfer still running is waited for, success or not: the device may be reading
-    // those buffers. The slots go back to the pool as they drop.
-    let mut drained = Ok(());
-    for t in inflight {
-        if let Err(e) = t.wait() {
-            drained = drained.and(Err(Error::device(path, e)));
-        }
+        result.and(drained)
     }
-    result.and(drained)
 }
 
 /// The read-ahead cursor of a cold load kept in the page cache: one thread asks the storage for
@@ -501,10 +604,24 @@ impl Cursor {
         self.moved.notify_all();
     }
 
-    fn lead(&self, opened: &Opened, chunks: &[(u64, usize, usize)], next: &AtomicUsize, io: &IoOptions<'_>) {
-        let base = opened.offset();
+    /// Asks for the chunks of the cold, kept files ahead of the readers, a step of contiguous
+    /// chunks at a time, at most [`READ_AHEAD_WINDOW`] bytes of the queue ahead of the chunk the
+    /// readers take next.
+    fn lead(&self, p: &Pipeline<'_, '_>, io: &IoOptions<'_>) {
+        let chunks = p.chunks;
+        // Bytes of the queue before each chunk.
+        let mut before = Vec::with_capacity(chunks.len());
+        let mut sum = 0u64;
+        for c in chunks {
+            before.push(sum);
+            sum += c.len as u64;
+        }
         let mut ahead = 0usize;
         while ahead < chunks.len() {
+            if p.ctx[chunks[ahead].file].read != StageRead::ColdKept {
+                ahead += 1;
+                continue;
+            }
             // Wait while the cursor is a window ahead of the chunk the readers take next.
             {
                 let mut done = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -512,22 +629,27 @@ impl Cursor {
                     if *done || io.check_cancel().is_err() {
                         return;
                     }
-                    let reading = next.load(Ordering::Relaxed).min(chunks.len() - 1);
-                    if chunks[ahead].0 < chunks[reading].0 + READ_AHEAD_WINDOW {
+                    let reading = p.next.load(Ordering::Relaxed).min(chunks.len() - 1);
+                    if before[ahead] < before[reading] + READ_AHEAD_WINDOW {
                         break;
                     }
                     done = self.moved.wait(done).unwrap_or_else(|p| p.into_inner());
                 }
             }
-            // The next step: contiguous chunks up to READ_AHEAD_STEP bytes.
-            let (start, _, first) = chunks[ahead];
-            let mut end = start + first as u64;
+            // The next step: contiguous chunks of one file, up to READ_AHEAD_STEP bytes.
+            let Chunk { file, pos: start, len, .. } = chunks[ahead];
+            let mut end = start + len as u64;
             ahead += 1;
-            while ahead < chunks.len() && chunks[ahead].0 == end && end - start < READ_AHEAD_STEP {
-                end += chunks[ahead].2 as u64;
+            while ahead < chunks.len()
+                && chunks[ahead].file == file
+                && chunks[ahead].pos == end
+                && end - start < READ_AHEAD_STEP
+            {
+                end += chunks[ahead].len as u64;
                 ahead += 1;
             }
-            opened.raw().will_need(base + start, end - start);
+            let opened = p.files[file].job.opened;
+            opened.raw().will_need(opened.offset() + start, end - start);
         }
     }
 }

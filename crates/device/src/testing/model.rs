@@ -168,6 +168,19 @@ struct Atomics {
     link_busy_ns: AtomicU64,
 }
 
+/// Takes `d` of the calling thread, as a driver call does: a sleep for most of it (the kernel
+/// wakes a sleeper up to ~60 µs late) and the rest spun, so that short charges are not
+/// inflated.
+fn charge(d: Duration) {
+    let end = Instant::now() + d;
+    if d > Duration::from_micros(200) {
+        std::thread::sleep(d - Duration::from_micros(100));
+    }
+    while Instant::now() < end {
+        std::hint::spin_loop();
+    }
+}
+
 fn ns(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
@@ -297,7 +310,7 @@ impl ModelDevice {
         let charge = m.pin_call + Duration::from_secs_f64(len as f64 / m.pin_bytes_per_s);
         let spent = t0.elapsed();
         if charge > spent {
-            std::thread::sleep(charge - spent);
+            self::charge(charge - spent);
         }
         let c = &inner.counters;
         // An event per slot, made with it (as the CUDA device does): a transfer holds one slot
@@ -428,7 +441,7 @@ impl Device for ModelDevice {
                 source: std::io::Error::other("the model device's capacity is used up"),
             });
         }
-        std::thread::sleep(self.inner.model.alloc_call);
+        charge(self.inner.model.alloc_call);
         self.inner.allocated.fetch_add(len as u64, Ordering::SeqCst);
         self.inner.counters.allocations.fetch_add(1, Ordering::SeqCst);
         let address = self.inner.next_address.fetch_add((len as u64).next_multiple_of(256).max(256), Ordering::SeqCst);
@@ -525,7 +538,7 @@ impl Device for ModelDevice {
         let dst = self.own(dst)?;
         check_range(self.id(), dst.len, offset, len)?;
         self.synchronize()?;
-        std::thread::sleep(Duration::from_secs_f64(len as f64 / self.inner.model.kernel_bytes_per_s));
+        charge(Duration::from_secs_f64(len as f64 / self.inner.model.kernel_bytes_per_s));
         Ok(())
     }
 }
