@@ -455,7 +455,12 @@ pub fn run(data_dir: &Path, size: u64, small: u64, runs: usize, no_cold: bool, m
             ),
             row(&mut rows, STEADY, "cold", "cache=keep: buffered reads behind the engine's read-ahead cursor"),
             row(&mut rows, CEIL_DIRECT, "cold", &format!("{chunk_how}: a ring per reader, {SLOTS} requests in flight")),
-            row(&mut rows, STEADY_DIRECT, "cold", "cache=bypass: O_DIRECT pread into the slots"),
+            row(
+                &mut rows,
+                STEADY_DIRECT,
+                "cold",
+                "cache=bypass: O_DIRECT io_uring, each reader's slots filled by one call",
+            ),
         ];
         eprintln!("gpu model: cold, {runs} runs ...");
         let root = drop_caches().is_ok();

@@ -137,9 +137,11 @@ fn interruptible<T: Send>(
     })
 }
 
-/// The device a device string names: `None` for the CPU, a CUDA device (with the staging
-/// pool, if any), or the error saying why not (no driver, no GPU, an NPU). Opening CUDA the first
-/// time initialises the driver, so it runs with the GIL released.
+/// The device a device string names: `None` for the CPU, a CUDA device, or the error saying why
+/// not (no driver, no GPU, an NPU). Every `CudaDevice` of an ordinal shares the process's
+/// streams and pinned staging pool, so each call's device is the process's one for that GPU
+/// (unless a pool of the caller's own is given). Opening CUDA the first time initialises the
+/// driver, so it runs with the GIL released.
 fn open_target(py: Python<'_>, device: &str, staging: Option<&PyStagingPool>) -> PyResult<Option<Arc<dyn Device>>> {
     let id = DeviceId::parse(device).map_err(PyValueError::new_err)?;
     match id.kind {
@@ -277,7 +279,9 @@ fn check_device(py: Python<'_>, device: &str) -> PyResult<String> {
     Ok(DeviceId::parse(device).map_err(PyValueError::new_err)?.to_string())
 }
 
-/// Pinned staging buffers kept across GPU loads (veTurboIO's IOHelper for GPUs).
+/// Pinned staging slots kept across GPU loads: a device's process-wide pool
+/// (`staging_pool(device)`), or one of the caller's own (`StagingPool()`, given to a load as
+/// `staging=`).
 #[pyclass(name = "StagingPool", module = "turboio._turboio", frozen)]
 struct PyStagingPool {
     pool: StagingPool,
@@ -286,25 +290,77 @@ struct PyStagingPool {
 #[pymethods]
 impl PyStagingPool {
     #[new]
-    #[pyo3(signature = (max_buffers=16))]
+    #[pyo3(signature = (max_buffers=turboio::device::DEFAULT_MAX_BUFFERS))]
     fn new(max_buffers: usize) -> Self {
         PyStagingPool { pool: StagingPool::new(max_buffers) }
     }
 
-    /// Bytes held by free buffers.
+    /// Bytes held by free slots.
     fn free_bytes(&self) -> usize {
         self.pool.free_bytes()
     }
 
-    /// Buffers allocated so far (not reused).
+    /// Bytes of every slot the pool made that is alive, free or in use: the pinned memory it
+    /// holds.
+    fn live_bytes(&self) -> usize {
+        self.pool.live_bytes()
+    }
+
+    /// Slots allocated (pinned) so far.
     fn allocations(&self) -> usize {
         self.pool.allocations()
     }
 
-    /// Frees the free buffers.
-    fn clear(&self) {
-        self.pool.clear()
+    /// Slots handed out again without pinning so far.
+    fn reuses(&self) -> usize {
+        self.pool.reuses()
     }
+
+    /// The most free slots the pool keeps (a load takes at most this many).
+    #[getter]
+    fn max_buffers(&self) -> usize {
+        self.pool.max_buffers()
+    }
+
+    /// Keeps at most `n` free slots from now on (frees the smallest beyond that now).
+    fn set_max_buffers(&self, n: usize) {
+        self.pool.set_max_buffers(n)
+    }
+
+    /// Frees the free slots now (slots in use come back, and are kept, when their loads end).
+    fn release(&self) {
+        self.pool.release()
+    }
+
+    /// Frees the free slots (the older name of `release`).
+    fn clear(&self) {
+        self.pool.release()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "StagingPool(free_bytes={}, live_bytes={}, max_buffers={})",
+            self.pool.free_bytes(),
+            self.pool.live_bytes(),
+            self.pool.max_buffers()
+        )
+    }
+}
+
+/// The pinned staging pool of `device` in this process (the one every load to it takes its
+/// slots from): `RuntimeError` where the device cannot be opened, `ValueError` for the CPU.
+#[pyfunction]
+fn staging_pool(py: Python<'_>, device: &str) -> PyResult<PyStagingPool> {
+    let Some(dev) = open_target(py, device, None)? else {
+        return Err(PyValueError::new_err(format!(
+            "turboio: {device} stages nothing (a CPU load reads straight into its memory); give a GPU, e.g. cuda:0"
+        )));
+    };
+    let pool = dev
+        .staging_pool()
+        .cloned()
+        .ok_or_else(|| PyRuntimeError::new_err(format!("turboio: {} keeps no staging pool", dev.id())))?;
+    Ok(PyStagingPool { pool })
 }
 
 /// Encryption with veTurboIO's key chain (read from the environment now), when asked for.
@@ -1898,6 +1954,7 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTensor>()?;
     m.add_class::<PyArenaPool>()?;
     m.add_class::<PyStagingPool>()?;
+    m.add_function(wrap_pyfunction!(staging_pool, m)?)?;
     m.add_function(wrap_pyfunction!(check_device, m)?)?;
     m.add_function(wrap_pyfunction!(_save_device, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;

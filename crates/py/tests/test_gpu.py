@@ -285,3 +285,41 @@ def test_fastsafetensors_on_cuda(tmp, nogds):
     with st.safe_open(path, framework="pt", device="cuda:0") as f:
         assert f.get_tensor("w").device.type == "cuda"
         assert same(f.get_slice("w")[:10].cpu(), tensors["w"][:10])
+
+
+def test_staging_pools_can_be_sized_and_released():
+    with pytest.raises(ValueError, match="stages nothing"):
+        turboio.staging_pool("cpu")
+    if not GPU:
+        with pytest.raises(RuntimeError) as e:
+            turboio.staging_pool("cuda:0")
+        assert_missing_gpu(e)
+    pool = _turboio.StagingPool()
+    assert pool.max_buffers == 64, "room for 16 readers of 4 slots"
+    pool.set_max_buffers(3)
+    assert pool.max_buffers == 3
+    assert (pool.free_bytes(), pool.live_bytes(), pool.allocations()) == (0, 0, 0)
+    pool.release()
+    assert "max_buffers=3" in repr(pool)
+    helper = turboio.init_io_helper()
+    assert helper.free_bytes() >= 0
+    helper.clear()
+
+
+@needs_gpu
+def test_gpu_loads_in_a_process_share_one_pinned_pool(tmp):
+    """Every load to a GPU takes its slots from the device's process pool, with or without a
+    helper: the first load pins them, every later one pins nothing."""
+    path, tensors = sample(tmp, n=1 << 17)
+    pool = turboio.staging_pool("cuda:0")
+    turboio.load(str(path), map_location="cuda:0")
+    pinned = pool.allocations()
+    assert pinned > 0 and pool.live_bytes() > 0
+    for helper in (None, turboio.init_io_helper()):
+        out = turboio.load(str(path), map_location="cuda:0", helper=helper)
+        assert same(out["w"].cpu(), tensors["w"])
+    st.load_file(path, device="cuda:0")
+    assert pool.allocations() == pinned, "a steady-state load pins nothing"
+    assert turboio.staging_pool("cuda:0").allocations() == pinned, "one pool per device and process"
+    pool.release()
+    assert pool.free_bytes() == 0

@@ -298,7 +298,7 @@ pub(crate) const SLOTS_PER_READER: usize = 2;
 pub(crate) const DEFAULT_CHUNK: usize = 8 << 20;
 
 /// How far the read-ahead cursor of a cold, cached load runs ahead of the readers.
-const READ_AHEAD_WINDOW: u64 = 256 << 20;
+const READ_AHEAD_WINDOW: u64 = 1 << 30;
 /// Bytes asked for per `will_need` call of the cursor.
 const READ_AHEAD_STEP: u64 = 32 << 20;
 
@@ -310,7 +310,8 @@ pub(crate) enum StageRead {
     /// Cold, and kept in the page cache (so the next process is hot): buffered reads led by
     /// one read-ahead cursor for the whole load.
     ColdKept,
-    /// Cold, the page cache bypassed: `O_DIRECT` reads straight into the slots.
+    /// Cold, the page cache bypassed: `O_DIRECT` reads straight into the slots, a reader's
+    /// slots filled by one call (io_uring keeps all their blocks in flight).
     ColdDirect,
 }
 
@@ -319,7 +320,7 @@ impl StageRead {
         match self {
             StageRead::Hot => "staged: hot, pread into pinned slots",
             StageRead::ColdKept => "staged: cold, buffered reads led by one read-ahead cursor",
-            StageRead::ColdDirect => "staged: cold, O_DIRECT into pinned slots",
+            StageRead::ColdDirect => "staged: cold, O_DIRECT (io_uring) into pinned slots",
         }
     }
 }
@@ -530,24 +531,52 @@ impl Pipeline<'_, '_> {
                     return Ok(());
                 }
                 let i = self.next.fetch_add(1, Ordering::Relaxed);
-                cursor.moved();
-                let Some(&Chunk { file, pos, at, len }) = self.chunks.get(i) else {
+                let Some(&first) = self.chunks.get(i) else {
+                    cursor.moved();
                     return Ok(());
                 };
-                let (f, c) = (&self.files[file], &self.ctx[file]);
+                let (f, c) = (&self.files[first.file], &self.ctx[first.file]);
+                // Cold with O_DIRECT: a batch of the next chunks of the same file, one per
+                // slot, in one call (io_uring: every block of them in flight at once), where one
+                // synchronous read per chunk would keep a single request queued per reader.
+                let mut batch = vec![first];
+                let mut at = i + 1;
+                while c.read == StageRead::ColdDirect && batch.len() < plan.slots_per_reader {
+                    match self.chunks.get(at) {
+                        Some(n)
+                            if n.file == first.file
+                                && self
+                                    .next
+                                    .compare_exchange(at, at + 1, Ordering::Relaxed, Ordering::Relaxed)
+                                    .is_ok() =>
+                        {
+                            batch.push(*n);
+                            at += 1;
+                        }
+                        _ => break,
+                    }
+                }
+                cursor.moved();
                 let path = f.job.opened.path();
-                let mut buf = match free.pop() {
-                    Some(b) => b,
-                    None => match inflight.pop_front() {
-                        Some((k, t)) => t.wait().map_err(|e| Error::device(self.files[k].job.opened.path(), e))?,
-                        None => device.alloc_staging(plan.chunk).map_err(|e| Error::device(path, e))?,
-                    },
-                };
-                let dst = buf.as_mut_slice().get_mut(..len).ok_or_else(|| Error::Unsupported {
-                    path: path.to_owned(),
-                    message: format!("{} gave a staging buffer smaller than {len} bytes", device.id()),
-                })?;
-                let reqs = vec![ReadRequest { offset: pos, dst }];
+                let mut bufs = Vec::with_capacity(batch.len());
+                for _ in 0..batch.len() {
+                    bufs.push(match free.pop() {
+                        Some(b) => b,
+                        None => match inflight.pop_front() {
+                            Some((k, t)) => t.wait().map_err(|e| Error::device(self.files[k].job.opened.path(), e))?,
+                            None => device.alloc_staging(plan.chunk).map_err(|e| Error::device(path, e))?,
+                        },
+                    });
+                }
+                let mut reqs = Vec::with_capacity(batch.len());
+                for (buf, ch) in bufs.iter_mut().zip(&batch) {
+                    let len = ch.len;
+                    let dst = buf.as_mut_slice().get_mut(..len).ok_or_else(|| Error::Unsupported {
+                        path: path.to_owned(),
+                        message: format!("{} gave a staging buffer smaller than {len} bytes", device.id()),
+                    })?;
+                    reqs.push(ReadRequest { offset: ch.pos, dst });
+                }
                 let r = match f.key {
                     Some(_) => f.job.opened.read_undecrypted(reqs, &c.per_read)?,
                     None => f.job.opened.read(reqs, &c.per_read)?,
@@ -558,14 +587,16 @@ impl Pipeline<'_, '_> {
                 if r.direct_refused {
                     c.direct_refused.store(true, Ordering::Relaxed);
                 }
-                let after = match f.key {
-                    Some(key) => AfterUpload::Keystream { key, pos },
-                    None => AfterUpload::Nothing,
-                };
-                let t = device
-                    .upload_with(buf, len, f.job.memory, f.job.shift + at, after)
-                    .map_err(|e| Error::device(path, e))?;
-                inflight.push_back((file, t));
+                for (buf, ch) in bufs.into_iter().zip(&batch) {
+                    let after = match f.key {
+                        Some(key) => AfterUpload::Keystream { key, pos: ch.pos },
+                        None => AfterUpload::Nothing,
+                    };
+                    let t = device
+                        .upload_with(buf, ch.len, f.job.memory, f.job.shift + ch.at, after)
+                        .map_err(|e| Error::device(path, e))?;
+                    inflight.push_back((ch.file, t));
+                }
             }
         })();
         // Every transfer still running is waited for, success or not: the device may be

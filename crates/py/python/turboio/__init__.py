@@ -52,25 +52,43 @@ __all__ = [
     "fetch_report",
     "save_model_dir",
     "iter_weights",
+    "staging_pool",
     "__version__",
 ]
 
 
 class IOHelper:
     """Buffers kept across loads (`init_io_helper()`): copied CPU loads reuse one arena instead of
-    mapping and faulting in fresh memory each time, and GPU loads reuse their pinned staging
-    buffers."""
+    mapping and faulting in fresh memory each time. GPU loads reuse the pinned staging slots of
+    their device's process-wide pool (`staging_pool`), with or without a helper: `free_bytes`
+    counts the free slots of the GPUs this helper loaded to, and `clear` releases them too."""
 
     def __init__(self, max_arenas=1):
         self._pool = _turboio.ArenaPool(max_arenas)
-        self._staging = _turboio.StagingPool()
+        self._staging = None  # GPU loads use their device's process pool
+        self._devices = set()
+
+    def _used(self, device):
+        if device not in (None, "cpu"):
+            self._devices.add(device)
 
     def free_bytes(self):
-        return self._pool.free_bytes() + self._staging.free_bytes()
+        return self._pool.free_bytes() + sum(staging_pool(d).free_bytes() for d in self._devices)
 
     def clear(self):
         self._pool.clear()
-        self._staging.clear()
+        for d in self._devices:
+            staging_pool(d).release()
+
+
+def staging_pool(device="cuda:0"):
+    """The pinned staging pool of `device` (`"cuda:N"`) in this process: every GPU load of the
+    process takes its slots from it (two slots of 8 MiB per reader thread, pinned at the first
+    load and reused by every later one). `max_buffers` (and `set_max_buffers(n)`) bounds the
+    free slots it keeps, `live_bytes()` is the pinned memory it holds, `release()` frees the free
+    slots now (a later load pins them again). Raises `RuntimeError` where the device cannot be
+    opened, `ValueError` for the CPU (which stages nothing)."""
+    return _turboio.staging_pool(device)
 
 
 def init_io_helper():
@@ -302,7 +320,9 @@ def load(
     if state_dict:
         return _load_into(path, state_dict, n, cache, cipher, helper, storage)
     pool = helper._pool if isinstance(helper, IOHelper) else None
-    staging = helper._staging if isinstance(helper, IOHelper) else None
+    staging = None  # the device's process pool
+    if isinstance(helper, IOHelper):
+        helper._used(device)
     try:
         loaded = _turboio.load(
             path,
@@ -367,14 +387,14 @@ def _load_into_cuda(path, state_dict, infos, num_thread, cache, cipher, helper, 
             raise RuntimeError("allocated tensor dtype not match")
         if t.numel() * t.element_size() < end - begin:
             raise RuntimeError("allocated tensor size not enough")
-    staging = helper._staging if isinstance(helper, IOHelper) else None
+    if isinstance(helper, IOHelper):
+        helper._used(_cuda.target(device))
     loaded = _turboio.load(
         path,
         threads=num_thread,
         cache=cache,
         cipher=cipher,
         device=_cuda.target(device),
-        staging=staging,
         storage=storage,
     )
     src = _tensors_of(loaded, aliases=False)

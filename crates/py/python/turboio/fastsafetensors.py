@@ -344,7 +344,7 @@ class SafeTensorsFileLoader:
         self.device = _check_device(device)
         self.max_threads = max_threads
         self.nogds = nogds
-        self._staging = _turboio.StagingPool()  # pinned buffers reused by every file of this loader
+        self._staging = None  # pinned slots: the device's process pool, reused by every file
         self.meta = {}  # filename -> (metadata, rank)
         self._headers = {}
         self._storage_options = storage_options

@@ -407,7 +407,8 @@ def iter_weights(
         from . import _cuda
 
         # Checked before anything is read: a machine without CUDA fails here, naming why.
-        upload = {"device": _cuda.target(dev), "gds": _cuda.gds_setting(), "staging": _turboio.StagingPool()}
+        # Pinned slots from the device's process pool (`turboio.staging_pool`).
+        upload = {"device": _cuda.target(dev), "gds": _cuda.gds_setting(), "staging": None}
         mode = "auto"
     move = (lambda t: t) if dev.type in ("cpu", "cuda") else (lambda t: t.to(dev))
     if not upload and window is None and (tensors is None or len(paths) == 1):
