@@ -98,7 +98,8 @@ pub struct Args {
     /// directory (the first size, default 4GiB) hot and cold, steady state and first load in a
     /// new process, against the pread, read-ahead and O_DIRECT io_uring ceilings with the same
     /// readers, with the model's counters, CPU seconds per GB and a load's fixed cost (against a
-    /// 256 MiB model); written to `gpu-model.md` in `--out`.
+    /// 256 MiB model); written to `gpu-model.md` in `--out`. With `--device cuda:N`, the same
+    /// rows into that GPU (no model counters).
     #[arg(long)]
     pub gpu_model: bool,
     /// The model's settings for `--gpu-model` (e.g. `link=25,pin=1.5`; see `GpuModel::parse`):
@@ -279,7 +280,8 @@ pub fn run(args: Args) -> Result<()> {
     if args.gpu_model {
         let size = if args.sizes.is_empty() && !args.quick { 4 << 30 } else { sizes[0] };
         let small = (256u64 << 20).min(size / 4).max(64 << 20);
-        let report = crate::gpumodel::run(&args.dir, size, small, runs, args.no_cold, &args.gpu_model_spec)?;
+        let on = args.device.as_deref();
+        let report = crate::gpumodel::run(&args.dir, size, small, runs, args.no_cold, &args.gpu_model_spec, on)?;
         std::fs::create_dir_all(&args.out)?;
         std::fs::write(args.out.join("gpu-model.md"), &report)?;
         println!("{report}\nwrote {}", args.out.join("gpu-model.md").display());

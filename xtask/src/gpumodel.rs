@@ -46,6 +46,9 @@ pub struct ChildArgs {
     threads: usize,
     #[arg(long, default_value = "")]
     model: String,
+    /// A real device (`cuda:0`) instead of the model.
+    #[arg(long, default_value = "")]
+    device: String,
 }
 
 /// One row's measurements.
@@ -89,14 +92,46 @@ fn shards(dir: &Path) -> Result<Vec<(PathBuf, u64)>> {
     Ok(out)
 }
 
-fn opts(device: &Arc<ModelDevice>, threads: usize, cache: CachePolicy) -> LoadOptions {
-    LoadOptions {
-        device: Some(device.clone() as Arc<dyn Device>),
-        threads,
-        mode: LoadMode::Copied,
-        cache,
-        ..Default::default()
+/// Where the staged loads go: the model of a GPU (with its counters), or a real device
+/// (`--device cuda:N`: the same rows on a GPU, without counters).
+#[derive(Clone)]
+enum Target {
+    Model(Arc<ModelDevice>),
+    Real(Arc<dyn Device>),
+}
+
+impl Target {
+    /// The model with `spec`'s settings, or the device `device` names.
+    fn open(device: Option<&str>, spec: &str) -> Result<Target> {
+        match device {
+            None | Some("") => {
+                let model = GpuModel::parse(spec).map_err(anyhow::Error::msg)?;
+                Ok(Target::Model(Arc::new(ModelDevice::new(0, model))))
+            }
+            Some(d) => {
+                let id = turboio::device::DeviceId::parse(d).map_err(anyhow::Error::msg)?;
+                Ok(Target::Real(turboio::device::open_device(id)?))
+            }
+        }
     }
+
+    fn device(&self) -> Arc<dyn Device> {
+        match self {
+            Target::Model(m) => m.clone(),
+            Target::Real(d) => d.clone(),
+        }
+    }
+
+    fn counters(&self) -> Option<ModelCounters> {
+        match self {
+            Target::Model(m) => Some(m.counters()),
+            Target::Real(_) => None,
+        }
+    }
+}
+
+fn opts(device: &Target, threads: usize, cache: CachePolicy) -> LoadOptions {
+    LoadOptions { device: Some(device.device()), threads, mode: LoadMode::Copied, cache, ..Default::default() }
 }
 
 /// The ceilings' chunks: (file, offset, length) in file order, boundaries every [`CHUNK`].
@@ -260,7 +295,7 @@ fn uring_ceiling(files: &[(PathBuf, u64)], readers: usize) -> Result<f64> {
 }
 
 /// One staged load of the single file `path` through `device`; returns its seconds.
-fn staged_file(path: &Path, device: &Arc<ModelDevice>, threads: usize) -> Result<f64> {
+fn staged_file(path: &Path, device: &Target, threads: usize) -> Result<f64> {
     let t = Instant::now();
     let f = turboio::load(path, &opts(device, threads, CachePolicy::Keep))?;
     let secs = t.elapsed().as_secs_f64();
@@ -290,18 +325,19 @@ impl Fixed {
 /// One staged load of the model through `device`; returns (seconds, CPU seconds, counters).
 fn staged(
     dir: &Path,
-    device: &Arc<ModelDevice>,
+    device: &Target,
     threads: usize,
     cache: CachePolicy,
-) -> Result<(f64, f64, ModelCounters)> {
+) -> Result<(f64, f64, Option<ModelCounters>)> {
     let before = device.counters();
     let cpu = cpu_self();
     let t = Instant::now();
     let m = turboio::load_model(dir, &opts(device, threads, cache))?;
     let secs = t.elapsed().as_secs_f64();
     let cpu = cpu_self() - cpu;
-    let c = device.counters().since(&before);
-    anyhow::ensure!(c.uploaded_bytes > 0 && m.shards().len() > 1, "nothing went through the model device");
+    let c = device.counters().zip(before).map(|(after, before)| after.since(&before));
+    anyhow::ensure!(m.shards().len() > 1, "{}: not a sharded model", dir.display());
+    anyhow::ensure!(c.is_none_or(|c| c.uploaded_bytes > 0), "nothing went through the model device");
     drop(m);
     Ok((secs, cpu, c))
 }
@@ -309,10 +345,10 @@ fn staged(
 /// `xtask gpu-model-child`: one load of the model in this new process, through a new model
 /// device; prints its seconds, CPU seconds and counters as one JSON line.
 pub fn child(args: ChildArgs) -> Result<()> {
-    let model = GpuModel::parse(&args.model).map_err(anyhow::Error::msg)?;
-    let device = Arc::new(ModelDevice::new(0, model));
+    let device = Target::open(Some(&args.device), &args.model)?;
     let (secs, cpu, c) = staged(&args.dir, &device, args.threads, CachePolicy::Keep)?;
-    println!("{}", serde_json::json!({"secs": secs, "cpu": cpu, "counters": counters_json(&c)}));
+    let counters = c.map(|c| counters_json(&c));
+    println!("{}", serde_json::json!({"secs": secs, "cpu": cpu, "counters": counters}));
     Ok(())
 }
 
@@ -343,15 +379,22 @@ fn counters_from(v: &serde_json::Value) -> ModelCounters {
     }
 }
 
-fn first_in_new_process(dir: &Path, threads: usize, model: &str) -> Result<(f64, f64, ModelCounters)> {
+fn first_in_new_process(
+    dir: &Path,
+    threads: usize,
+    model: &str,
+    device: Option<&str>,
+) -> Result<(f64, f64, Option<ModelCounters>)> {
     let exe = std::env::current_exe()?;
     let out = std::process::Command::new(exe)
         .args(["gpu-model-child", "--threads", &threads.to_string(), "--model", model])
+        .args(["--device", device.unwrap_or_default()])
         .arg(dir)
         .output()?;
     anyhow::ensure!(out.status.success(), "the child load failed: {}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("the child's JSON")?;
-    Ok((v["secs"].as_f64().unwrap_or(f64::NAN), v["cpu"].as_f64().unwrap_or(0.0), counters_from(&v["counters"])))
+    let counters = (!v["counters"].is_null()).then(|| counters_from(&v["counters"]));
+    Ok((v["secs"].as_f64().unwrap_or(f64::NAN), v["cpu"].as_f64().unwrap_or(0.0), counters))
 }
 
 const CEIL_HOT: &str = "ceiling: pread into locked memory";
@@ -362,14 +405,22 @@ const FIRST: &str = "turboio staged, first load in a new process";
 const STEADY_DIRECT: &str = "turboio staged, steady state, cache=bypass";
 
 /// The bench: returns its Markdown.
-pub fn run(data_dir: &Path, size: u64, small: u64, runs: usize, no_cold: bool, model_spec: &str) -> Result<String> {
+pub fn run(
+    data_dir: &Path,
+    size: u64,
+    small: u64,
+    runs: usize,
+    no_cold: bool,
+    model_spec: &str,
+    on: Option<&str>,
+) -> Result<String> {
     let model = GpuModel::parse(model_spec).map_err(anyhow::Error::msg)?;
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let big = sharded_model(data_dir, size)?;
     let little = sharded_model(data_dir, small)?;
     let files = shards(&big)?;
     let total: u64 = files.iter().map(|f| f.1).sum();
-    let device = Arc::new(ModelDevice::new(0, model));
+    let device = Target::open(on, model_spec)?;
     // Hot files as a read leaves them (large folios), not as their writes did (see `evict`).
     let little_files = shards(&little)?;
     for f in files.iter().chain(&little_files) {
@@ -401,14 +452,8 @@ pub fn run(data_dir: &Path, size: u64, small: u64, runs: usize, no_cold: bool, m
                     let s = pread_ceiling(&files, threads, false, false)?;
                     (s, cpu_self() - cpu, None)
                 }
-                STEADY => {
-                    let (s, cpu, c) = staged(&big, &device, threads, CachePolicy::Keep)?;
-                    (s, cpu, Some(c))
-                }
-                _ => {
-                    let (s, cpu, c) = first_in_new_process(&big, threads, model_spec)?;
-                    (s, cpu, Some(c))
-                }
+                STEADY => staged(&big, &device, threads, CachePolicy::Keep)?,
+                _ => first_in_new_process(&big, threads, model_spec, on)?,
             };
             rows[i].secs.push(secs);
             rows[i].cpu.push(cpu);
@@ -486,14 +531,8 @@ pub fn run(data_dir: &Path, size: u64, small: u64, runs: usize, no_cold: bool, m
                         let cpu = cpu_self();
                         (uring_ceiling(&files, threads)?, cpu_self() - cpu, None)
                     }
-                    STEADY => {
-                        let (s, cpu, c) = staged(&big, &device, threads, CachePolicy::Keep)?;
-                        (s, cpu, Some(c))
-                    }
-                    _ => {
-                        let (s, cpu, c) = staged(&big, &device, threads, CachePolicy::Bypass)?;
-                        (s, cpu, Some(c))
-                    }
+                    STEADY => staged(&big, &device, threads, CachePolicy::Keep)?,
+                    _ => staged(&big, &device, threads, CachePolicy::Bypass)?,
                 };
                 rows[i].secs.push(secs);
                 rows[i].cpu.push(cpu);
@@ -501,7 +540,30 @@ pub fn run(data_dir: &Path, size: u64, small: u64, runs: usize, no_cold: bool, m
             }
         }
     }
-    Ok(render(&rows, total, small_total, (&small_secs, &small_ceiling), &fixed, &model, threads, runs, cold_note, &big))
+    let target = on.map_or_else(|| model_line(&model), |d| format!("Into {d} (a real device: no model counters)."));
+    Ok(render(
+        &rows,
+        total,
+        small_total,
+        (&small_secs, &small_ceiling),
+        &fixed,
+        &target,
+        threads,
+        runs,
+        cold_note,
+        &big,
+    ))
+}
+
+fn model_line(model: &GpuModel) -> String {
+    format!(
+        "Model: link {:.0} GB/s, pinning {:.1} GB/s + {} µs a call, event wake-up {} µs, {} streams.",
+        model.link_bytes_per_s / 1e9,
+        model.pin_bytes_per_s / 1e9,
+        model.pin_call.as_micros(),
+        model.event_wake.as_micros(),
+        model.streams
+    )
 }
 
 fn shard_count(dir: &Path) -> usize {
@@ -515,7 +577,7 @@ fn render(
     small_total: u64,
     (small_secs, small_ceiling): (&[f64], &[f64]),
     fixed: &Fixed,
-    model: &GpuModel,
+    target: &str,
     threads: usize,
     runs: usize,
     cold_note: Option<&str>,
@@ -523,15 +585,10 @@ fn render(
 ) -> String {
     let mut s = String::new();
     let _ =
-        writeln!(s, "### Staged loads through the model of a GPU ({}, {}), median of {runs} runs\n", date(), machine());
+        writeln!(s, "### Staged loads into a GPU or its model ({}, {}), median of {runs} runs\n", date(), machine());
     let _ = writeln!(
         s,
-        "Model: link {:.0} GB/s, pinning {:.1} GB/s + {} µs a call, event wake-up {} µs, {} streams. {} ({:.2} GB, {} readers).{}\n",
-        model.link_bytes_per_s / 1e9,
-        model.pin_bytes_per_s / 1e9,
-        model.pin_call.as_micros(),
-        model.event_wake.as_micros(),
-        model.streams,
+        "{target} {} ({:.2} GB, {} readers).{}\n",
         dir.display(),
         total as f64 / 1e9,
         threads,

@@ -467,6 +467,13 @@ pub fn open_device(id: DeviceId) -> Result<Arc<dyn Device>> {
     }
 }
 
+/// The first `len` bytes of staging buffer `src`, for an upload to `device`; an upload of more
+/// than the buffer holds is [`DeviceError::OutOfBounds`].
+pub fn staged_bytes(device: DeviceId, src: &dyn HostBuffer, len: usize) -> Result<&[u8]> {
+    let have = src.as_slice().len();
+    src.as_slice().get(..len).ok_or(DeviceError::OutOfBounds { device, offset: 0, len, alloc_len: have })
+}
+
 /// Checks that `offset + len` lies within an allocation of `alloc_len` bytes.
 pub fn check_range(device: DeviceId, alloc_len: usize, offset: usize, len: usize) -> Result<()> {
     match offset.checked_add(len) {

@@ -151,12 +151,7 @@ impl Engine {
             .get_mut(&handle)
             .ok_or(DeviceError::Driver { device: id, message: "allocation freed during a copy".into() })?;
         check_range(id, buf.len(), offset, len)?;
-        let bytes = src.as_slice().get(..len).ok_or(DeviceError::OutOfBounds {
-            device: id,
-            offset: 0,
-            len,
-            alloc_len: src.as_slice().len(),
-        })?;
+        let bytes = crate::staged_bytes(id, src.as_ref(), len)?;
         let dst = &mut buf[offset..offset + len];
         dst.copy_from_slice(bytes);
         if let Some((key, pos)) = keystream {

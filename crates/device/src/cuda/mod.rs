@@ -650,12 +650,7 @@ impl Device for CudaDevice {
     ) -> Result<Transfer> {
         let dst = self.own(dst)?;
         check_range(self.shared.id, dst.len, dst_offset, len)?;
-        let bytes = src.as_slice().get(..len).ok_or(DeviceError::OutOfBounds {
-            device: self.shared.id,
-            offset: 0,
-            len,
-            alloc_len: src.as_slice().len(),
-        })?;
+        let bytes = crate::staged_bytes(self.shared.id, src.as_ref(), len)?;
         let stream = self.shared.stream();
         let at = dst.ptr + dst_offset as u64;
         // SAFETY: the destination range was checked against the allocation; `src` moves into

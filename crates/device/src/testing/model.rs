@@ -471,14 +471,7 @@ impl Device for ModelDevice {
     ) -> Result<Transfer> {
         let dst = self.own(dst)?;
         check_range(self.id(), dst.len, dst_offset, len)?;
-        if src.as_slice().len() < len {
-            return Err(DeviceError::OutOfBounds {
-                device: self.id(),
-                offset: 0,
-                len,
-                alloc_len: src.as_slice().len(),
-            });
-        }
+        crate::staged_bytes(self.id(), src.as_ref(), len)?;
         let kernel = match after {
             AfterUpload::Nothing => 0,
             AfterUpload::Keystream { key, .. } => {
