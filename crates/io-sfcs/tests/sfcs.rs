@@ -256,6 +256,19 @@ fn one_connection_and_one_cfs_file_per_reader_thread() {
 /// `LIBCLOUDFS_CONF` is set once per process, to one path that never changes (a link pointed
 /// at each connecting group's XML): changing the environment while other threads may read it
 /// is undefined behaviour. Before, it was set to each group's XML at every connect.
+/// A new directory whose first path component (the group the fake SDK's configuration is keyed
+/// by) differs from `dir`'s: the project's directory, `/var/tmp` or `/dev/shm`, whichever is
+/// writable and in another group (a checkout under `/tmp` shares the scratch directories' `tmp`).
+fn other_group(dir: &Path) -> tempfile::TempDir {
+    let first = |p: &Path| p.components().nth(1).map(|c| c.as_os_str().to_owned());
+    let candidates = [Path::new(env!("CARGO_MANIFEST_DIR")), Path::new("/var/tmp"), Path::new("/dev/shm")];
+    candidates
+        .iter()
+        .filter(|c| first(c) != first(dir))
+        .find_map(|c| tempfile::tempdir_in(c).ok())
+        .unwrap_or_else(|| panic!("no writable directory outside {}'s group to test with", dir.display()))
+}
+
 #[test]
 fn the_environment_is_set_once_and_each_connect_reads_its_groups_xml() {
     let log = log_path("env");
@@ -266,9 +279,10 @@ fn the_environment_is_set_once_and_each_connect_reads_its_groups_xml() {
     }
     let c = Cluster::new();
     let s = c.storage();
-    // Two groups (the first path component): the cluster's directory, and one in the project.
+    // Two groups (the first path component): the cluster's directory, and one whose first
+    // component differs from it wherever the checkout and the scratch directories live.
     let a = c.scratch("env");
-    let b_root = tempfile::tempdir_in(Path::new(env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let b_root = other_group(&a);
     let groups = [(a.join("m.bin"), pattern(5000, 1)), (b_root.path().join("m.bin"), pattern(7000, 2))];
     let _ = std::fs::remove_file(&log);
     let mut seen = Vec::new();
