@@ -442,19 +442,25 @@ impl NodeCache {
         if self.max_bytes.is_some_and(|max| len > max) {
             return false;
         }
-        let fits = |total: u64| {
-            let within_limit = self.max_bytes.is_none_or(|max| total + len <= max);
-            let space = match nix::sys::statvfs::statvfs(&self.dir) {
-                Ok(s) => {
-                    let unit = s.fragment_size();
-                    let free = s.blocks_available().saturating_mul(unit);
-                    let reserve = s.blocks().saturating_mul(unit) / 20;
-                    free >= len.saturating_add(reserve)
-                }
-                Err(_) => false,
-            };
-            within_limit && space
+        // Bytes the file system has for `len` beyond its 5% reserve, if `freed` more were free.
+        let space = |freed: u64| match nix::sys::statvfs::statvfs(&self.dir) {
+            Ok(s) => {
+                let unit = s.fragment_size();
+                let free = s.blocks_available().saturating_mul(unit).saturating_add(freed);
+                let reserve = s.blocks().saturating_mul(unit) / 20;
+                free >= len.saturating_add(reserve)
+            }
+            Err(_) => false,
         };
+        // Evict nothing when even evicting every other entry could not make room (a server that
+        // claims a 10 TB object must not empty the cache).
+        let Ok(entries) = self.entries() else { return false };
+        let evictable: u64 = entries.iter().filter(|e| e.key != keep).map(|e| e.len).sum();
+        let kept: u64 = entries.iter().map(|e| e.len).sum::<u64>() - evictable;
+        if self.max_bytes.is_some_and(|max| kept + len > max) || !space(evictable) {
+            return false;
+        }
+        let fits = |total: u64| self.max_bytes.is_none_or(|max| total + len <= max) && space(0);
         self.evict_lru(Some(keep), fits).is_ok_and(|e| e.satisfied)
     }
 

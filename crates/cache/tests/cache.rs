@@ -293,6 +293,25 @@ fn the_size_limit_evicts_the_least_recently_used() {
 }
 
 #[test]
+fn an_object_too_large_for_the_disk_evicts_nothing() {
+    let (dir, _inner, cache) = setup(None);
+    let paths: Vec<PathBuf> = (0..2).map(|i| dir.path().join(format!("store/{i}.bin"))).collect();
+    for (i, p) in paths.iter().enumerate() {
+        std::fs::write(p, pattern(1 << 20, i as u64)).unwrap();
+        read_all(&cache, p);
+    }
+    assert_eq!(cache.cache().entries().unwrap().len(), 2);
+    // A (sparse) object larger than the whole file system: evicting every entry cannot make room.
+    let st = nix::sys::statvfs::statvfs(dir.path()).unwrap();
+    let disk = st.blocks().saturating_mul(st.fragment_size());
+    let huge = dir.path().join("store/huge.bin");
+    std::fs::File::create(&huge).unwrap().set_len(disk.saturating_mul(2).max(1 << 40)).unwrap();
+    let f = cache.open(&huge).unwrap();
+    assert!(f.local_file().is_none(), "read from the store, not cached");
+    assert_eq!(cache.cache().entries().unwrap().len(), 2, "the cache kept its entries");
+}
+
+#[test]
 fn many_readers_at_once_fetch_the_object_once() {
     let (dir, inner, cache) = setup(None);
     let path = dir.path().join("store/shared.bin");
