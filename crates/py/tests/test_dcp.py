@@ -427,6 +427,21 @@ def test_metadata_that_would_run_code_is_refused(tmp):
         load_step_with(tmp / "c", tdcp.FileSystemReader(tmp / "c"))
 
 
+@pytest.mark.parametrize("bad", ["../d/__0_0.distcp", "/abs/__0_0.distcp", "sub/__0_0.distcp", ".."])
+def test_metadata_naming_files_outside_the_checkpoint_is_refused(tmp, bad):
+    """A .metadata whose items name a data file outside the checkpoint directory: another
+    checkpoint's bytes would load without error."""
+    warnings.simplefilter("ignore")
+    dcp.save(kill_model(1), storage_writer=tdcp.FileSystemWriter(tmp / "c"), no_dist=True)
+    dcp.save(kill_model(2), storage_writer=tdcp.FileSystemWriter(tmp / "d"), no_dist=True)
+    md = tdcp.FileSystemReader(tmp / "c").read_metadata()
+    for k, info in md.storage_data.items():
+        md.storage_data[k] = type(info)(relative_path=bad, offset=info.offset, length=info.length)
+    (tmp / "c" / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(BaseException, match="not a file name inside the checkpoint directory"):
+        load_step_with(tmp / "c", tdcp.FileSystemReader(tmp / "c"))
+
+
 def test_whole_tensors_are_read_straight_into_their_destination(tmp):
     warnings.simplefilter("ignore")
     sd = kill_model(4)

@@ -510,6 +510,7 @@ class FileSystemReader(_fs.FileSystemReader):
             per_file.setdefault(info.relative_path, []).append(req)
         storage = self.fs.storage(self.path)
         for relative_path, reqs in per_file.items():
+            _check_relative(self.path, relative_path)
             path = str(self.fs.concat_path(self.path, relative_path))
             # Each stored item once (several requests may narrow the same one), in file order.
             items: dict[tuple[int, int], list] = {}
@@ -545,6 +546,18 @@ class FileSystemReader(_fs.FileSystemReader):
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+
+def _check_relative(checkpoint, relative_path) -> None:
+    """A data file named by the metadata must be a plain file name inside the checkpoint
+    directory: separators, absolute paths, `..` (and empty names) would read another
+    checkpoint's, or any file's, bytes."""
+    name = str(relative_path)
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(
+            f"{checkpoint}: the metadata names the data file {name!r}, which is not a file name inside the "
+            "checkpoint directory (separators, absolute paths and '..' are refused)"
+        )
 
 
 #: Bytes read from the start of each item to find its tensor's bytes (the pickle and the zip
