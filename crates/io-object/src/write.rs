@@ -71,7 +71,9 @@ pub(crate) fn write_file(
     let upload: Box<dyn MultipartUpload> = runtime::block_on(async { store.put_multipart(&key).await })
         .map_err(io)?
         .map_err(|e| storage.error(path, "CreateMultipartUpload", e))?;
-    let upload = Mutex::new(upload);
+    // Aborted when dropped unless completed: on an error, and on a panic unwinding through here
+    // (the parts uploaded so far are deleted; the previous object was never touched).
+    let upload = Mutex::new(AbortOnDrop(Some(upload)));
     let parts = size.div_ceil(part);
     let next = AtomicUsize::new(0);
     // Parts are numbered in the order `put_part` is called: each is submitted in its turn.
@@ -121,7 +123,7 @@ pub(crate) fn write_file(
                     }
                     current = turn.1.wait(current).unwrap_or_else(|p| p.into_inner());
                 }
-                let fut = upload.lock().unwrap_or_else(|p| p.into_inner()).put_part(PutPayload::from(body));
+                let fut = upload.lock().unwrap_or_else(|p| p.into_inner()).part(PutPayload::from(body))?;
                 *current += 1;
                 turn.1.notify_all();
                 drop(current);
@@ -136,34 +138,70 @@ pub(crate) fn write_file(
         };
         runtime::block_on(run).map_err(io)?
     };
-    std::thread::scope(|s| {
+    // A worker that panics (the source's code) stops the others as a failure would (they may
+    // be waiting for its part's turn); the panic goes on once every worker has stopped, and the
+    // upload is aborted as it unwinds.
+    let panicked = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
-                s.spawn(|| {
-                    if let Err(e) = work() {
+                s.spawn(|| match std::panic::catch_unwind(std::panic::AssertUnwindSafe(&work)) {
+                    Ok(Ok(())) => None,
+                    Ok(Err(e)) => {
                         fail(e);
+                        None
+                    }
+                    Err(p) => {
+                        fail(StorageError::Cancelled);
+                        Some(p)
                     }
                 })
             })
             .collect();
+        let mut panicked = None;
         for h in handles {
-            if let Err(p) = h.join() {
-                std::panic::resume_unwind(p);
+            match h.join() {
+                Ok(p) => panicked = panicked.or(p),
+                Err(p) => panicked = panicked.or(Some(p)),
             }
         }
+        panicked
     });
     let mut upload = upload.into_inner().unwrap_or_else(|p| p.into_inner());
+    if let Some(p) = panicked {
+        drop(upload);
+        std::panic::resume_unwind(p);
+    }
     if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        // The parts uploaded so far are deleted; the previous object was never touched.
-        let _ = runtime::block_on(async { upload.abort().await });
         return Err(e);
     }
-    let completed = runtime::block_on(async { upload.complete().await }).map_err(io)?;
+    let mut parts = upload.0.take().ok_or_else(|| source_error(path, "internal: the upload went away".into()))?;
+    let completed = runtime::block_on(async { parts.complete().await }).map_err(io)?;
     if let Err(e) = completed {
-        let _ = runtime::block_on(async { upload.abort().await });
+        let _ = runtime::block_on(async { parts.abort().await });
         return Err(storage.error(path, "CompleteMultipartUpload", e));
     }
     Ok(())
+}
+
+/// A multipart upload that is aborted when dropped before it was taken out to complete.
+struct AbortOnDrop(Option<Box<dyn MultipartUpload>>);
+
+impl AbortOnDrop {
+    fn part(&mut self, body: PutPayload) -> Result<object_store::UploadPart, StorageError> {
+        match &mut self.0 {
+            Some(u) => Ok(u.put_part(body)),
+            None => Err(StorageError::Cancelled),
+        }
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(mut upload) = self.0.take() {
+            // Best effort: a store that cannot be reached now expires the parts itself.
+            let _ = runtime::block_on(async { upload.abort().await });
+        }
+    }
 }
 
 #[cfg(test)]

@@ -227,6 +227,44 @@ fn a_failed_multipart_save_aborts_its_upload_and_keeps_the_old_object() {
     assert!(read_all(&st, &obj, &IoOptions::default()).unwrap() == old);
 }
 
+/// A source whose code panics past half of the object.
+struct Panicking(u64);
+
+impl WriteSource for Panicking {
+    fn len(&self) -> u64 {
+        self.0
+    }
+
+    fn fill(&self, offset: u64, dst: &mut [u8]) -> Result<(), String> {
+        if offset + dst.len() as u64 > self.0 / 2 {
+            panic!("the tensor source panicked on purpose");
+        }
+        dst.fill(7);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_multipart_save_whose_source_panics_aborts_its_upload_and_ends() {
+    let Some(s) = server() else { return };
+    s.create_bucket("panics");
+    let st = storage(&s, &[("part_size", "5MiB"), ("concurrency", "3")]);
+    let obj = url("s3://panics/ckpt.safetensors");
+    let old = pattern(7 << 20, 6);
+    st.write_file(&obj, &BytesSource(&old), &IoOptions::default()).unwrap();
+    // Three workers: the others wait for the panicking one's part, and must stop too.
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        st.write_file(&obj, &Panicking(40 << 20), &IoOptions { threads: 3, ..Default::default() })
+    }));
+    let panic = r.expect_err("the source's panic goes on to the caller");
+    assert_eq!(panic.downcast_ref::<&str>().copied(), Some("the tensor source panicked on purpose"));
+    assert!(read_all(&st, &obj, &IoOptions::default()).unwrap() == old, "the old object is intact");
+    let (status, body) = s.request("GET", "/panics?uploads", b"");
+    let listing = String::from_utf8_lossy(&body);
+    assert_eq!(status, 200, "{listing}");
+    assert!(!listing.contains("<UploadId>"), "the multipart upload was aborted: {listing}");
+}
+
 /// The GETs run as tasks on the backend's runtime, writing into the caller's memory: every way
 /// a read can stop early (a hook's error, a cancellation, a hook that panics) must end it with
 /// the right answer, stop sending requests, and leave no task behind (the backend reads
