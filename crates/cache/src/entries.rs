@@ -257,6 +257,12 @@ impl NodeCache {
         self.revalidate_after.is_some_and(|interval| age < interval)
     }
 
+    /// Drops the record of `url`'s version (a save or a removal through the cache changed the
+    /// object): the next open asks the store, whatever the revalidation interval.
+    pub(crate) fn forget(&self, url: &str) {
+        let _ = fs::remove_file(self.seen_path(url));
+    }
+
     /// Records that the store reported `version` for `url` now: what the next open trusts
     /// within the revalidation interval, and otherwise opens at once while it asks the store
     /// again. Written when the version changes, and (to restart the interval) on every report

@@ -26,7 +26,8 @@
 //! - **Trusted**: with a revalidation interval ([`NodeCache::with_revalidate_after`],
 //!   `TURBOIO_CACHE_REVALIDATE`), that version is trusted for that long: a complete entry of it
 //!   loads with no request at all (no HEAD, no HTTP client built), as fast as a local file; an
-//!   object replaced meanwhile is seen at the end of the interval.
+//!   object replaced meanwhile is seen at the end of the interval, unless it was saved or
+//!   removed through this cache (any process's), which drops the record at once.
 //!
 //! # Layout (`dir`)
 //!
@@ -329,7 +330,9 @@ impl Storage for CacheStorage {
     }
 
     fn write_file(&self, path: &Path, source: &dyn WriteSource, opts: &IoOptions<'_>) -> Result<()> {
-        self.inner.write_file(path, source, opts)
+        let r = self.inner.write_file(path, source, opts);
+        self.forget(path);
+        r
     }
 
     fn writes_from_device(&self, kind: &str) -> bool {
@@ -343,7 +346,9 @@ impl Storage for CacheStorage {
         device: &[DeviceWriteRequest],
         opts: &IoOptions<'_>,
     ) -> Result<()> {
-        self.inner.write_file_from_device(path, source, device, opts)
+        let r = self.inner.write_file_from_device(path, source, device, opts);
+        self.forget(path);
+        r
     }
 
     fn list(&self, dir: &Path) -> Result<Vec<std::path::PathBuf>> {
@@ -351,11 +356,24 @@ impl Storage for CacheStorage {
     }
 
     fn remove_file(&self, path: &Path) -> Result<()> {
-        self.inner.remove_file(path)
+        let r = self.inner.remove_file(path);
+        self.forget(path);
+        r
     }
 
     fn current_version(&self, path: &Path) -> Result<Option<Version>> {
         self.inner.current_version(path)
+    }
+}
+
+impl CacheStorage {
+    /// A save or a removal of `path` went through the cache (whether it succeeded or not, the
+    /// object may have changed): the version recorded for it is no longer trusted, so this
+    /// process, like any other, loads what the store now holds.
+    fn forget(&self, path: &Path) {
+        if let Some(url) = path.to_str() {
+            self.cache.forget(url);
+        }
     }
 }
 

@@ -157,6 +157,25 @@ fn a_replaced_object_is_a_miss_and_a_changed_length_too() {
 }
 
 #[test]
+fn a_save_or_a_removal_through_the_cache_is_seen_by_the_next_load() {
+    let (dir, inner, _) = setup(None);
+    let node = NodeCache::new(dir.path().join("cache")).with_revalidate_after(Some(Duration::from_secs(3600)));
+    let cache = CacheStorage::new(inner.clone(), node);
+    let path = dir.path().join("store/m.bin");
+    let first = pattern(2 << 20, 1);
+    inner.write_file(&path, &BytesSource(&first), &IoOptions::default()).unwrap();
+    assert_eq!(read_all(&cache, &path), (first.clone(), false));
+    assert_eq!(read_all(&cache, &path), (first.clone(), true), "trusted within the interval");
+    // Saved through the cache: the saver loads what it saved, not the version it trusted.
+    let second = pattern(2 << 20, 2);
+    cache.write_file(&path, &BytesSource(&second), &IoOptions::default()).unwrap();
+    assert_eq!(read_all(&cache, &path).0, second, "the save is seen at once");
+    // Removed through the cache: gone, whatever the record said.
+    cache.remove_file(&path).unwrap();
+    assert!(cache.open(&path).is_err(), "a removed object does not load from the cache");
+}
+
+#[test]
 fn within_the_revalidation_interval_a_hit_asks_the_store_nothing() {
     let (dir, inner, _) = setup(None);
     let node = NodeCache::new(dir.path().join("cache")).with_revalidate_after(Some(Duration::from_secs(3600)));
