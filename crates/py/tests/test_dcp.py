@@ -6,6 +6,7 @@ reader and DCP's files by turboio's; async_save; non-tensor items. And the commi
 killed with SIGKILL at every step of its protocol and at random moments, after which a load
 gets exactly the previous checkpoint or the new one."""
 
+import io
 import json
 import os
 import pickle
@@ -440,6 +441,57 @@ def test_metadata_naming_files_outside_the_checkpoint_is_refused(tmp, bad):
     (tmp / "c" / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(BaseException, match="not a file name inside the checkpoint directory"):
         load_step_with(tmp / "c", tdcp.FileSystemReader(tmp / "c"))
+
+
+def test_bytes_items_in_crafted_metadata_run_nothing(tmp):
+    """Crafted metadata that declares a tensor's key as a pickled item, or points a non-tensor
+    item at a pickle that calls a function: DCP's planner would unpickle either with
+    weights_only=False; the reader refuses both, and runs nothing."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    warnings.simplefilter("ignore")
+    dcp.save({"w": torch.arange(10.0), "step": 1}, storage_writer=tdcp.FileSystemWriter(tmp / "c"), no_dist=True)
+    clean = tdcp.FileSystemReader(tmp / "c").read_metadata()
+    step = MetadataIndex(fqn="step")
+    info = clean.storage_data[step]
+
+    # 1. The tensor "w" declared a bytes item (the step's pickle): refused, w untouched.
+    md = tdcp.FileSystemReader(tmp / "c").read_metadata()
+    md.state_dict_metadata["w"] = BytesStorageMetadata()
+    md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != "w"}
+    md.storage_data[MetadataIndex(fqn="w")] = info
+    (tmp / "c" / ".metadata").write_bytes(pickle.dumps(md))
+    target = {"w": torch.zeros(10), "step": 0}
+    with pytest.raises(BaseException, match="stored as pickled bytes, but its destination is a tensor"):
+        dcp.load(target, storage_reader=tdcp.FileSystemReader(tmp / "c"), no_dist=True)
+    assert isinstance(target["w"], torch.Tensor)
+
+    # 2. "step" pointed at a pickle that would run a command.
+    marker = tmp / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    buf = io.BytesIO()
+    torch.save(Evil(), buf)
+    data = next(f for f in os.listdir(tmp / "c") if f.endswith(".distcp"))
+    at = os.path.getsize(tmp / "c" / data)
+    with open(tmp / "c" / data, "ab") as f:
+        f.write(buf.getvalue())
+    md = tdcp.FileSystemReader(tmp / "c").read_metadata()
+    md.state_dict_metadata["w"] = clean.state_dict_metadata["w"]
+    md.storage_data = dict(clean.storage_data)
+    md.storage_data[step] = type(info)(relative_path=info.relative_path, offset=at, length=len(buf.getvalue()))
+    (tmp / "c" / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(BaseException, match="weights_only=True refuses"):
+        dcp.load({"w": torch.zeros(10), "step": 0}, storage_reader=tdcp.FileSystemReader(tmp / "c"), no_dist=True)
+    assert not marker.exists(), "nothing ran"
+    # The honest checkpoint's items still load (the step through the planner).
+    (tmp / "c" / ".metadata").write_bytes(pickle.dumps(clean))
+    target = {"w": torch.zeros(10), "step": 0}
+    dcp.load(target, storage_reader=tdcp.FileSystemReader(tmp / "c"), no_dist=True)
+    assert target["step"] == 1 and torch.equal(target["w"], torch.arange(10.0))
 
 
 def test_whole_tensors_are_read_straight_into_their_destination(tmp):

@@ -39,9 +39,13 @@ unchanged. What turboio changes is how the bytes move and how a save is committe
   metadata with turboio's AES-CTR and key sources (``VETURBOIO_USE_CIPHER=1`` does the same, and
   ``VETURBOIO_CIPHER_HEADER=1`` adds veTurboIO's key header); ``FileSystemReader(...,
   use_cipher=True)`` (or the variable) reads them.
-- **Untrusted metadata**: the reader unpickles ``.metadata`` with DCP's metadata classes only.
-  Non-tensor items (``step``, a config dict) are unpickled by DCP's planner itself
-  (``torch.load(weights_only=False)`` in its ``load_bytes``): load DCP checkpoints you trust.
+- **Untrusted metadata**: the reader unpickles ``.metadata`` with DCP's metadata classes only,
+  and refuses data files outside the checkpoint directory. A non-tensor item (``step``, a config
+  dict) whose destination is a tensor is refused; any other is unpickled with
+  ``weights_only=True`` first and refused if that refuses it, then handed to DCP's planner, whose
+  ``load_bytes`` unpickles it again with ``weights_only=False`` (the same bytes, already shown to
+  hold only what ``weights_only`` allows). ``FileSystemReader(..., allow_pickle=True)`` skips the
+  check (DCP's own behaviour: code in a pickle runs): only for checkpoints you trust.
 
 - **Object storage**: the path may be an ``s3://``, ``gs://``, ``az://``, ``abfs[s]://`` or
   ``http(s)://`` prefix, with credentials and endpoints from the environment or
@@ -448,7 +452,10 @@ class HuggingFaceStorageWriter(FileSystemWriter):
 
 class FileSystemReader(_fs.FileSystemReader):
     """DCP's ``FileSystemReader``, reading through turboio (see the module doc); ``window``
-    bounds the bytes read ahead of deserialization (default 256 MiB, or one item if larger)."""
+    bounds the bytes read ahead of deserialization (default 256 MiB, or one item if larger).
+    ``allow_pickle=True`` hands non-tensor items to the planner as DCP's own reader does (its
+    ``load_bytes`` unpickles them with ``weights_only=False``: code can run); by default each is
+    first unpickled with ``weights_only=True`` and refused if that refuses it."""
 
     def __init__(
         self,
@@ -459,6 +466,7 @@ class FileSystemReader(_fs.FileSystemReader):
         threads: int = 0,
         use_cipher=None,
         storage_options: dict | None = None,
+        allow_pickle: bool = False,
     ) -> None:
         if _extension_registry is not None:
             raise ValueError("turboio.dcp.FileSystemReader: _extension_registry is not supported")
@@ -469,6 +477,7 @@ class FileSystemReader(_fs.FileSystemReader):
         self.fs.storage(self.path)
         self.window = window
         self.threads = threads
+        self.allow_pickle = allow_pickle
         self.cipher = _cipher_for_load(use_cipher)
         #: Tensor items read straight into their destination (no copy), over this reader's loads.
         self.items_read_directly = 0
@@ -541,7 +550,7 @@ class FileSystemReader(_fs.FileSystemReader):
                 for (off, length), at in zip(window, spans):
                     data = raw[at : at + length]
                     for req in items[(off, length)]:
-                        _deliver(req, data, planner, path)
+                        _deliver(req, data, planner, path, self.allow_pickle)
                 start = end
         fut: Future = Future()
         fut.set_result(None)
@@ -704,8 +713,24 @@ def _read(path: str, requests, threads: int, cipher: bool = False, storage=None)
         raise FileNotFoundError(f"{path}: a data file of the checkpoint is missing") from None
 
 
-def _deliver(req, data, planner: LoadPlanner, path: str):
+def _deliver(req, data, planner: LoadPlanner, path: str, allow_pickle: bool = False):
     if req.type == LoadItemType.BYTE_IO:
+        fqn = req.dest_index.fqn
+        dest = getattr(planner, "state_dict", {}).get(fqn) if isinstance(getattr(planner, "state_dict", None), dict) else None
+        if isinstance(dest, torch.Tensor):
+            # Crafted metadata: a tensor's key declared as a pickled item.
+            raise ValueError(
+                f"{path}: item {fqn} is stored as pickled bytes, but its destination is a tensor; "
+                "refused (the metadata does not match what was saved)"
+            )
+        if not allow_pickle:
+            try:
+                torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - refused, with the file and item named
+                raise ValueError(
+                    f"{path}: item {fqn} is a pickle that weights_only=True refuses ({e}); "
+                    "pass allow_pickle=True to FileSystemReader to load it as DCP does, for checkpoints you trust"
+                ) from None
         planner.load_bytes(req, io.BytesIO(data))
         return
     try:
