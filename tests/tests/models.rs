@@ -60,6 +60,42 @@ fn shards_chosen_by_the_caller() {
 }
 
 #[test]
+fn an_alias_in_one_shard_never_replaces_another_shards_tensor() {
+    let m = model();
+    // Shard 1 holds model.layers.0.w; shard 2's metadata aliases that name to one of its own
+    // tensors (every shard gets the same metadata: in shard 1 the key is a tensor, not an alias).
+    let md: std::collections::BTreeMap<String, String> =
+        [("model.layers.0.w".to_owned(), "model.layers.5.w".to_owned())].into();
+    let groups = vec![vec![0, 1, 2], vec![3, 4, 5, 6, 7, 8]];
+    let dir = disk_dir();
+    turboio::save_model_dir_grouped(dir.path(), &views(&m), &groups, Some(&md), &SaveOptions::default()).unwrap();
+    let e = load_model(dir.path(), &LoadOptions::default()).unwrap_err().to_string();
+    assert!(e.contains("`model.layers.0.w` is an alias in model-00002-of-00002.safetensors"), "{e}");
+    assert!(e.contains("model-00001-of-00002.safetensors holds a tensor of that name"), "{e}");
+    let e =
+        turboio::model::summarize(&turboio::ModelFiles::resolve_in(dir.path(), None).unwrap(), &LoadOptions::default())
+            .unwrap_err()
+            .to_string();
+    assert!(e.contains("is an alias in"), "{e}");
+    // A name aliased in two shards (to a tensor of each).
+    let md: std::collections::BTreeMap<String, String> = [("tied".to_owned(), "model.layers.0.w".to_owned())].into();
+    let two = disk_dir();
+    let md2: std::collections::BTreeMap<String, String> = [("tied".to_owned(), "model.layers.5.w".to_owned())].into();
+    turboio::save_model_dir_grouped(two.path(), &views(&m), &groups, Some(&md), &SaveOptions::default()).unwrap();
+    // Rewrite shard 2 with its own alias of the same name.
+    let shard2: Vec<SaveTensor<'_>> = groups[1].iter().map(|&i| views(&m)[i]).collect();
+    turboio::save(two.path().join("model-00002-of-00002.safetensors"), &shard2, Some(&md2), &SaveOptions::default())
+        .unwrap();
+    let e = load_model(two.path(), &LoadOptions::default()).unwrap_err().to_string();
+    assert!(e.contains("`tied` is an alias in two shards"), "{e}");
+    // Aliases of a shard's own tensors, each named once, load as before.
+    let ok = disk_dir();
+    turboio::save_model_dir_grouped(ok.path(), &views(&m), &groups, Some(&md), &SaveOptions::default()).unwrap();
+    let loaded = load_model(ok.path(), &LoadOptions::default()).unwrap();
+    assert_eq!(loaded.shards()[0].tensor("tied").unwrap().bytes().unwrap(), m[0].2.as_slice());
+}
+
+#[test]
 fn saved_models_load_back_in_every_mode_and_the_index_is_hf_shaped() {
     let dir = disk_dir();
     let m = model();

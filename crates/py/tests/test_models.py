@@ -109,3 +109,43 @@ def test_bad_sizes_and_metadata_are_refused(tmp):
         turboio.save_model_dir(state_dict(), tmp / "x", metadata={"a": 1})
     with pytest.raises(FileNotFoundError):
         turboio.load_model(tmp / "does-not-exist")
+
+
+ALIAS_SCRIPT = r"""
+import json, sys
+import torch, torch.distributed as dist
+import safetensors.torch as sft
+import turboio
+d = sys.argv[1]
+sft.save_file({"lm_head.weight": torch.arange(4.0)}, f"{d}/model-00001-of-00002.safetensors", metadata={"format": "pt"})
+# Shard 2 aliases lm_head.weight (held by shard 1) to its own tensor.
+sft.save_file({"embed.weight": torch.ones(4)}, f"{d}/model-00002-of-00002.safetensors",
+              metadata={"format": "pt", "lm_head.weight": "embed.weight"})
+json.dump({"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors",
+                                          "embed.weight": "model-00002-of-00002.safetensors"}},
+          open(f"{d}/model.safetensors.index.json", "w"))
+dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
+for kw in ({}, {"process_group": dist.group.WORLD, "fetch": "once"}, {"process_group": dist.group.WORLD}):
+    try:
+        got = turboio.load_model(d, **kw)
+        print("LOADED", sorted(kw), got["lm_head.weight"].tolist())
+    except ValueError as e:
+        print("REFUSED", sorted(kw), e)
+dist.destroy_process_group()
+"""
+
+
+def test_an_alias_in_one_shard_never_replaces_another_shards_tensor(tmp):
+    """Every model path (one process, fetch="once", fetch="all") refuses an alias that names a
+    tensor another shard holds, naming both shards."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", ALIAS_SCRIPT, str(tmp)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 3, out.stdout
+    for line in lines:
+        assert line.startswith("REFUSED"), line
+        assert "lm_head.weight is an alias in" in line or "`lm_head.weight` is an alias in" in line, line
+        assert "model-00001-of-00002.safetensors" in line, line

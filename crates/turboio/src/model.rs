@@ -255,8 +255,11 @@ impl ModelFiles {
     }
 
     /// Checks the shards' tensor lists (one per shard, in `shards` order) against the index and
-    /// against each other; returns tensor name -> shard.
-    fn check<'a>(&self, names: &[Vec<&'a str>]) -> Result<HashMap<&'a str, usize>> {
+    /// against each other; returns tensor name -> shard. `aliases` (one list per shard, the
+    /// aliases of its `__metadata__`) are names too: an alias naming a tensor another shard
+    /// holds, or a name aliased in two shards, is an error (a load would hand out the alias in
+    /// the tensor's place).
+    fn check<'a>(&self, names: &[Vec<&'a str>], aliases: &[Vec<&'a str>]) -> Result<HashMap<&'a str, usize>> {
         let mut owner: HashMap<&'a str, usize> = HashMap::new();
         for (i, list) in names.iter().enumerate() {
             for &name in list {
@@ -265,6 +268,31 @@ impl ModelFiles {
                         self.origin(),
                         format!(
                             "tensor `{name}` is held by two shards: {} and {}",
+                            file_name(&self.shards[j]),
+                            file_name(&self.shards[i])
+                        ),
+                    ));
+                }
+            }
+        }
+        let mut aliased: HashMap<&str, usize> = HashMap::new();
+        for (i, list) in aliases.iter().enumerate() {
+            for &alias in list {
+                if let Some(&j) = owner.get(alias) {
+                    return Err(model_error(
+                        self.origin(),
+                        format!(
+                            "`{alias}` is an alias in {}'s metadata, but {} holds a tensor of that name",
+                            file_name(&self.shards[i]),
+                            file_name(&self.shards[j])
+                        ),
+                    ));
+                }
+                if let Some(j) = aliased.insert(alias, i) {
+                    return Err(model_error(
+                        self.origin(),
+                        format!(
+                            "`{alias}` is an alias in two shards: {} and {}",
                             file_name(&self.shards[j]),
                             file_name(&self.shards[i])
                         ),
@@ -459,8 +487,12 @@ fn load_files(mut files: ModelFiles, local: bool, opts: &LoadOptions, started: I
         .iter()
         .map(|p| p.header().map(|h| h.tensors().iter().map(|t| t.name.as_str()).collect()).unwrap_or_default())
         .collect();
-    files.check(&names)?;
-    drop(names);
+    let aliases: Vec<Vec<&str>> = planned
+        .iter()
+        .map(|p| p.header().map(|h| h.aliases().into_iter().map(|(a, _)| a).collect()).unwrap_or_default())
+        .collect();
+    files.check(&names, &aliases)?;
+    drop((names, aliases));
     if let Some(selection) = &opts.tensors {
         // Without an index, the names are checked against every shard's (aliases included),
         // and shards holding nothing selected are dropped before any byte is read.
@@ -861,6 +893,7 @@ pub fn summarize(files: &ModelFiles, opts: &LoadOptions) -> Result<ModelSummary>
     let mut shards = Vec::new();
     let mut dtypes: BTreeMap<String, (usize, u64)> = BTreeMap::new();
     let mut names: Vec<Vec<String>> = Vec::new();
+    let mut aliases: Vec<Vec<String>> = Vec::new();
     for path in &files.shards {
         let header = crate::read_header_of(path, opts)?;
         let mut bytes = 0u64;
@@ -871,10 +904,12 @@ pub fn summarize(files: &ModelFiles, opts: &LoadOptions) -> Result<ModelSummary>
             bytes += t.len() as u64;
         }
         names.push(header.tensors().iter().map(|t| t.name.clone()).collect());
+        aliases.push(header.aliases().into_iter().map(|(a, _)| a.to_owned()).collect());
         shards.push((path.clone(), header.len(), bytes));
     }
     let refs: Vec<Vec<&str>> = names.iter().map(|v| v.iter().map(String::as_str).collect()).collect();
-    files.check(&refs)?;
+    let alias_refs: Vec<Vec<&str>> = aliases.iter().map(|v| v.iter().map(String::as_str).collect()).collect();
+    files.check(&refs, &alias_refs)?;
     Ok(ModelSummary { shards, dtypes })
 }
 

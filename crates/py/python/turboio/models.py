@@ -263,7 +263,7 @@ def _load_replicated(path, pg, storage, num_thread, cache):
         world_size=world,
         cached_files=cached,
     )
-    out, where = {}, {}
+    out, where, aliased = {}, {}, {}
     for i, (shard, buf) in enumerate(zip(shards, bufs)):
         n = len(buf)
         head = buf[: min(n, 8)].cpu()
@@ -280,6 +280,8 @@ def _load_replicated(path, pg, storage, num_thread, cache):
         for name, dtype, shape, begin, end in infos:
             if name in where:
                 raise ValueError(f"{index or path}: tensor {name} is in both {where[name]} and {shard}")
+            if name in aliased:
+                raise ValueError(f"{index or path}: {name} is an alias in {aliased[name]}, but {shard} holds a tensor of that name")
             where[name] = shard
             raw = buf[data_start + begin : data_start + end]
             td = torch_dtype_for(dtype, shape)
@@ -291,6 +293,12 @@ def _load_replicated(path, pg, storage, num_thread, cache):
                 raw = raw.clone()  # an offset torch cannot view at this dtype: copied, as loads do
             out[name] = raw.view(td).reshape(torch_shape(dtype, shape))
         for alias, target in aliases.items():
+            # Aliases are names too: one never replaces another shard's tensor or alias.
+            if alias in where:
+                raise ValueError(f"{index or path}: {alias} is an alias in {shard}, but {where[alias]} holds a tensor of that name")
+            if alias in aliased:
+                raise ValueError(f"{index or path}: {alias} is an alias in two shards: {aliased[alias]} and {shard}")
+            aliased[alias] = shard
             out[alias] = out[target]
     if weight_map is not None:
         for name, pos in weight_map.items():
