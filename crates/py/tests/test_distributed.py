@@ -272,6 +272,26 @@ def test_fetch_once_on_nccl(tmp):
         server.stop()
 
 
+def mismatch_worker(rank, world, d):
+    import turboio
+
+    dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=rank, world_size=world)
+    try:
+        # Rank 1 asks for another model than rank 0: every rank refuses, none loads rank 0's.
+        with pytest.raises(ValueError, match=r"rank 1 asked for .*model-b.* but rank 0 for .*model-a"):
+            turboio.load_model(f"{d}/model-{'ab'[rank]}", process_group=dist.group.WORLD, fetch="once")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fetch_once_refuses_ranks_that_ask_for_different_models(tmp):
+    d = tmp / "mismatch"
+    for name in ("model-a", "model-b"):
+        (d / name).mkdir(parents=True)
+        st.save_file({"w": torch.arange(4.0)}, str(d / name / "model.safetensors"))
+    mp.spawn(mismatch_worker, args=(2, str(d)), nprocs=2, join=True)
+
+
 def test_fetch_once_is_checked():
     import turboio
 

@@ -185,6 +185,15 @@ def _load_replicated(path, pg, storage, num_thread, cache):
     if storage is None and _remote.is_object_url(path) and os.environ.get("TURBOIO_CACHE_DIR"):
         storage = _turboio.ObjectStorage({})  # the environment's store and node cache
     src0 = dist.get_global_rank(pg, 0) if pg is not dist.group.WORLD else 0
+    # Every rank must ask for the same model: rank 0's plan serves them all.
+    asked = [None] * world
+    dist.all_gather_object(asked, str(path), group=pg)
+    other = next((r for r, a in enumerate(asked) if a != asked[0]), None)
+    if other is not None:
+        raise ValueError(
+            f"fetch='once': rank {other} asked for {asked[other]!r} but rank 0 for {asked[0]!r}; "
+            "every rank of the group must load the same model"
+        )
     # One plan for every rank: rank 0 resolves the model and the shards' lengths (no shard byte).
     plan = [None]
     if rank == 0:
