@@ -271,6 +271,20 @@ fn gds_storage(gds: &str) -> PyResult<Option<Arc<dyn turboio::storage::Storage>>
     Ok(Some(Arc::new(GdsStorage::with_config(GdsConfig { mode, ..Default::default() }))))
 }
 
+/// The host-memory plan of a load that allocates `bytes` of host memory itself (a rank of a
+/// `fetch="once"` model load): `MemoryError` naming `origin` and the numbers when they exceed
+/// `max_host_memory` or the memory available, as every other load's plan says.
+#[pyfunction]
+#[pyo3(signature = (origin, bytes, max_host_memory=None))]
+fn _check_host_memory(
+    origin: std::path::PathBuf,
+    bytes: u64,
+    max_host_memory: Option<Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let budget = budget_arg("max_host_memory", max_host_memory.as_ref())?;
+    turboio::memory::check_host(&origin, bytes, budget).map_err(to_py)
+}
+
 /// Checks that a device string names a device this process can load to; raises otherwise
 /// (`RuntimeError` naming the missing library or device, `ValueError` for a bad string).
 #[pyfunction]
@@ -1955,6 +1969,7 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyArenaPool>()?;
     m.add_class::<PyStagingPool>()?;
     m.add_function(wrap_pyfunction!(staging_pool, m)?)?;
+    m.add_function(wrap_pyfunction!(_check_host_memory, m)?)?;
     m.add_function(wrap_pyfunction!(check_device, m)?)?;
     m.add_function(wrap_pyfunction!(_save_device, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;

@@ -292,6 +292,29 @@ def test_fetch_once_refuses_ranks_that_ask_for_different_models(tmp):
     mp.spawn(mismatch_worker, args=(2, str(d)), nprocs=2, join=True)
 
 
+def budget_worker(rank, world, d):
+    import turboio
+
+    dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=rank, world_size=world)
+    try:
+        # Only rank 1 has a budget, too small for the model: every rank raises rank 1's verdict.
+        budget = 10 if rank == 1 else None
+        with pytest.raises(MemoryError, match=r"rank 1: .*max_host_memory is"):
+            turboio.load_model(f"{d}/model-a", process_group=dist.group.WORLD, fetch="once", max_host_memory=budget)
+        # Within the budget, the model loads on both.
+        got = turboio.load_model(f"{d}/model-a", process_group=dist.group.WORLD, fetch="once", max_host_memory="1MiB")
+        assert torch.equal(got["w"], torch.arange(4.0))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fetch_once_runs_the_memory_plan_and_the_ranks_agree(tmp):
+    d = tmp / "budget"
+    (d / "model-a").mkdir(parents=True)
+    st.save_file({"w": torch.arange(4.0)}, str(d / "model-a" / "model.safetensors"))
+    mp.spawn(budget_worker, args=(2, str(d)), nprocs=2, join=True)
+
+
 def test_fetch_once_is_checked():
     import turboio
 

@@ -106,6 +106,16 @@ fn headroom_of(dir: &Path, (limit, usage, inactive): CgroupFiles) -> Option<u64>
     Some(max.saturating_sub(current.saturating_sub(inactive_file)))
 }
 
+/// The host-memory half of the plan every load runs ([`check`]), for loads that allocate host
+/// memory themselves (the ranks of a `fetch="once"` model load): fails with
+/// [`Error::WontFit`] when `bytes` of copies exceed `max_host_memory` or the memory available,
+/// naming `origin` and the numbers.
+pub fn check_host(origin: &Path, bytes: u64, max_host_memory: Option<u64>) -> Result<()> {
+    let opts = LoadOptions { max_host_memory, ..Default::default() };
+    let needs = Needs { host: bytes, ..Default::default() };
+    check(origin, &needs, &opts, &turboio_device::CpuDevice::new())
+}
+
 /// Checks a background save's snapshot of `bytes` against `budget` (`max_host_memory`) and,
 /// when it maps a new arena (`reusable` false), against the host memory available; the error
 /// names the file, the numbers and what would fit.

@@ -116,7 +116,7 @@ def load_model(
 
     storage = _remote.storage(path, storage_options, cache_dir)
     if fetch == "once":
-        out = _load_replicated(path, process_group, storage, threads(num_thread), cache)
+        out = _load_replicated(path, process_group, storage, threads(num_thread), cache, max_host_memory)
         if dtype is not None:
             from ._dtypes import CASTABLE, torch_dtype
 
@@ -175,7 +175,7 @@ def _pieces(lens, world, rank):
     return out
 
 
-def _load_replicated(path, pg, storage, num_thread, cache):
+def _load_replicated(path, pg, storage, num_thread, cache, max_host_memory=None):
     import torch
     import torch.distributed as dist
 
@@ -210,6 +210,19 @@ def _load_replicated(path, pg, storage, num_thread, cache):
     _, index, shards, weight_map, versions = plan[0]
     lens = [n for n, _ in versions]
     on_gpu = dist.get_backend(pg) == "nccl"
+    # The memory plan every load runs (the whole model in host memory on every rank; on NCCL
+    # the shards are in device memory), checked by each rank and agreed: if one rank's does not
+    # fit, every rank raises its error.
+    verdict = None
+    try:
+        _turboio._check_host_memory(index or path, 0 if on_gpu else sum(lens), max_host_memory)
+    except MemoryError as e:
+        verdict = f"rank {rank}: {e}"
+    verdicts = [None] * world
+    dist.all_gather_object(verdicts, verdict, group=pg)
+    refused = next((v for v in verdicts if v is not None), None)
+    if refused is not None:
+        raise MemoryError(refused)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     bufs = [torch.empty(n, dtype=torch.uint8, device=device) for n in lens]
     # Pieces are read past the node cache (it keeps whole objects only; ranks of one host would
