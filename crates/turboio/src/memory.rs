@@ -106,7 +106,7 @@ fn headroom_of(dir: &Path, (limit, usage, inactive): CgroupFiles) -> Option<u64>
     Some(max.saturating_sub(current.saturating_sub(inactive_file)))
 }
 
-/// The host-memory half of the plan every load runs ([`check`]), for loads that allocate host
+/// The host-memory half of the plan every load runs, for loads that allocate host
 /// memory themselves (the ranks of a `fetch="once"` model load): fails with
 /// [`Error::WontFit`] when `bytes` of copies exceed `max_host_memory` or the memory available,
 /// naming `origin` and the numbers.
