@@ -325,10 +325,9 @@ impl StageRead {
     }
 }
 
-/// The shape of a staged load: how it reads, and its readers and slots.
+/// The shape of a staged load: its readers and slots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct StagePlan {
-    pub read: StageRead,
     /// Bytes per slot (a multiple of 4 KiB).
     pub chunk: usize,
     pub readers: usize,
@@ -340,7 +339,7 @@ impl StagePlan {
     /// chunk), [`SLOTS_PER_READER`] slots each, all within the device pool's
     /// [`max_buffers`](turboio_device::StagingPool::max_buffers) so that a steady-state load
     /// takes every slot from the pool and pins nothing.
-    pub(crate) fn new(read: StageRead, chunk: usize, total: u64, threads: usize, device: &dyn Device) -> StagePlan {
+    pub(crate) fn new(chunk: usize, total: u64, threads: usize, device: &dyn Device) -> StagePlan {
         let chunk = if chunk == 0 { DEFAULT_CHUNK } else { chunk.next_multiple_of(4096) };
         let chunks = usize::try_from(total.div_ceil(chunk as u64)).unwrap_or(usize::MAX).max(1);
         let mut readers = turboio_storage::threads_or_default(threads).clamp(1, chunks);
@@ -351,7 +350,7 @@ impl StagePlan {
                 slots_per_reader = (max / readers).clamp(1, SLOTS_PER_READER);
             }
         }
-        StagePlan { read, chunk, readers, slots_per_reader }
+        StagePlan { chunk, readers, slots_per_reader }
     }
 }
 
@@ -455,7 +454,7 @@ fn load_staged(files: &[Staged<'_>], device: &dyn Device, chunk: usize) -> Resul
             }
         })
         .collect();
-    let plan = StagePlan::new(ctx[0].read, chunk, total, io.threads, device);
+    let plan = StagePlan::new(chunk, total, io.threads, device);
     let mut chunks = Vec::new();
     for (i, f) in files.iter().enumerate() {
         chunks_of(i, f.job.runs, plan.chunk, f.job.opened.offset(), &mut chunks);
