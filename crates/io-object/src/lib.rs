@@ -26,8 +26,15 @@
 //! from them.
 //!
 //! **One version per load.** Every GET after the first carries `If-Match: <ETag>` (and the
-//! version id where there is one): an object replaced during a load fails the load with an error
-//! naming the URL ("the object changed while it was being read"), never a mix of two versions.
+//! version id where there is one; `If-Unmodified-Since: <Last-Modified>` for an object without
+//! an ETag), and every answer's size, ETag, version id and (without an ETag) `Last-Modified`
+//! are compared with the first answer's, so a server that ignores the condition cannot slip
+//! another version in: an object replaced during a load fails the load with an error naming the
+//! URL ("the object changed while it was being read"), never a mix of two versions. An object
+//! with none of these validators is read one GET per requested range (never in parallel parts
+//! that could come from two versions), its size still checked, and is never kept in the node
+//! cache. No GET reads more than it asked for: a body longer than its range (or without end)
+//! fails the read.
 //!
 //! **Failures.** object_store retries throttling (429, 503 SlowDown), other 5xx, timeouts and
 //! connection errors with exponential backoff and resumes a body cut short from where it broke
@@ -61,8 +68,16 @@
 //! ([`ObjectOptions::config`]) win over the environment and take object_store's keys
 //! (`endpoint`, `region`, `access_key_id`, `secret_access_key`, `session_token`, `allow_http`,
 //! `timeout`, ...); an endpoint given as `http://...` allows plain HTTP for it. Secrets (secret
-//! keys, session tokens, SAS tokens, query strings of URLs) never appear in errors or `Debug`
-//! output.
+//! keys, session tokens, SAS tokens, query strings and user info of URLs) never appear in errors
+//! or `Debug` output: every error names its URL through [`turboio_storage::shown`].
+//!
+//! A URL with a query string or fragment (a presigned URL, `?versionId=...`) is refused before
+//! any request: object_store addresses objects by bucket and key alone, so the query would be
+//! dropped and another object loaded. Give credentials through the environment or the options.
+//!
+//! The request slots ([`ObjectOptions::concurrency`]) and the bandwidth limiter belong to one
+//! process: a child forked while the parent's GETs are in flight (a DataLoader worker) gets its
+//! own, as it gets its own runtime, never the parent's slots that no thread of its would free.
 //!
 //! # Tokio
 //!
@@ -112,12 +127,20 @@ pub struct ObjectStorage {
 
 struct Inner {
     options: ObjectOptions,
-    limiter: Limiter,
-    /// One permit per request in flight, shared by every read of this backend (a model load
-    /// fills many files at once; together they keep `concurrency` requests in flight).
-    permits: tokio::sync::Semaphore,
+    /// This process's request slots and limiter, with the process id they belong to.
+    local: Mutex<Option<(u32, Arc<Local>)>>,
     /// Built stores (see [`StoreKey`]).
     stores: Mutex<HashMap<StoreKey, Arc<dyn ObjectStore>>>,
+}
+
+/// What one process's reads share: never inherited across `fork`, where the parent's requests
+/// in flight would hold slots that no thread of the child ever gives back.
+pub(crate) struct Local {
+    /// One permit per request in flight, shared by every read of this backend (a model load
+    /// fills many files at once; together they keep `concurrency` requests in flight).
+    pub(crate) permits: tokio::sync::Semaphore,
+    /// The bandwidth cap's pacing.
+    pub(crate) limiter: Limiter,
 }
 
 /// A built store's key: `(process id, scheme://authority, fingerprint of the environment)`.
@@ -145,9 +168,33 @@ impl ObjectStorage {
     /// A backend with these options (credentials and endpoints not given here come from the
     /// environment).
     pub fn new(options: ObjectOptions) -> ObjectStorage {
-        let limiter = Limiter::new(options.max_bandwidth);
-        let permits = tokio::sync::Semaphore::new(options.concurrency.max(1));
-        ObjectStorage { inner: Arc::new(Inner { options, limiter, permits, stores: Mutex::new(HashMap::new()) }) }
+        ObjectStorage {
+            inner: Arc::new(Inner { options, local: Mutex::new(None), stores: Mutex::new(HashMap::new()) }),
+        }
+    }
+
+    /// This process's request slots and bandwidth limiter: made on first use, and made again in
+    /// a child forked from a process that had them (the parent's GETs in flight hold slots the
+    /// child would wait for forever).
+    pub(crate) fn local(&self) -> Arc<Local> {
+        let pid = std::process::id();
+        let mut slot = self.inner.local.lock().unwrap_or_else(|p| p.into_inner());
+        match slot.as_ref() {
+            Some((owner, local)) if *owner == pid => local.clone(),
+            _ => {
+                if let Some((_, inherited)) = slot.take() {
+                    // The parent's: its waiters and holders are threads this process does not have.
+                    std::mem::forget(inherited);
+                }
+                let options = &self.inner.options;
+                let local = Arc::new(Local {
+                    permits: tokio::sync::Semaphore::new(options.concurrency.max(1)),
+                    limiter: Limiter::new(options.max_bandwidth),
+                });
+                *slot = Some((pid, local.clone()));
+                local
+            }
+        }
     }
 
     /// The options.
@@ -164,6 +211,16 @@ impl ObjectStorage {
     fn locate_any(&self, url: &Path, allow_empty: bool) -> Result<Located, StorageError> {
         let text = url.to_str().ok_or_else(|| setup(url, "the URL is not valid UTF-8"))?.to_owned();
         let parsed = url::Url::parse(&text).map_err(|e| setup(url, format!("not a valid URL: {e}")))?;
+        if parsed.query().is_some() || parsed.fragment().is_some() {
+            // object_store addresses an object by bucket and key alone: a query (a presigned
+            // URL's signature, `?versionId=`) would be dropped and another object loaded.
+            return Err(setup(
+                url,
+                "the URL has a query string or fragment, which turboio does not send (it would load the object \
+                 the path names, not the one the URL names); presigned URLs are not supported: remove the query \
+                 and give the credentials through the environment or the storage options",
+            ));
+        }
         let (scheme, key) = object_store::ObjectStoreScheme::parse(&parsed)
             .map_err(|e| setup(url, format!("not an object-store URL: {}", self.redact(&e.to_string()))))?;
         let key = ObjectPath::parse(key).map_err(|e| setup(url, format!("not a valid object key: {e}")))?;
@@ -206,14 +263,7 @@ impl ObjectStorage {
                     ),
                 }
             }
-            E::Precondition { .. } => StorageError::Io {
-                path: url.to_owned(),
-                op,
-                source: std::io::Error::other(
-                    "the object changed while it was being read (its ETag no longer matches the one the load \
-                     started with); nothing was returned: load it again",
-                ),
-            },
+            E::Precondition { .. } => read::changed(url, "its ETag no longer matches the one the load started with"),
             other => StorageError::Io {
                 path: url.to_owned(),
                 op,
@@ -262,8 +312,7 @@ impl ObjectStorage {
         let meta = runtime::block_on(async move { store.head(&key).await })
             .map_err(|e| StorageError::io(url, "HEAD", e))?
             .map_err(|e| self.error(url, "HEAD", e))?;
-        Ok(read::version_tag(meta.e_tag.as_deref(), meta.version.as_deref())
-            .map(|tag| turboio_storage::Version { len: meta.size, tag }))
+        Ok(read::Pin::new(&meta).tag().map(|tag| turboio_storage::Version { len: meta.size, tag }))
     }
 
     /// The process-wide backend for URLs met without explicit options (configured from the

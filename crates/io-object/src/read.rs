@@ -3,9 +3,10 @@
 
 use crate::{runtime, ObjectStorage};
 use bytes::Bytes;
+use chrono::{DateTime, Utc};
 use futures_util::StreamExt;
 use object_store::path::Path as ObjectPath;
-use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt};
+use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -19,19 +20,76 @@ pub(crate) struct ObjectFile {
     url: PathBuf,
     store: Arc<dyn ObjectStore>,
     key: ObjectPath,
+    pin: Pin,
+    /// The object's first bytes, from the opening GET.
+    prefix: Bytes,
+}
+
+/// What the opening answer said about the object, checked against every later answer: its
+/// size always, its ETag and version id where it has them, and its `Last-Modified` where it has
+/// no ETag. A server that ignores `If-Match` and answers from another version is caught here,
+/// not trusted.
+#[derive(Clone, Debug)]
+pub(crate) struct Pin {
     size: u64,
     etag: Option<String>,
     version: Option<String>,
-    /// The object's first bytes, from the opening GET.
-    prefix: Bytes,
+    /// Pinned only for an object without an ETag (object_store reports a missing header as the
+    /// epoch, which pins nothing).
+    modified: Option<DateTime<Utc>>,
+}
+
+impl Pin {
+    pub(crate) fn new(meta: &ObjectMeta) -> Pin {
+        let modified =
+            (meta.e_tag.is_none() && meta.last_modified.timestamp_nanos_opt() != Some(0)).then_some(meta.last_modified);
+        Pin { size: meta.size, etag: meta.e_tag.clone(), version: meta.version.clone(), modified }
+    }
+
+    /// True when something tells this version from another (an ETag, a version id or a
+    /// modification time): reads may then be split into parallel parts.
+    fn validated(&self) -> bool {
+        self.etag.is_some() || self.version.is_some() || self.modified.is_some()
+    }
+
+    /// How `meta` (a later answer) differs from the pinned version, if it does.
+    fn differs(&self, meta: &ObjectMeta) -> Option<String> {
+        if meta.size != self.size {
+            return Some(format!("its size went from {} to {} bytes", self.size, meta.size));
+        }
+        if meta.e_tag != self.etag {
+            return Some(format!(
+                "its ETag went from {} to {}",
+                self.etag.as_deref().unwrap_or("none"),
+                meta.e_tag.as_deref().unwrap_or("none")
+            ));
+        }
+        if self.version.is_some() && meta.version != self.version {
+            return Some("its version id changed".into());
+        }
+        match self.modified {
+            Some(m) if meta.last_modified != m => {
+                Some(format!("its Last-Modified went from {} to {}", m.to_rfc2822(), meta.last_modified.to_rfc2822()))
+            }
+            _ => None,
+        }
+    }
+
+    /// The version tag (see [`StorageFile::version`]).
+    pub(crate) fn tag(&self) -> Option<String> {
+        match (&self.etag, &self.version, self.modified) {
+            (None, None, None) => None,
+            (None, None, Some(m)) => Some(format!("modified={}", m.timestamp_nanos_opt().unwrap_or(0))),
+            (e, v, _) => Some(format!("etag={} version={}", e.as_deref().unwrap_or("-"), v.as_deref().unwrap_or("-"))),
+        }
+    }
 }
 
 impl fmt::Debug for ObjectFile {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ObjectFile")
             .field("url", &self.storage.redact(&self.url.to_string_lossy()))
-            .field("size", &self.size)
-            .field("etag", &self.etag)
+            .field("pin", &self.pin)
             .finish_non_exhaustive()
     }
 }
@@ -61,6 +119,10 @@ enum Fetch {
     Short,
 }
 
+/// What the opening GET gave: the object's metadata and its first bytes, or object_store's
+/// error.
+type Opening = Result<(ObjectMeta, Bytes), object_store::Error>;
+
 impl ObjectFile {
     pub(crate) fn open(storage: &ObjectStorage, url: &Path) -> Result<ObjectFile, StorageError> {
         let located = storage.locate(url)?;
@@ -68,54 +130,70 @@ impl ObjectFile {
         let want = storage.options().prefix_bytes.max(1) as u64;
         let get = GetOptions { range: Some(GetRange::Bounded(0..want)), ..Default::default() };
         let (s, k) = (store.clone(), key.clone());
-        let first = runtime::block_on(async move {
-            let r = s.get_opts(&k, get).await?;
+        let first: Opening = runtime::block_on(async move {
+            let r = match s.get_opts(&k, get).await {
+                Ok(r) => r,
+                Err(e) => return Ok(Err(e)),
+            };
             let (meta, range) = (r.meta.clone(), r.range.clone());
-            let bytes = r.bytes().await?;
-            Ok::<_, object_store::Error>((meta, range, bytes))
-        })
-        .map_err(|e| StorageError::io(url, "GET", e))?;
-        let (size, etag, version, prefix) = match first {
-            Ok((meta, range, bytes)) => {
-                if range.start != 0 || bytes.len() as u64 != range.end - range.start || range.end > meta.size {
-                    return Err(StorageError::Io {
-                        path: url.to_owned(),
-                        op: "GET",
-                        source: std::io::Error::other(format!(
-                            "the server answered bytes {}..{} ({} received) of a {}-byte object for a request of bytes 0..{want}",
-                            range.start,
-                            range.end,
-                            bytes.len(),
-                            meta.size
-                        )),
-                    });
-                }
-                (meta.size, meta.e_tag, meta.version, bytes)
+            if range.start != 0 || range.end > want || range.end > meta.size {
+                return Err(format!(
+                    "the server answered bytes {}..{} of a {}-byte object for a request of bytes 0..{want}",
+                    range.start, range.end, meta.size
+                ));
             }
+            // Never more than was asked for, whatever the server sends (a body without end
+            // would otherwise be collected until memory runs out).
+            let limit = range.end as usize;
+            let mut bytes = Vec::with_capacity(limit);
+            let mut body = r.into_stream();
+            while let Some(piece) = body.next().await {
+                let piece = match piece {
+                    Ok(p) => p,
+                    Err(e) => return Ok(Err(e)),
+                };
+                if piece.len() > limit - bytes.len() {
+                    return Err(format!("the server sent more than the {limit} bytes its answer announced"));
+                }
+                bytes.extend_from_slice(&piece);
+            }
+            if bytes.len() != limit {
+                return Err(format!("the body ended after {} of the {limit} bytes announced", bytes.len()));
+            }
+            Ok(Ok((meta, Bytes::from(bytes))))
+        })
+        .map_err(|e| StorageError::io(url, "GET", e))?
+        .map_err(|message| StorageError::Io {
+            path: url.to_owned(),
+            op: "GET",
+            source: std::io::Error::other(message),
+        })?;
+        let (pin, prefix) = match first {
+            Ok((meta, bytes)) => (Pin::new(&meta), bytes),
             Err(e) if transient(&e) => {
                 // An empty object has no byte 0 to ask for: look it up instead.
                 let (s, k) = (store.clone(), key.clone());
                 match runtime::block_on(async move { s.head(&k).await })
                     .map_err(|e| StorageError::io(url, "HEAD", e))?
                 {
-                    Ok(meta) if meta.size == 0 => (0, meta.e_tag, meta.version, Bytes::new()),
-                    Ok(_) => return Err(storage.error(url, "GET", e)),
-                    Err(head) => return Err(storage.error(url, "HEAD", head)),
+                    Ok(meta) if meta.size == 0 => (Pin::new(&meta), Bytes::new()),
+                    // Not empty, or no answer to a HEAD either: the GET's failure is the one to tell.
+                    _ => return Err(storage.error(url, "GET", e)),
                 }
             }
             Err(e) => return Err(storage.error(url, "GET", e)),
         };
-        Ok(ObjectFile { storage: storage.clone(), url: url.to_owned(), store, key, size, etag, version, prefix })
+        Ok(ObjectFile { storage: storage.clone(), url: url.to_owned(), store, key, pin, prefix })
     }
 
     fn check_range(&self, offset: u64, len: usize) -> Result<(), StorageError> {
         match offset.checked_add(len as u64) {
-            Some(end) if end <= self.size => Ok(()),
+            Some(end) if end <= self.pin.size => Ok(()),
             end => Err(StorageError::ShortFile {
                 path: self.url.clone(),
                 offset,
                 end: end.unwrap_or(u64::MAX),
-                file_len: self.size,
+                file_len: self.pin.size,
             }),
         }
     }
@@ -144,16 +222,22 @@ impl ObjectFile {
         let end = offset + dst.len() as u64;
         let get = GetOptions {
             range: Some(GetRange::Bounded(start..end)),
-            if_match: self.etag.clone(),
-            version: self.version.clone(),
+            if_match: self.pin.etag.clone(),
+            if_unmodified_since: self.pin.modified,
+            version: self.pin.version.clone(),
             ..Default::default()
         };
         // Held until the body is in: the backend's requests in flight stay within `concurrency`.
-        let _permit = self.storage.inner.permits.acquire().await.map_err(|_| StorageError::Cancelled)?;
+        let local = self.storage.local();
+        let _permit = local.permits.acquire().await.map_err(|_| StorageError::Cancelled)?;
         let result = match self.store.get_opts(&self.key, get).await {
             Ok(r) => r,
             Err(e) => return Ok(Err(e)),
         };
+        if let Some(what) = self.pin.differs(&result.meta) {
+            // The server ignored the condition (or the object has no validator to send).
+            return Err(changed(&self.url, &what));
+        }
         if result.range != (start..end) {
             return Err(self.protocol(format!(
                 "asked for bytes {start}..{end}, the server answered bytes {}..{}",
@@ -170,7 +254,7 @@ impl ObjectFile {
             if piece.len() > room.len() {
                 return Err(self.protocol(format!("the server sent more than the {} bytes asked for", end - start)));
             }
-            if let Some(wait) = self.storage.inner.limiter.reserve(piece.len()) {
+            if let Some(wait) = local.limiter.reserve(piece.len()) {
                 tokio::time::sleep(wait).await;
             }
             room[..piece.len()].copy_from_slice(&piece);
@@ -208,12 +292,14 @@ impl ObjectFile {
     }
 }
 
-/// The version tag of an object: its ETag, and its version id where the store keeps versions;
-/// `None` when the store gives neither (nothing can then tell two contents apart).
-pub(crate) fn version_tag(etag: Option<&str>, version: Option<&str>) -> Option<String> {
-    match (etag, version) {
-        (None, None) => None,
-        (e, v) => Some(format!("etag={} version={}", e.unwrap_or("-"), v.unwrap_or("-"))),
+/// The error for an object whose answers no longer match the version the read started with.
+pub(crate) fn changed(url: &Path, what: &str) -> StorageError {
+    StorageError::Io {
+        path: url.to_owned(),
+        op: "GET",
+        source: std::io::Error::other(format!(
+            "the object changed while it was being read ({what}); nothing was returned: load it again"
+        )),
     }
 }
 
@@ -236,7 +322,7 @@ impl StorageFile for ObjectFile {
     }
 
     fn len(&self) -> u64 {
-        self.size
+        self.pin.size
     }
 
     fn reader(&self) -> Result<Box<dyn RangeReader + '_>, StorageError> {
@@ -248,7 +334,7 @@ impl StorageFile for ObjectFile {
     }
 
     fn version(&self) -> Option<String> {
-        version_tag(self.etag.as_deref(), self.version.as_deref())
+        self.pin.tag()
     }
 
     fn read_ranges_reported(
@@ -265,7 +351,9 @@ impl StorageFile for ObjectFile {
             self.check_range(r.offset, r.dst.len())?;
         }
         let options = self.storage.options();
-        let part = options.part_size.max(1);
+        // Without a validator nothing tells two versions' parts apart: each range is one GET
+        // (its answer's size still checked), never parts of several.
+        let part = if self.pin.validated() { options.part_size.max(1) } else { usize::MAX };
         let mut remote: Vec<Chunk<'_>> = Vec::new();
         for c in split_requests(requests, part) {
             if c.dst.is_empty() {

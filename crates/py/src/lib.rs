@@ -48,7 +48,7 @@ fn error_to_py(e: &Error) -> PyErr {
         Python::attach(|py| {
             let v = err.value(py);
             let _ = v.setattr("reason", reason);
-            let _ = v.setattr("filename", path.display().to_string());
+            let _ = v.setattr("filename", turboio::storage::shown(path).to_string());
         });
         err
     };
@@ -65,7 +65,9 @@ fn error_to_py(e: &Error) -> PyErr {
                 None => source.to_string(),
             },
         ),
-        Error::Decrypted { path, .. } => invalid_file(path, msg[path.display().to_string().len() + 2..].to_owned()),
+        Error::Decrypted { path, .. } => {
+            invalid_file(path, msg[turboio::storage::shown(path).to_string().len() + 2..].to_owned())
+        }
         Error::Unsupported { .. } => PyValueError::new_err(msg),
         Error::Cancelled { .. } => PyKeyboardInterrupt::new_err(msg),
         // A selected name the checkpoint does not hold, as a dict lookup would say.

@@ -8,20 +8,23 @@ use std::path::{Path, PathBuf};
 #[non_exhaustive]
 pub enum StorageError {
     /// The file (or its directory) does not exist.
-    #[error("{}: no such file or directory", path.display())]
+    #[error("{}: no such file or directory", crate::shown(path))]
     NotFound {
         /// The path asked for.
         path: PathBuf,
     },
     /// The OS refused access.
-    #[error("{}: permission denied", path.display())]
+    #[error("{}: permission denied", crate::shown(path))]
     PermissionDenied {
         /// The path asked for.
         path: PathBuf,
     },
     /// A read asked for bytes past the end of the file (the file is shorter than expected, e.g.
     /// truncated while being read).
-    #[error("{}: file is too short: wanted bytes {offset}..{end} but the file has {file_len} bytes", path.display())]
+    #[error(
+        "{}: file is too short: wanted bytes {offset}..{end} but the file has {file_len} bytes",
+        crate::shown(path)
+    )]
     ShortFile {
         /// The file.
         path: PathBuf,
@@ -50,7 +53,7 @@ pub enum StorageError {
     },
     /// The backend cannot serve this path as set up: its native library is missing, or its
     /// configuration is incomplete or invalid (the message says which and how to fix it).
-    #[error("{}: {message}", path.display())]
+    #[error("{}: {message}", crate::shown(path))]
     Setup {
         /// The path asked for.
         path: PathBuf,
@@ -61,7 +64,7 @@ pub enum StorageError {
     /// they were read, and the backend found out only afterwards ([`crate::StorageFile::confirm`] of
     /// a file opened with [`crate::Storage::open_unconfirmed`]: a cached copy whose currency was
     /// being checked while it was read). Reading it again gives the current version.
-    #[error("{}: changed while it was read: {message}", path.display())]
+    #[error("{}: changed while it was read: {message}", crate::shown(path))]
     Changed {
         /// The file.
         path: PathBuf,
@@ -72,7 +75,7 @@ pub enum StorageError {
     #[error("cancelled")]
     Cancelled,
     /// The data source of a write failed (e.g. a tensor whose bytes are short).
-    #[error("{}: {message}", path.display())]
+    #[error("{}: {message}", crate::shown(path))]
     Source {
         /// The file being written.
         path: PathBuf,
@@ -80,7 +83,7 @@ pub enum StorageError {
         message: String,
     },
     /// Any other I/O failure, with the operation that failed.
-    #[error("{}: {op} failed: {source}", path.display())]
+    #[error("{}: {op} failed: {source}", crate::shown(path))]
     Io {
         /// The file.
         path: PathBuf,

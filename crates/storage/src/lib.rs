@@ -41,12 +41,14 @@
 
 mod error;
 mod parallel;
+mod shown;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
 pub use error::StorageError;
 pub use parallel::{default_threads, for_each_chunk, run_workers, split_requests, threads_or_default, Chunk};
+pub use shown::{shown, Shown};
 
 use std::fmt::Debug;
 use std::path::Path;

@@ -8,7 +8,7 @@ use turboio_storage::StorageError;
 #[non_exhaustive]
 pub enum Error {
     /// The file is not a valid safetensors file (or the tensors given to a save are inconsistent).
-    #[error("{}: invalid safetensors file: {source}{}", path.display(), hint.as_deref().map(|h| format!("; {h}")).unwrap_or_default())]
+    #[error("{}: invalid safetensors file: {source}{}", turboio_storage::shown(path), hint.as_deref().map(|h| format!("; {h}")).unwrap_or_default())]
     Format {
         /// The file.
         path: PathBuf,
@@ -23,7 +23,7 @@ pub enum Error {
     #[error(transparent)]
     Storage(#[from] StorageError),
     /// The device failed (allocation, copy, mapping).
-    #[error("{}: {source}", path.display())]
+    #[error("{}: {source}", turboio_storage::shown(path))]
     Device {
         /// The file being loaded or saved.
         path: PathBuf,
@@ -32,7 +32,7 @@ pub enum Error {
         source: DeviceError,
     },
     /// An option that cannot be honoured for this file or build.
-    #[error("{}: {message}", path.display())]
+    #[error("{}: {message}", turboio_storage::shown(path))]
     Unsupported {
         /// The file.
         path: PathBuf,
@@ -41,7 +41,7 @@ pub enum Error {
     },
     /// No key could be found or made for an encrypted file (the message lists every source
     /// tried and why each failed).
-    #[error("{}: {message}", path.display())]
+    #[error("{}: {message}", turboio_storage::shown(path))]
     Key {
         /// The file.
         path: PathBuf,
@@ -50,7 +50,7 @@ pub enum Error {
     },
     /// An encrypted file decrypted to neither a valid safetensors file nor a torch file: almost
     /// always a wrong key or IV. Nothing was written or returned.
-    #[error("{}: the decrypted file is neither a valid safetensors file ({source}) nor a torch file: wrong key or IV? ({key_source})", path.display())]
+    #[error("{}: the decrypted file is neither a valid safetensors file ({source}) nor a torch file: wrong key or IV? ({key_source})", turboio_storage::shown(path))]
     Decrypted {
         /// The file.
         path: PathBuf,
@@ -62,7 +62,7 @@ pub enum Error {
     },
     /// A name or pattern of [`LoadOptions::tensors`](crate::LoadOptions::tensors) matches no
     /// tensor of the file (or of the model); nothing was read.
-    #[error("{}: no tensor matches `{pattern}`{}", path.display(), closest(close))]
+    #[error("{}: no tensor matches `{pattern}`{}", turboio_storage::shown(path), closest(close))]
     NoMatch {
         /// The file, or the model's index or first shard.
         path: PathBuf,
@@ -74,7 +74,7 @@ pub enum Error {
     /// The load does not fit in the memory available (or the budget given); it failed before
     /// allocating anything. The message says what was needed, what is available and what would
     /// fit.
-    #[error("{}: {message}", path.display())]
+    #[error("{}: {message}", turboio_storage::shown(path))]
     WontFit {
         /// The file, or the model's index or first shard.
         path: PathBuf,
@@ -82,7 +82,7 @@ pub enum Error {
         message: String,
     },
     /// The operation was cancelled.
-    #[error("{}: cancelled", path.display())]
+    #[error("{}: cancelled", turboio_storage::shown(path))]
     Cancelled {
         /// The file.
         path: PathBuf,

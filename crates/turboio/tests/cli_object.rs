@@ -2,6 +2,9 @@
 //! test through the venv's Python): gen, inspect, load --check of files and model prefixes,
 //! options from the environment and from --storage-option, errors.
 
+#[path = "../../../tests/src/hostile_http.rs"]
+#[allow(dead_code)]
+mod hostile_http;
 #[path = "../../../tests/src/python.rs"]
 mod python;
 #[path = "../../../tests/src/s3.rs"]
@@ -72,6 +75,59 @@ fn the_cli_loads_inspects_and_writes_urls() {
     // Errors name the URL and never the secret.
     let (ok, out) = run(&["load", "s3://cli/missing.safetensors"]);
     assert!(!ok && out.contains("s3://cli/missing.safetensors") && !out.contains(s3::SECRET_KEY), "{out}");
+}
+
+/// Runs the binary with a deadline (a hang fails the test instead of stalling it).
+fn bounded(args: &[&str]) -> (bool, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_turboio"))
+        .args(args)
+        .env_remove("TURBOIO_CACHE_DIR")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("turboio {args:?} hung");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr))
+}
+
+#[test]
+fn hostile_servers_and_secret_urls_get_clear_errors_from_the_cli() {
+    use hostile_http::{Answer, Body, HostileServer};
+    // Issue 48, item 1: a first answer with a sane Content-Range and a body without end made
+    // `inspect` collect it until the allocation failed (an abort).
+    let endless = HostileServer::start(|_| Answer::Respond {
+        status: 206,
+        headers: vec![("Content-Range".into(), "bytes 0-1048575/2097152".into())],
+        body: Body::Endless,
+    });
+    let url = endless.url("model.safetensors");
+    let (ok, out) = bounded(&["inspect", &url]);
+    assert!(!ok && out.contains(&url) && out.contains("more than the 1048576 bytes"), "{out}");
+    assert!(!out.contains("memory allocation") && !out.contains("panicked"), "{out}");
+    // Item 3: a query is refused before any request (it was taken for a model prefix and
+    // listed, with retries); item 4: its secrets are not shown.
+    let quiet = HostileServer::start(|_| Answer::status(404));
+    let signed = quiet.url("model.safetensors?X-Amz-Signature=sekrit&X-Amz-Security-Token=tokentoken");
+    for command in ["inspect", "load"] {
+        let (ok, out) = bounded(&[command, &signed]);
+        assert!(
+            !ok && out.contains("query string") && out.contains(&quiet.url("model.safetensors?<redacted>")),
+            "{out}"
+        );
+        assert!(!out.contains("sekrit") && !out.contains("tokentoken"), "{out}");
+    }
+    assert!(quiet.requests().is_empty(), "{:?}", quiet.requests());
+    let with_user = format!("http://bob:pa55word@127.0.0.1:{}/missing.safetensors", quiet.port());
+    let (ok, out) = bounded(&["load", &with_user]);
+    assert!(!ok && !out.contains("pa55word") && out.contains("missing.safetensors"), "{out}");
 }
 
 #[test]
