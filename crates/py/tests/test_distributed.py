@@ -315,6 +315,52 @@ def test_fetch_once_runs_the_memory_plan_and_the_ranks_agree(tmp):
     mp.spawn(budget_worker, args=(2, str(d)), nprocs=2, join=True)
 
 
+def lone_failure_worker(rank, world, d):
+    import datetime
+
+    import turboio
+
+    # A short collective timeout: before every local step joined the agreement, rank 0 waited
+    # here for the group's timeout (30 minutes by default) while rank 1 had already raised.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{d}/init", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        # The same relative path on both ranks, but only rank 0's working directory holds it:
+        # rank 1 fails its local check, and every rank raises rank 1's error.
+        os.chdir(f"{d}/r{rank}")
+        with pytest.raises(FileNotFoundError, match=r"rank 1: model-a: no such file"):
+            turboio.load_model("model-a", process_group=dist.group.WORLD, fetch="once")
+        # A failed allocation on rank 1 (after the plan): the same.
+        real_empty = torch.empty
+        shard = os.path.getsize(f"{d}/r0/model-a/model.safetensors")
+
+        def failing_empty(*a, **k):
+            if rank == 1 and a == (shard,):  # the shard's buffer, not the collectives' own
+                raise RuntimeError("simulated allocation failure")
+            return real_empty(*a, **k)
+
+        torch.empty = failing_empty
+        try:
+            with pytest.raises(RuntimeError, match=r"rank 1: simulated allocation failure"):
+                turboio.load_model(f"{d}/r0/model-a", process_group=dist.group.WORLD, fetch="once")
+        finally:
+            torch.empty = real_empty
+        # And the group still works: the next load succeeds on both.
+        got = turboio.load_model(f"{d}/r0/model-a", process_group=dist.group.WORLD, fetch="once")
+        assert torch.equal(got["w"], torch.arange(4.0))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_failing_alone_fails_every_rank_at_once(tmp):
+    d = tmp / "lone"
+    (d / "r0" / "model-a").mkdir(parents=True)
+    (d / "r1").mkdir()
+    st.save_file({"w": torch.arange(4.0)}, str(d / "r0" / "model-a" / "model.safetensors"))
+    mp.spawn(lone_failure_worker, args=(2, str(d)), nprocs=2, join=True)
+
+
 def test_fetch_once_is_checked():
     import turboio
 

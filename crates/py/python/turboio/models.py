@@ -110,13 +110,17 @@ def load_model(
     if world_size is not None and not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, {world_size})")
     path = os.fspath(path)
-    if not _remote.is_remote(path) and not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file or directory")
     from ._dtypes import load_dtype
 
-    storage = _remote.storage(path, storage_options, cache_dir)
+    def setup():
+        if not _remote.is_remote(path) and not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: no such file or directory")
+        return _remote.storage(path, storage_options, cache_dir)
+
     if fetch == "once":
-        out = _load_replicated(path, process_group, storage, threads(num_thread), cache, max_host_memory)
+        # Every step a rank can fail alone joins the ranks' agreement (a rank raising here
+        # while the others wait in a collective would block them for the group's timeout).
+        out = _load_replicated(path, process_group, setup, threads(num_thread), cache, max_host_memory)
         if dtype is not None:
             from ._dtypes import CASTABLE, torch_dtype
 
@@ -130,7 +134,7 @@ def load_model(
             cache=cache,
             cipher=bool(use_cipher),
             dtype=load_dtype(dtype),
-            storage=storage,
+            storage=setup(),
             tensors=tensors,
             max_host_memory=max_host_memory,
         )
@@ -175,19 +179,50 @@ def _pieces(lens, world, rank):
     return out
 
 
-def _load_replicated(path, pg, storage, num_thread, cache, max_host_memory=None):
+_BUILTIN_ERRORS = {
+    e.__name__: e
+    for e in (FileNotFoundError, PermissionError, IsADirectoryError, OSError, ValueError, KeyError, TypeError, MemoryError)
+}
+
+
+def _agree(pg, world, step, share=None):
+    """Runs this rank's `step()` and agrees on the outcome with every rank of `pg` in one
+    `all_gather_object`: returns `(result, [every rank's share])`, or raises on every rank the
+    first failing rank's error (`rank R: message`, its type kept for built-in errors) so that no
+    rank is left waiting in a later collective for the group's timeout."""
+    import torch.distributed as dist
+
+    result, failure = None, None
+    try:
+        result = step()
+    except Exception as e:  # noqa: BLE001 -- every rank raises it below
+        failure = (type(e).__name__, str(e))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (failure, share), group=pg)
+    for r, (f, _) in enumerate(gathered):
+        if f is not None:
+            raise _BUILTIN_ERRORS.get(f[0], RuntimeError)(f"rank {r}: {f[1]}")
+    return result, [sh for _, sh in gathered]
+
+
+def _load_replicated(path, pg, setup, num_thread, cache, max_host_memory=None):
     import torch
     import torch.distributed as dist
 
     from ._dtypes import torch_dtype_for, torch_shape
 
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    if storage is None and _remote.is_object_url(path) and os.environ.get("TURBOIO_CACHE_DIR"):
-        storage = _turboio.ObjectStorage({})  # the environment's store and node cache
     src0 = dist.get_global_rank(pg, 0) if pg is not dist.group.WORLD else 0
-    # Every rank must ask for the same model: rank 0's plan serves them all.
-    asked = [None] * world
-    dist.all_gather_object(asked, str(path), group=pg)
+
+    def local_setup():
+        storage = setup()
+        if storage is None and _remote.is_object_url(path) and os.environ.get("TURBOIO_CACHE_DIR"):
+            storage = _turboio.ObjectStorage({})  # the environment's store and node cache
+        return storage
+
+    # Agreement 1: this rank's path check and storage, and every rank's request (rank 0's plan
+    # serves them all, so every rank must ask for the same model).
+    storage, asked = _agree(pg, world, local_setup, share=str(path))
     other = next((r for r, a in enumerate(asked) if a != asked[0]), None)
     if other is not None:
         raise ValueError(
@@ -205,26 +240,20 @@ def _load_replicated(path, pg, storage, num_thread, cache, max_host_memory=None)
             plan = [("error", type(e).__name__, str(e))]
     dist.broadcast_object_list(plan, src=src0, group=pg)
     if plan[0][0] == "error":
-        kind = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError}.get(plan[0][1], RuntimeError)
-        raise kind(plan[0][2])
+        raise _BUILTIN_ERRORS.get(plan[0][1], RuntimeError)(plan[0][2])
     _, index, shards, weight_map, versions = plan[0]
     lens = [n for n, _ in versions]
     on_gpu = dist.get_backend(pg) == "nccl"
-    # The memory plan every load runs (the whole model in host memory on every rank; on NCCL
-    # the shards are in device memory), checked by each rank and agreed: if one rank's does not
-    # fit, every rank raises its error.
-    verdict = None
-    try:
+
+    # Agreement 2: the memory plan every load runs (the whole model in host memory on every
+    # rank; on NCCL the shards are in device memory) and the allocation of the shards' buffers,
+    # checked by each rank: if one rank's does not fit or fails, every rank raises its error.
+    def allocate():
         _turboio._check_host_memory(index or path, 0 if on_gpu else sum(lens), max_host_memory)
-    except MemoryError as e:
-        verdict = f"rank {rank}: {e}"
-    verdicts = [None] * world
-    dist.all_gather_object(verdicts, verdict, group=pg)
-    refused = next((v for v in verdicts if v is not None), None)
-    if refused is not None:
-        raise MemoryError(refused)
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    bufs = [torch.empty(n, dtype=torch.uint8, device=device) for n in lens]
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        return [torch.empty(n, dtype=torch.uint8, device=device) for n in lens]
+
+    bufs, _ = _agree(pg, world, allocate)
     # Pieces are read past the node cache (it keeps whole objects only; ranks of one host would
     # otherwise wait on each other's fills of the same shard).
     reader = storage.without_cache() if storage is not None else None
