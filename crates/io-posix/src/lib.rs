@@ -110,7 +110,9 @@
 //! 6. Temporary files of earlier saves of the same name whose writer is gone (killed mid-save)
 //!    are removed: unlocked, and either written on this boot and PID namespace by a process
 //!    that no longer exists, or untouched for an hour (see [`abandoned_temp`]; a PID alone is
-//!    wrong across hosts sharing a file system and across containers).
+//!    wrong across hosts sharing a file system and across containers). The directory is listed
+//!    for them once per process ([`leftover_scans`]), at the first save into it: leftovers a
+//!    writer killed later leaves are removed by the next process's first save there.
 //!
 //! Other data paths (GPUDirect Storage writes from device memory) use the same protocol through
 //! [`PosixStorage::replace_with`], which hands the temporary file to the caller's transfer.
@@ -221,6 +223,12 @@ pub struct ReadReport {
 /// state once, so tests and reports count them per load.
 pub fn residency_probes() -> u64 {
     sys::PROBES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// How many times this process has listed a directory for the leftovers of earlier saves
+/// (once per directory it saves into; see step 6 of the write protocol).
+pub fn leftover_scans() -> u64 {
+    temp::SCANS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Whether io_uring works here (probed once, then cached).

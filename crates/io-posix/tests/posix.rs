@@ -1063,3 +1063,40 @@ fn a_killed_saves_leftover_is_removed_under_the_name_it_has() {
     turboio_io_posix::wait_for_deletions();
     assert!(names().is_empty(), "{:?}", names());
 }
+
+/// Issue 48, item 16: a save used to list its whole directory for the leftovers of earlier
+/// saves (4 ms in an empty directory, 35 ms among 80,000 files), so saving many files into one
+/// directory was quadratic. Now the first save into a directory lists it once for the process;
+/// later saves recheck only what that listing saw.
+#[test]
+fn a_directory_is_listed_for_leftovers_once_per_process() {
+    let dir = scratch_in(&local_dir());
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let tag = turboio_io_posix::owner_tag();
+    let leftover = |name: &str, pid: u32, n: u32| dir.path().join(format!(".{name}.turboio-tmp.{pid}.{tag}.{n:016x}"));
+    // Before the first save: a dead writer's temporary of a.bin, and this live process's of b.bin.
+    let dead_a = leftover("a.bin", dead, 1);
+    let live_b = leftover("b.bin", std::process::id(), 2);
+    for p in [&dead_a, &live_b] {
+        std::fs::write(p, b"partial").unwrap();
+    }
+    let st = PosixStorage::new();
+    let before = turboio_io_posix::leftover_scans();
+    st.write_file(&dir.path().join("a.bin"), &BytesSource(b"a"), &IoOptions::default()).unwrap();
+    assert!(!dead_a.exists(), "the first save removes what the listing found");
+    for i in 0..64 {
+        st.write_file(&dir.path().join(format!("c{i}.bin")), &BytesSource(b"c"), &IoOptions::default()).unwrap();
+    }
+    let scans = turboio_io_posix::leftover_scans() - before;
+    // (Other tests of this binary save into their own directories meanwhile: far fewer than 64.)
+    assert!(scans < 32, "65 saves into one directory listed directories {scans} times");
+    // What the listing saw and a live writer held is looked at again by the next save of its
+    // name; it stays while its writer lives.
+    st.write_file(&dir.path().join("b.bin"), &BytesSource(b"b"), &IoOptions::default()).unwrap();
+    assert!(live_b.exists(), "a live writer's temporary file is left");
+    std::fs::remove_file(&live_b).unwrap();
+    st.write_file(&dir.path().join("b.bin"), &BytesSource(b"b2"), &IoOptions::default()).unwrap();
+    assert_eq!(std::fs::read(dir.path().join("b.bin")).unwrap(), b"b2");
+}
