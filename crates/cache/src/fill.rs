@@ -294,6 +294,42 @@ impl StorageFile for Filling {
         opts: &IoOptions<'_>,
     ) -> Result<turboio_storage::ReadInfo> {
         let done = self.state().done;
+        if done {
+            return self.inner.read_ranges_reported(requests, opts);
+        }
+        // While the load reads, the part file's modification time moves every HEARTBEAT: the
+        // processes waiting for this fetch see it alive however slowly whole chunks arrive (a
+        // chunk is written only when all of it is in: 8 MiB at 1 MiB/s is 8 s).
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let result = std::thread::scope(|s| {
+            let part = &self.part;
+            s.spawn(move || {
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(HEARTBEAT) {
+                    let _ = part.set_modified(std::time::SystemTime::now());
+                }
+            });
+            let result = self.read_filling(requests, opts);
+            drop(stop);
+            result
+        });
+        result
+    }
+
+    fn requests_in_flight(&self) -> usize {
+        self.inner.requests_in_flight()
+    }
+
+    fn version(&self) -> Option<String> {
+        Some(self.tag.clone())
+    }
+}
+
+/// How often a fetch in progress shows it is alive (the waiters' patience is [`crate::STALL`]).
+pub(crate) const HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl Filling {
+    fn read_filling(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<turboio_storage::ReadInfo> {
+        let done = self.state().done;
         let info = match opts.hook {
             // The entry is published or abandoned: nothing more goes to it.
             None if done => self.inner.read_ranges_reported(requests, opts)?,
@@ -315,13 +351,5 @@ impl StorageFile for Filling {
             _ => "storage, written through to the node cache",
         };
         Ok(turboio_storage::ReadInfo { method, ..info })
-    }
-
-    fn requests_in_flight(&self) -> usize {
-        self.inner.requests_in_flight()
-    }
-
-    fn version(&self) -> Option<String> {
-        Some(self.tag.clone())
     }
 }

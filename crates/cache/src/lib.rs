@@ -60,9 +60,12 @@
 //!
 //! A miss takes the key's lock. The process that gets it fetches (the load's own reads, each
 //! chunk also written to the part file as above). The others wait while that fetch makes
-//! progress and then load the published entry locally; if it stops writing for [`STALL`] (it
-//! died: its lock is gone; or it reads only part of the object and then idles), they load from
-//! the store without the cache. A load that reads only part of the object (a tensor subset,
+//! progress and then load the published entry locally. Progress is the part file's
+//! modification time, which the fetch moves every second while its load reads (a heartbeat:
+//! on a slow store a whole chunk can take longer than the waiters' patience to arrive), as
+//! well as with every chunk written; if it stands still for [`STALL`] (the fetch died: its lock
+//! is gone; or it read only part of the object and then idles), they load from the store
+//! without the cache. A load that reads only part of the object (a tensor subset,
 //! one rank's block) publishes nothing, unless what is missing is small (at most 16 MiB and an
 //! eighth of the object: a `.pt` file's zip records), which it then fetches when the file is
 //! closed.

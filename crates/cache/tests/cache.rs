@@ -346,6 +346,26 @@ fn many_readers_at_once_fetch_the_object_once() {
     assert_eq!(read, data.len() as u64, "four readers, one fetch");
 }
 
+/// Issue 48, item 8: waiters judged the fetch's progress by its part file, which moves only
+/// when a whole chunk is in, and gave up after STALL: on a slow store every waiter fetched the
+/// object again. The fetch now shows a heartbeat while it reads.
+#[test]
+fn waiters_wait_for_a_slow_fetch_that_is_alive() {
+    // Each 1 MiB chunk takes longer than the waiters' patience to arrive.
+    let (dir, inner, cache) = setup(Some(turboio_cache::STALL + Duration::from_millis(1500)));
+    let path = dir.path().join("store/slow.bin");
+    let data = pattern(2 << 20, 4);
+    std::fs::write(&path, &data).unwrap();
+    let cache = Arc::new(cache);
+    std::thread::scope(|s| {
+        for _ in 0..3 {
+            s.spawn(|| assert_eq!(read_all(cache.as_ref(), &path).0, data));
+        }
+    });
+    let read = inner.read.load(Ordering::Relaxed);
+    assert_eq!(read, data.len() as u64, "three readers of a slow store, one fetch");
+}
+
 #[test]
 fn an_unwritable_cache_never_fails_a_load() {
     let dir = tempfile::tempdir().unwrap();
