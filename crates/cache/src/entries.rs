@@ -15,6 +15,7 @@ pub struct NodeCache {
     dir: PathBuf,
     max_bytes: Option<u64>,
     revalidate_after: Option<Duration>,
+    shared: bool,
 }
 
 /// One complete entry.
@@ -72,6 +73,70 @@ struct Meta {
     url: String,
     version: String,
     len: u64,
+    /// Hex SHA-256 of the entry's bytes, recorded at publication in a shared cache (verified
+    /// before a hit is served there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sha256: Option<String>,
+}
+
+/// Opens `path` in a cache directory without following a symbolic link at it (`O_NOFOLLOW`: a
+/// link planted there must not make this process read or write the file it points to), and
+/// refuses what is not a regular file, or (in a private cache) a file of another user.
+/// `create`: `Some(true)` creates it new (`O_EXCL`), `Some(false)` creates it if missing;
+/// created files get mode 0600 (0644 in a shared cache).
+pub(crate) fn open_entry_file(path: &Path, write: bool, create: Option<bool>, shared: bool) -> io::Result<File> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let mut o = OpenOptions::new();
+    o.read(true).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC).mode(if shared { 0o644 } else { 0o600 });
+    if write {
+        o.write(true);
+    }
+    match create {
+        Some(true) => {
+            o.write(true).create_new(true);
+        }
+        Some(false) => {
+            o.write(true).create(true);
+        }
+        None => {}
+    }
+    let file = o.open(path).map_err(|e| match e.raw_os_error() {
+        Some(libc::ELOOP) => {
+            io::Error::new(io::ErrorKind::PermissionDenied, format!("{} is a symbolic link: refused", path.display()))
+        }
+        _ => e,
+    })?;
+    let md = file.metadata()?;
+    if !md.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("{} is not a regular file", path.display()),
+        ));
+    }
+    if !shared && md.uid() != nix::unistd::geteuid().as_raw() {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("{} belongs to uid {}, not to this user: refused in a private cache", path.display(), md.uid()),
+        ));
+    }
+    Ok(file)
+}
+
+/// Hex SHA-256 of a file's bytes.
+pub(crate) fn sha256_of(file: &File) -> io::Result<String> {
+    use std::os::unix::fs::FileExt;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 8 << 20];
+    let mut at = 0u64;
+    loop {
+        let n = file.read_at(&mut buf, at)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        at += n as u64;
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// The files of one key: `KEY.data` (complete, published by rename), `KEY.json` (what it holds),
@@ -81,6 +146,8 @@ struct Meta {
 pub(crate) struct Slot {
     pub(crate) key: String,
     pub(crate) dir: PathBuf,
+    /// The cache is shared between users (see [`NodeCache::with_shared`]).
+    pub(crate) shared: bool,
 }
 
 /// An exclusive hold on a key: the one fetch of it on this node.
@@ -121,8 +188,7 @@ impl Slot {
 
     /// Takes the key's lock without waiting (creating the directory and the lock file).
     pub(crate) fn try_lock(&self) -> io::Result<Locking> {
-        fs::create_dir_all(&self.dir)?;
-        let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(self.lock_path())?;
+        let file = open_entry_file(&self.lock_path(), true, Some(false), self.shared)?;
         match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             Ok(lock) => Ok(Locking::Held(lock)),
             Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(Locking::Busy),
@@ -142,11 +208,7 @@ impl Slot {
     pub(crate) fn start_part(&self, lock: &mut KeyLock) -> io::Result<(PathBuf, File)> {
         self.remove_parts();
         let path = self.new_part();
-        let made = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
+        let made = open_entry_file(&path, true, Some(true), self.shared)
             .and_then(|part| Slot::announce(lock, &path).map(|()| part));
         match made {
             Ok(part) => Ok((path, part)),
@@ -160,7 +222,7 @@ impl Slot {
     /// When the fetch holding the lock last wrote a byte (its part file's modification time).
     pub(crate) fn progress(&self) -> Option<SystemTime> {
         let mut name = Vec::new();
-        File::open(self.lock_path()).ok()?.read_to_end(&mut name).ok()?;
+        open_entry_file(&self.lock_path(), false, None, self.shared).ok()?.read_to_end(&mut name).ok()?;
         let part = PathBuf::from(String::from_utf8(name).ok()?);
         fs::metadata(part).ok()?.modified().ok()
     }
@@ -179,11 +241,19 @@ impl Slot {
         removed
     }
 
+    /// The content hash recorded for the entry (shared caches), if any.
+    pub(crate) fn recorded_sha256(&self) -> Option<String> {
+        let mut body = Vec::new();
+        open_entry_file(&self.meta(), false, None, self.shared).ok()?.read_to_end(&mut body).ok()?;
+        serde_json::from_slice::<Meta>(&body).ok()?.sha256
+    }
+
     /// Records what the entry holds, atomically.
-    pub(crate) fn write_meta(&self, url: &str, version: &str, len: u64) -> io::Result<()> {
-        let meta = Meta { url: url.to_owned(), version: version.to_owned(), len };
+    pub(crate) fn write_meta(&self, url: &str, version: &str, len: u64, sha256: Option<String>) -> io::Result<()> {
+        let meta = Meta { url: url.to_owned(), version: version.to_owned(), len, sha256 };
         let tmp = self.dir.join(format!("{}.{}{SUFFIX_META}.tmp", self.key, std::process::id()));
-        let mut f = File::create(&tmp)?;
+        let _ = fs::remove_file(&tmp); // one a killed process of this pid left
+        let mut f = open_entry_file(&tmp, true, Some(true), self.shared)?;
         f.write_all(&serde_json::to_vec(&meta).map_err(io::Error::other)?)?;
         f.sync_data()?;
         fs::rename(&tmp, self.meta()).inspect_err(|_| {
@@ -220,7 +290,66 @@ pub(crate) fn clean_url(url: &str) -> String {
 impl NodeCache {
     /// A cache in `dir` (created on first use), without a size limit.
     pub fn new(dir: impl Into<PathBuf>) -> NodeCache {
-        NodeCache { dir: dir.into(), max_bytes: None, revalidate_after: None }
+        NodeCache { dir: dir.into(), max_bytes: None, revalidate_after: None, shared: false }
+    }
+
+    /// Shares the cache between the users of the node (`TURBOIO_CACHE_SHARED=1`). A private
+    /// cache (the default) is used only in a directory this user owns that no other user can
+    /// write (created 0700 if missing), and uses only files of this user; its entries are
+    /// 0600. A shared one takes a directory others write too (its permissions, set up by
+    /// whoever shares it, decide who), makes entries 0644, and serves an entry only after its
+    /// bytes match the SHA-256 recorded when it was published (a full read of the entry per
+    /// process that first uses it, at SHA-256's speed: the price of trusting other users'
+    /// files).
+    pub fn with_shared(mut self, shared: bool) -> NodeCache {
+        self.shared = shared;
+        self
+    }
+
+    /// True for a cache shared between users ([`with_shared`](Self::with_shared)).
+    pub fn shared(&self) -> bool {
+        self.shared
+    }
+
+    /// Makes the directory if missing (0700; 02770 when shared) and checks that it may be used:
+    /// a private cache's must belong to this user and be writable by nobody else. The error
+    /// says why not (the load then goes on without the cache).
+    pub(crate) fn check_dir(&self) -> io::Result<()> {
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+        if fs::symlink_metadata(&self.dir).is_err() {
+            if let Some(parent) = self.dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                fs::create_dir_all(parent)?;
+            }
+            match fs::DirBuilder::new().mode(if self.shared { 0o2770 } else { 0o700 }).create(&self.dir) {
+                Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(e),
+                _ => {}
+            }
+        }
+        if self.shared {
+            return Ok(());
+        }
+        let md = fs::metadata(&self.dir)?;
+        let me = nix::unistd::geteuid().as_raw();
+        let why = if !md.is_dir() {
+            Some("is not a directory".to_owned())
+        } else if md.uid() != me {
+            Some(format!("belongs to uid {}, not to this user (uid {me})", md.uid()))
+        } else if md.mode() & 0o022 != 0 {
+            Some(format!("is writable by other users (mode {:o})", md.mode() & 0o7777))
+        } else {
+            None
+        };
+        match why {
+            None => Ok(()),
+            Some(why) => Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{why}: not used as a private cache (another user could plant entries or links in it); use a \
+                     directory of your own, or set {}=1 to share one between users",
+                    crate::ENV_SHARED
+                ),
+            )),
+        }
     }
 
     /// Trusts the version the store reported for a URL for `interval` after asking (the
@@ -246,8 +375,11 @@ impl NodeCache {
     /// The version the store reported for `url` last, and how long ago.
     pub(crate) fn last_seen(&self, url: &str) -> Option<(Version, Duration)> {
         let path = self.seen_path(url);
-        let age = fs::metadata(&path).ok()?.modified().ok()?.elapsed().unwrap_or_default();
-        let seen: Seen = serde_json::from_slice(&fs::read(&path).ok()?).ok()?;
+        let mut f = open_entry_file(&path, false, None, self.shared).ok()?;
+        let age = f.metadata().ok()?.modified().ok()?.elapsed().unwrap_or_default();
+        let mut body = Vec::new();
+        f.read_to_end(&mut body).ok()?;
+        let seen: Seen = serde_json::from_slice(&body).ok()?;
         Some((Version { len: seen.len, tag: seen.tag }, age))
     }
 
@@ -271,9 +403,11 @@ impl NodeCache {
     pub(crate) fn saw(&self, url: &str, version: &Version) {
         let path = self.seen_path(url);
         if self.revalidate_after.is_none() {
-            let same = fs::read(&path)
+            let mut body = Vec::new();
+            let same = open_entry_file(&path, false, None, self.shared)
+                .and_then(|mut f| f.read_to_end(&mut body))
                 .ok()
-                .and_then(|b| serde_json::from_slice::<Seen>(&b).ok())
+                .and_then(|_| serde_json::from_slice::<Seen>(&body).ok())
                 .is_some_and(|s| s.tag == version.tag && s.len == version.len);
             if same {
                 return;
@@ -284,8 +418,9 @@ impl NodeCache {
         let tmp = path.with_extension(format!("{}-{n}.tmp", std::process::id()));
         let seen = Seen { tag: version.tag.clone(), len: version.len, key: NodeCache::key(url, version) };
         let body = serde_json::to_vec(&seen).unwrap_or_default();
-        let written =
-            fs::create_dir_all(&self.dir).and_then(|()| fs::write(&tmp, body)).and_then(|()| fs::rename(&tmp, &path));
+        let written = open_entry_file(&tmp, true, Some(true), self.shared)
+            .and_then(|mut f| f.write_all(&body))
+            .and_then(|()| fs::rename(&tmp, &path));
         if written.is_err() {
             let _ = fs::remove_file(&tmp);
         }
@@ -310,7 +445,9 @@ impl NodeCache {
             }
             _ => None,
         };
-        Ok(Some(NodeCache::new(dir).with_max_bytes(max).with_revalidate_after(env_revalidate()?)))
+        Ok(Some(
+            NodeCache::new(dir).with_max_bytes(max).with_revalidate_after(env_revalidate()?).with_shared(env_shared()?),
+        ))
     }
 
     /// The cache a caller configured: `dir` (else `TURBOIO_CACHE_DIR`; none if neither) bounded
@@ -328,7 +465,10 @@ impl NodeCache {
             Some(r) => Some(r),
             None => env_revalidate()?,
         };
-        Ok(dir.or(env.map(|c| c.dir)).map(|d| NodeCache::new(d).with_max_bytes(max).with_revalidate_after(revalidate)))
+        let shared = env_shared()?;
+        Ok(dir
+            .or(env.map(|c| c.dir))
+            .map(|d| NodeCache::new(d).with_max_bytes(max).with_revalidate_after(revalidate).with_shared(shared)))
     }
 
     /// The directory.
@@ -347,7 +487,7 @@ impl NodeCache {
     }
 
     pub(crate) fn slot(&self, key: String) -> Slot {
-        Slot { key, dir: self.dir.clone() }
+        Slot { key, dir: self.dir.clone(), shared: self.shared }
     }
 
     /// The complete entries, most recently used first. A missing directory has none.
@@ -382,6 +522,7 @@ impl NodeCache {
     /// Entries in use by a running load stay readable to
     /// it (their files are unlinked, not overwritten).
     pub fn prune(&self, max_bytes: u64) -> io::Result<PruneReport> {
+        self.check_dir()?;
         let mut report = self.remove_stale()?;
         let evicted = self.evict_lru(None, |total| total <= max_bytes)?;
         (report.removed, report.freed) = (evicted.removed, evicted.freed);
@@ -526,6 +667,18 @@ fn number_and_unit(text: &str) -> Option<(f64, &str)> {
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     Some((num.parse().ok()?, unit.trim()))
+}
+
+/// `TURBOIO_CACHE_SHARED`: `1`/`true`/`yes` shares the cache, `0`/`false`/`no`/unset does not.
+fn env_shared() -> Result<bool, String> {
+    match std::env::var(crate::ENV_SHARED) {
+        Err(_) => Ok(false),
+        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "" | "0" | "false" | "no" | "off" => Ok(false),
+            "1" | "true" | "yes" | "on" => Ok(true),
+            _ => Err(format!("{}={v:?}: expected 1 or 0", crate::ENV_SHARED)),
+        },
+    }
 }
 
 fn env_revalidate() -> Result<Option<Duration>, String> {

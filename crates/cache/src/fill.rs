@@ -31,6 +31,12 @@ pub(crate) struct Filling {
     state: Mutex<State>,
 }
 
+/// True if `a` and `b` are the same file (device and inode).
+fn same_file(a: &File, b: &File) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    matches!((a.metadata(), b.metadata()), (Ok(x), Ok(y)) if x.dev() == y.dev() && x.ino() == y.ino())
+}
+
 /// `O_DIRECT`'s alignment (offsets, lengths and memory addresses), as the local backend uses.
 const DIRECT_ALIGN: usize = 4096;
 
@@ -67,7 +73,12 @@ impl Filling {
         // the serialised size updates of writes past its end.
         let _ = part.set_len(inner.len());
         use std::os::unix::fs::OpenOptionsExt;
-        let direct = File::options().write(true).custom_flags(nix::fcntl::OFlag::O_DIRECT.bits()).open(&part_path).ok();
+        let direct = File::options()
+            .write(true)
+            .custom_flags((nix::fcntl::OFlag::O_DIRECT | nix::fcntl::OFlag::O_NOFOLLOW).bits())
+            .open(&part_path)
+            .ok()
+            .filter(|d| same_file(d, &part));
         let f = Filling {
             inner,
             url,
@@ -166,7 +177,9 @@ pub(crate) fn publish_part(
     len: u64,
 ) -> std::io::Result<()> {
     part.sync_data()?;
-    slot.write_meta(url, tag, len)?;
+    // A shared cache records the bytes' hash, which every first use there checks.
+    let sha256 = if slot.shared { Some(crate::entries::sha256_of(part)?) } else { None };
+    slot.write_meta(url, tag, len, sha256)?;
     std::fs::rename(part_path, slot.data())?;
     File::open(&slot.dir)?.sync_all()
 }

@@ -39,6 +39,19 @@
 //!   (released by the kernel if that process dies); it names the fetch's part file.
 //! - `KEY.PID-N.part`: a fetch in progress.
 //!
+//! # Who may write the directory
+//!
+//! A private cache (the default) is used only in a directory this user owns and no other user
+//! can write; the cache creates it 0700 if missing, and its files 0600. Another directory (one
+//! owned by someone else, or writable by group or others) is refused: the load goes on from the
+//! store, with one warning. Every file in the directory is opened without following links
+//! (`O_NOFOLLOW`; temporary files with `O_EXCL`), and an entry is served only if it is a regular
+//! file of this user. To share one directory between users, set `TURBOIO_CACHE_SHARED=1`
+//! ([`NodeCache::with_shared`]): the directory's own permissions then decide who writes it,
+//! entries are 0644, and an entry is served only after its bytes match the SHA-256 recorded
+//! when it was published (one full read per process and entry: the price of trusting files
+//! other users wrote).
+//!
 //! # Writing through
 //!
 //! Each chunk a load receives is written to the entry's part file by a writer thread of the
@@ -117,6 +130,9 @@ pub const ENV_MAX_SIZE: &str = "TURBOIO_CACHE_MAX_SIZE";
 /// The environment variable setting how long a version the store reported is trusted
 /// (`300`, `5m`; unset or 0: the store is asked on every open).
 pub const ENV_REVALIDATE: &str = "TURBOIO_CACHE_REVALIDATE";
+/// The environment variable that shares the cache between users (`1`; see
+/// [`NodeCache::with_shared`]).
+pub const ENV_SHARED: &str = "TURBOIO_CACHE_SHARED";
 /// How long a waiting process waits for a fetch of the same object that writes nothing.
 pub const STALL: Duration = Duration::from_secs(5);
 /// How often a waiting process looks at the fetch it waits for.
@@ -154,18 +170,49 @@ impl CacheStorage {
     }
 
     /// The complete entry for `version` of `path`, opened, its use recorded; `None` on a miss.
+    /// Only a regular file (never a link) of this user in a private cache; in a shared one,
+    /// only bytes that match the hash recorded at publication.
     fn hit(&self, path: &Path, slot: &Slot, version: &Version) -> Option<Box<Hit>> {
-        let file = match self.local.open_posix(&slot.data()) {
-            Ok(f) => f,
-            Err(e) if e.is_not_found() => return None,
+        use std::os::unix::fs::MetadataExt;
+        let data = slot.data();
+        let named = match std::fs::symlink_metadata(&data) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
             Err(e) => {
-                warn(&self.cache, &format!("opening {}: {e}", slot.data().display()));
+                warn(&self.cache, &format!("opening {}: {e}", data.display()));
                 return None;
             }
         };
+        if !named.is_file() {
+            warn(&self.cache, &format!("{} is not a regular file: not served", data.display()));
+            return None;
+        }
+        let file = match self.local.open_posix(&data) {
+            Ok(f) => f,
+            Err(e) if e.is_not_found() => return None,
+            Err(e) => {
+                warn(&self.cache, &format!("opening {}: {e}", data.display()));
+                return None;
+            }
+        };
+        let opened = file.local_file().and_then(|f| f.metadata().ok());
+        let Some(opened) = opened.filter(|m| m.dev() == named.dev() && m.ino() == named.ino()) else {
+            return None; // replaced between the two looks: a miss
+        };
+        if !self.cache.shared() && opened.uid() != nix::unistd::geteuid().as_raw() {
+            warn(
+                &self.cache,
+                &format!("{} belongs to uid {}, not to this user: not served", data.display(), opened.uid()),
+            );
+            return None;
+        }
         if file.len() != version.len {
             // Cannot be written by this crate (the length is part of the key): not ours to use.
-            warn(&self.cache, &format!("{} has {} bytes, not {}", slot.data().display(), file.len(), version.len));
+            warn(&self.cache, &format!("{} has {} bytes, not {}", data.display(), file.len(), version.len));
+            return None;
+        }
+        if self.cache.shared() && !verified(slot, file.local_file()?, &opened) {
+            warn(&self.cache, &format!("{}: its bytes do not match the hash recorded at publication", data.display()));
             return None;
         }
         if let Some(f) = file.local_file() {
@@ -183,6 +230,10 @@ impl CacheStorage {
         use std::os::unix::fs::FileExt;
         let Some(url) = path.to_str() else { return false };
         if bytes.len() as u64 != version.len {
+            return false;
+        }
+        if let Err(e) = self.cache.check_dir() {
+            warn(&self.cache, &e.to_string());
             return false;
         }
         let slot = self.cache.slot(NodeCache::key(url, version));
@@ -234,6 +285,10 @@ impl CacheStorage {
         unconfirmed: bool,
     ) -> Result<Box<dyn StorageFile>> {
         let Some(url) = path.to_str() else { return self.inner.open_cancellable(path, cancel) };
+        if let Err(e) = self.cache.check_dir() {
+            warn(&self.cache, &e.to_string());
+            return self.inner.open_cancellable(path, cancel);
+        }
         if let Some((version, age)) = self.cache.last_seen(url) {
             let slot = self.cache.slot(NodeCache::key(url, &version));
             if self.cache.trusts(age) {
@@ -528,6 +583,30 @@ pub(crate) fn filling_here(key: &str, on: bool) {
 }
 
 /// Reports a cache problem once per process and directory (the load goes on without it).
+/// True if the bytes of a shared cache's entry match the hash recorded at its publication
+/// (each file checked once per process: entries are never rewritten in place, a new version
+/// is a new file).
+fn verified(slot: &Slot, file: &std::fs::File, md: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    static DONE: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
+    let id = (md.dev(), md.ino());
+    if DONE.lock().unwrap_or_else(|p| p.into_inner()).contains(&id) {
+        return true;
+    }
+    let ok = match (slot.recorded_sha256(), entries::sha256_of(file)) {
+        (Some(want), Ok(got)) => want == got,
+        _ => false,
+    };
+    if ok {
+        let mut done = DONE.lock().unwrap_or_else(|p| p.into_inner());
+        if done.len() >= 4096 {
+            done.clear();
+        }
+        done.push(id);
+    }
+    ok
+}
+
 pub(crate) fn warn(cache: &NodeCache, what: &str) {
     static SEEN: Mutex<Vec<std::path::PathBuf>> = Mutex::new(Vec::new());
     let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());

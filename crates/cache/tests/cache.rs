@@ -551,3 +551,108 @@ fn prune_removes_records_half_written_by_dead_processes() {
     }
     assert_eq!(cache.cache().entries().unwrap().len(), 1, "the entry stays");
 }
+
+/// Issue 48, item 6: a cache directory other users can write is not trusted unless the cache
+/// is shared explicitly; the cache makes its directory 0700 and its entries 0600.
+#[test]
+fn a_directory_other_users_can_write_is_not_used_unless_the_cache_is_shared() {
+    use std::os::unix::fs::PermissionsExt;
+    let (dir, inner, own) = setup(None);
+    let path = dir.path().join("store/m.bin");
+    let data = pattern(3 << 20, 11);
+    std::fs::write(&path, &data).unwrap();
+    // Made by the cache: private.
+    assert_eq!(read_all(&own, &path).0, data);
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode(&dir.path().join("cache")), 0o700);
+    for e in std::fs::read_dir(dir.path().join("cache")).unwrap() {
+        let p = e.unwrap().path();
+        assert_eq!(mode(&p), 0o600, "{}", p.display());
+    }
+    // A world-writable directory: loads go to the store, nothing is written there.
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let private = CacheStorage::new(inner.clone(), NodeCache::new(&open));
+    let before = inner.read.load(Ordering::Relaxed);
+    for _ in 0..2 {
+        let (got, local) = read_all(&private, &path);
+        assert!(got == data && !local);
+    }
+    assert_eq!(inner.read.load(Ordering::Relaxed) - before, 2 * data.len() as u64, "both from the store");
+    assert_eq!(std::fs::read_dir(&open).unwrap().count(), 0, "nothing written in a refused directory");
+    assert!(NodeCache::new(&open).prune(0).unwrap_err().to_string().contains("writable by other users"));
+    // Shared explicitly: used, entries readable by the others.
+    let shared = CacheStorage::new(inner.clone(), NodeCache::new(&open).with_shared(true));
+    assert_eq!(read_all(&shared, &path).0, data);
+    let (got, local) = read_all(&shared, &path);
+    assert!(got == data && local, "a shared cache serves its entries");
+    let entry = &shared.cache().entries().unwrap()[0];
+    assert_eq!(mode(&entry.path), 0o644);
+}
+
+/// Links planted in a cache directory are never followed: not for the lock file (which a
+/// fetch truncates and writes), not for an entry's data (which would be served as the
+/// object); and an entry of another user is not served by a private cache.
+#[test]
+fn links_and_other_users_files_in_the_cache_are_refused() {
+    use turboio_storage::Storage as _;
+    let (dir, inner, cache) = setup(None);
+    let cache_dir = dir.path().join("cache");
+    let path = dir.path().join("store/victim-model.bin");
+    let data = pattern(2 << 20, 12);
+    std::fs::write(&path, &data).unwrap();
+    cache.cache().prune(0).unwrap(); // makes the directory
+    let version = inner.current_version(&path).unwrap().unwrap();
+    let key = NodeCache::key(path.to_str().unwrap(), &version);
+    // The lock file: a link to a file of the victim's.
+    let victim = dir.path().join("precious.txt");
+    std::fs::write(&victim, b"do not truncate me").unwrap();
+    std::os::unix::fs::symlink(&victim, cache_dir.join(format!("{key}.lock"))).unwrap();
+    assert_eq!(read_all(&cache, &path).0, data);
+    assert_eq!(std::fs::read(&victim).unwrap(), b"do not truncate me", "the link was followed");
+    std::fs::remove_file(cache_dir.join(format!("{key}.lock"))).unwrap();
+    // The data: a link to a file of the right length and other bytes.
+    let planted = dir.path().join("planted.bin");
+    std::fs::write(&planted, vec![0xeeu8; data.len()]).unwrap();
+    let _ = std::fs::remove_file(cache_dir.join(format!("{key}.data")));
+    std::os::unix::fs::symlink(&planted, cache_dir.join(format!("{key}.data"))).unwrap();
+    for _ in 0..2 {
+        assert_eq!(read_all(&cache, &path).0, data, "a linked entry was served");
+    }
+    // A regular file of another user (only root can make one here).
+    if nix::unistd::geteuid().is_root() {
+        let data_path = cache_dir.join(format!("{key}.data"));
+        let _ = std::fs::remove_file(&data_path);
+        std::fs::write(&data_path, vec![0xddu8; data.len()]).unwrap();
+        std::os::unix::fs::chown(&data_path, Some(65534), Some(65534)).unwrap();
+        let (got, local) = read_all(&cache, &path);
+        assert!(got == data && !local, "another user's entry was served");
+    }
+}
+
+/// A shared cache serves an entry only if its bytes match the hash recorded at publication.
+#[test]
+fn a_shared_cache_checks_the_recorded_hash() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("store")).unwrap();
+    let inner = Arc::new(Versioned::default());
+    let cache = CacheStorage::new(inner.clone(), NodeCache::new(dir.path().join("cache")).with_shared(true));
+    let path = dir.path().join("store/s.bin");
+    let data = pattern(3 << 20, 13);
+    std::fs::write(&path, &data).unwrap();
+    assert_eq!(read_all(&cache, &path).0, data);
+    let entry = cache.cache().entries().unwrap()[0].clone();
+    let meta = std::fs::read_to_string(entry.path.with_extension("json")).unwrap();
+    assert!(meta.contains("\"sha256\""), "{meta}");
+    // Another user's process rewrites the entry (same length, another inode).
+    let _ = std::fs::remove_file(&entry.path);
+    std::fs::write(&entry.path, vec![0x77u8; data.len()]).unwrap();
+    let before = inner.read.load(Ordering::Relaxed);
+    let (got, local) = read_all(&cache, &path);
+    assert!(got == data && !local, "the tampered entry was served");
+    assert_eq!(inner.read.load(Ordering::Relaxed) - before, data.len() as u64);
+    // Fetched again and published again: served from then on.
+    let (got, local) = read_all(&cache, &path);
+    assert!(got == data && local);
+}

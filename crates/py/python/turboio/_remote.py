@@ -33,7 +33,10 @@ def storage(path, storage_options, cache_dir=None):
     the first load of an object version writes it through to a local file there while loading
     it, later loads read that file; processes loading the same object at once fetch it once.
     `TURBOIO_CACHE_REVALIDATE` (seconds, or 90s, 5m, 1h) trusts the version the store reported
-    that long: a cached object then loads with no request to the store.
+    that long: a cached object then loads with no request to the store. The directory must be
+    this user's and writable by nobody else (it is created 0700), unless `TURBOIO_CACHE_SHARED=1`
+    shares it between users (entries then served only if their bytes match the SHA-256 recorded
+    at publication); another directory is not used (one warning, the load goes to the store).
 
     `storage_options` is a dict of object_store's keys (`endpoint`, `region`, `access_key_id`,
     `secret_access_key`, `session_token`, `allow_http`, `timeout`, ...) and turboio's own
@@ -48,7 +51,7 @@ def storage(path, storage_options, cache_dir=None):
     cache = None if cache_dir is None else _os.fspath(cache_dir)
     # Without cache_dir the environment's cache applies: read when the backend is made, so the
     # variables are part of what tells backends apart.
-    env = tuple(_os.environ.get(v) for v in ("TURBOIO_CACHE_DIR", "TURBOIO_CACHE_MAX_SIZE", "TURBOIO_CACHE_REVALIDATE"))
+    env = tuple(_os.environ.get(v) for v in ("TURBOIO_CACHE_DIR", "TURBOIO_CACHE_MAX_SIZE", "TURBOIO_CACHE_REVALIDATE", "TURBOIO_CACHE_SHARED"))
     key = (items, cache, env)
     backend = _storages.get(key)
     if backend is None:
