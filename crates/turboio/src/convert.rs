@@ -516,7 +516,10 @@ fn convert_dir(input: &Path, output: &Path, opts: &ConvertOptions) -> Result<Con
             if let Some(other) = seen.insert(name.clone(), shards[i].clone()) {
                 return Err(convert_error(
                     &shards[i],
-                    format!("tensor `{name}` is also in {}; a model's shards must not share names", other.display()),
+                    format!(
+                        "tensor `{name}` is also in {}; a model's shards must not share names",
+                        turboio_storage::shown(&other)
+                    ),
                 ));
             }
         }

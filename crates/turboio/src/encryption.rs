@@ -102,7 +102,7 @@ fn key_error(path: &Path, message: impl fmt::Display) -> Error {
     let message = message.to_string();
     // The key chain names the file in its own message ("no key for PATH: ..."); the error
     // names it once, in front.
-    let named = format!("no key for {}: ", key_path(path).display());
+    let named = format!("no key for {}: ", turboio_storage::shown(&key_path(path)));
     let message = match message.strip_prefix(&named) {
         Some(rest) => format!("no key found: {rest}"),
         None => message,

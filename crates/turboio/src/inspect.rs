@@ -34,7 +34,7 @@ fn pad(s: &str, width: usize) -> String {
 /// Writes the table of a file's header (tensor counts and bytes by dtype, metadata, one line
 /// per tensor), one line at a time through `line`; stops at the first error `line` returns.
 pub fn table<E>(file: &Path, header: &Header, line: &mut dyn FnMut(&str) -> Result<(), E>) -> Result<(), E> {
-    line(&file.display().to_string())?;
+    line(&turboio_storage::shown(file).to_string())?;
     line(&format!(
         "  {} tensors, {} of data, header {} bytes, file {} bytes",
         header.len(),

@@ -343,7 +343,7 @@ pub fn names_a_checkpoint_file(path: &Path) -> bool {
 }
 
 fn file_name(p: &Path) -> String {
-    p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| p.display().to_string())
+    p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| turboio_storage::shown(p).to_string())
 }
 
 /// What a model load did: one line for the whole model, the shards' own reports beside it.

@@ -1,6 +1,6 @@
 //! `--cipher`, `--key-env`, `--cipher-header` and the `encrypt` / `decrypt` commands.
 
-use crate::out::outln;
+use crate::out::{outln, Shown};
 use std::path::Path;
 use turboio::crypt::{Encryption, Keys};
 
@@ -55,8 +55,8 @@ pub fn encrypt(input: &Path, output: &Path, args: &CipherArgs) -> Result<(), Box
     turboio::crypt::encrypt_file(input, output, &enc, &turboio::SaveOptions::default())?;
     outln!(
         "encrypted {} -> {}{}",
-        input.display(),
-        output.display(),
+        input.shown(),
+        output.shown(),
         if enc.header { " (with cipher header)" } else { "" }
     );
     Ok(())
@@ -66,6 +66,6 @@ pub fn encrypt(input: &Path, output: &Path, args: &CipherArgs) -> Result<(), Box
 pub fn decrypt(input: &Path, output: &Path, args: &ReadCipherArgs) -> Result<(), Box<dyn std::error::Error>> {
     let enc = ReadCipherArgs { cipher: true, ..args.clone() }.encryption()?.ok_or("no encryption")?;
     turboio::crypt::decrypt_file(input, output, &enc, &turboio::SaveOptions::default())?;
-    outln!("decrypted {} -> {}", input.display(), output.display());
+    outln!("decrypted {} -> {}", input.shown(), output.shown());
     Ok(())
 }

@@ -9,7 +9,7 @@ mod sigbus;
 mod size;
 
 use clap::{Parser, Subcommand};
-use out::outln;
+use out::{outln, Shown};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -439,7 +439,7 @@ fn inspect(file: &Path, json: bool, opts: &LoadOptions) -> CliResult {
         let aliases: serde_json::Map<String, serde_json::Value> =
             header.aliases().into_iter().map(|(a, t)| (a.to_owned(), t.into())).collect();
         let doc = serde_json::json!({
-            "path": file.display().to_string(),
+            "path": file.shown().to_string(),
             "file_len": header.file_len(),
             "header_len": header.header_len(),
             "data_len": header.data_len(),
@@ -490,7 +490,7 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
     let mut file_len = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
     let mut times = Vec::new();
     for run in 1..=repeat {
-        let bar = progress::Bar::start(file_len, &format!("loading {}", file.display()));
+        let bar = progress::Bar::start(file_len, &format!("loading {}", file.shown()));
         opts.progress = bar.counter();
         let loaded = turboio::load(file, &opts);
         bar.finish();
@@ -555,10 +555,10 @@ fn check_against_plain_read(loaded: &LoadedFile, opts: &LoadOptions) -> CliResul
             &LoadOptions { storage: opts.storage.clone(), cache: CachePolicy::Keep, ..Default::default() },
         )?,
         None => {
-            std::fs::read(loaded.path()).map_err(|e| format!("{}: plain read failed: {e}", loaded.path().display()))?
+            std::fs::read(loaded.path()).map_err(|e| format!("{}: plain read failed: {e}", loaded.path().shown()))?
         }
     };
-    let path = loaded.path().display();
+    let path = loaded.path().shown();
     let header = loaded.header();
     // The plain read must be of the file that was loaded: same length, same header bytes. A
     // file rewritten in between is reported as such, never sliced by the old header's offsets.
@@ -624,12 +624,12 @@ fn gen(
     if size < min {
         return Err(format!(
             "{}: --size {size} is below the smallest sample, {min} bytes ({} KiB); give at least that",
-            out.display(),
+            out.shown(),
             min.div_ceil(1024)
         )
         .into());
     }
-    let bar = progress::Bar::start(size, &format!("writing {}", out.display()));
+    let bar = progress::Bar::start(size, &format!("writing {}", out.shown()));
     let read_back = storage.clone();
     let opts = SaveOptions { progress: bar.counter(), encryption, storage, ..Default::default() };
     let start = Instant::now();
@@ -644,7 +644,7 @@ fn gen(
     let secs = start.elapsed().as_secs_f64();
     outln!(
         "wrote {}: {} tensors, {} in {:.2} s ({}/s)",
-        out.display(),
+        out.shown(),
         tensors.len(),
         gb(len),
         secs,
@@ -660,7 +660,7 @@ fn inspect_model(path: &Path, json: bool, opts: &LoadOptions) -> CliResult {
         let shards: Vec<serde_json::Value> = summary
             .shards
             .iter()
-            .map(|(p, n, b)| serde_json::json!({"path": p.display().to_string(), "tensors": n, "bytes": b}))
+            .map(|(p, n, b)| serde_json::json!({"path": p.shown().to_string(), "tensors": n, "bytes": b}))
             .collect();
         let dtypes: serde_json::Map<String, serde_json::Value> = summary
             .dtypes
@@ -668,8 +668,8 @@ fn inspect_model(path: &Path, json: bool, opts: &LoadOptions) -> CliResult {
             .map(|(d, (n, b))| (d.clone(), serde_json::json!({"tensors": n, "bytes": b})))
             .collect();
         let doc = serde_json::json!({
-            "path": path.display().to_string(),
-            "index": files.index.as_ref().map(|p| p.display().to_string()),
+            "path": path.shown().to_string(),
+            "index": files.index.as_ref().map(|p| p.shown().to_string()),
             "metadata": files.metadata,
             "tensors": summary.tensors(),
             "bytes": summary.bytes(),
@@ -679,10 +679,10 @@ fn inspect_model(path: &Path, json: bool, opts: &LoadOptions) -> CliResult {
         outln!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(());
     }
-    let index = files.index.as_ref().map(|p| format!(" (index {})", p.display())).unwrap_or_default();
+    let index = files.index.as_ref().map(|p| format!(" (index {})", p.shown())).unwrap_or_default();
     outln!(
         "{}: {} tensors, {} in {} shard(s){index}",
-        path.display(),
+        path.shown(),
         summary.tensors(),
         gb(summary.bytes()),
         summary.shards.len()
@@ -710,7 +710,7 @@ fn load_model(path: &Path, mut opts: LoadOptions, repeat: usize, check: bool) ->
     };
     let mut times = Vec::new();
     for run in 1..=repeat {
-        let bar = progress::Bar::start(total, &format!("loading {}", path.display()));
+        let bar = progress::Bar::start(total, &format!("loading {}", path.shown()));
         opts.progress = bar.counter();
         let loaded = turboio::load_model(path, &opts);
         bar.finish();
@@ -766,13 +766,13 @@ fn gen_model(
     if size < min {
         return Err(format!(
             "{}: --size {size} is below the smallest sample, {min} bytes; give at least that",
-            dir.display()
+            dir.shown()
         )
         .into());
     }
     let remote = turboio::object::is_object_url(dir);
     if !remote {
-        std::fs::create_dir_all(dir).map_err(|e| format!("{}: cannot create the directory: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: cannot create the directory: {e}", dir.shown()))?;
     }
     let start = Instant::now();
     // The sample is written once as a single local file (beside the shards, or in the temporary
@@ -800,7 +800,7 @@ fn gen_model(
             turboio::save_model_dir(dir, &list, None, max, &SaveOptions { encryption, storage, ..Default::default() })?;
         outln!(
             "wrote {}: {} tensors in {} shards, {} in {:.2} s",
-            dir.display(),
+            dir.shown(),
             list.len(),
             report.shards.len(),
             gb(report.total_size),
@@ -819,7 +819,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn demo(size: u64, dir: Option<PathBuf>, runs: usize) -> CliResult {
     let dir = dir.unwrap_or_else(|| PathBuf::from("target/turboio-demo"));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.shown()))?;
     let path = dir.join(format!("sample-{}.safetensors", size::format_size(size)));
     if std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0) < size {
         gen(&path, size, 0, None, None)?;
@@ -828,7 +828,7 @@ fn demo(size: u64, dir: Option<PathBuf>, runs: usize) -> CliResult {
     let header = turboio::read_header_of(&path, &LoadOptions::default())?;
     outln!(
         "\nsample: {} ({} tensors, {}), page cache warm, median of {runs} runs\n",
-        path.display(),
+        path.shown(),
         header.len(),
         gb(len)
     );
@@ -871,7 +871,7 @@ fn cache_command(
     action: CacheAction,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let cache = cache.ok_or("no cache directory: pass --cache-dir DIR or set TURBOIO_CACHE_DIR")?;
-    let dir = cache.dir().display().to_string();
+    let dir = cache.dir().shown().to_string();
     let entries = || cache.entries().map_err(|e| format!("{dir}: {e}"));
     match action {
         CacheAction::Ls { json } => {

@@ -41,3 +41,16 @@ macro_rules! outln {
     };
 }
 pub(crate) use outln;
+
+/// Paths and URLs as the command prints them: a URL without user info or query string (see
+/// [`turboio::storage::shown`]), a local path as `Path::display` shows it.
+pub trait Shown {
+    /// See the trait.
+    fn shown(&self) -> turboio::storage::Shown<'_>;
+}
+
+impl Shown for std::path::Path {
+    fn shown(&self) -> turboio::storage::Shown<'_> {
+        turboio::storage::shown(self)
+    }
+}

@@ -1,6 +1,6 @@
 //! `.pt` / `.bin` checkpoints in the CLI: `inspect`, `load` and `convert`.
 
-use crate::out::outln;
+use crate::out::{outln, Shown};
 use crate::{gb, median, progress, CliResult};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -53,7 +53,7 @@ pub fn inspect(file: &Path, json: bool, opts: &LoadOptions, top_level_key: Optio
         let skipped: Vec<serde_json::Value> =
             index.skipped().iter().map(|s| serde_json::json!({"name": s.name, "kind": s.kind})).collect();
         let doc = serde_json::json!({
-            "path": file.display().to_string(),
+            "path": file.shown().to_string(),
             "format": "torch.save zip",
             "archive": index.archive_name(),
             "storages": index.storages().len(),
@@ -67,7 +67,7 @@ pub fn inspect(file: &Path, json: bool, opts: &LoadOptions, top_level_key: Optio
     }
     outln!(
         "{}: torch.save checkpoint (archive `{}`), {} tensors in {} storages, {}",
-        file.display(),
+        file.shown(),
         index.archive_name(),
         index.tensors().len(),
         index.storages().len(),
@@ -107,7 +107,7 @@ pub fn load(file: &Path, mut opts: LoadOptions, repeat: usize, check: bool, top_
     let pt = pt_options(top_level_key);
     let mut times = Vec::new();
     for run in 1..=repeat {
-        let bar = progress::Bar::start(file_len, &format!("loading {}", file.display()));
+        let bar = progress::Bar::start(file_len, &format!("loading {}", file.shown()));
         opts.progress = bar.counter();
         let loaded = turboio::load_pt(file, &opts, &pt);
         bar.finish();
@@ -144,16 +144,14 @@ pub fn load(file: &Path, mut opts: LoadOptions, repeat: usize, check: bool, top_
             )?;
             let again = turboio::pt::PtIndex::parse(plain.as_slice(), &pt)?;
             if again.tensors() != loaded.index().tensors() {
-                return Err(
-                    format!("{}: the file changed during the check; nothing was compared", file.display()).into()
-                );
+                return Err(format!("{}: the file changed during the check; nothing was compared", file.shown()).into());
             }
             for t in again.tensors().iter().filter(|t| !t.meta) {
                 let span = again.file_span(t);
                 let mut want = vec![0u8; t.nbytes() as usize];
                 t.gather(&plain[span.start as usize..span.end as usize], &mut want)?;
                 if loaded.tensor_bytes(&t.name)? != want {
-                    return Err(format!("{}: tensor `{}` differs from a plain read", file.display(), t.name).into());
+                    return Err(format!("{}: tensor `{}` differs from a plain read", file.shown(), t.name).into());
                 }
             }
             let meta = again.tensors().iter().filter(|t| t.meta).count();
@@ -197,8 +195,8 @@ pub fn convert(
     };
     outln!(
         "converted {} -> {}: {} tensors ({}){}, {} aliases, in {:.2} s; no pickle was executed",
-        input.display(),
-        output.display(),
+        input.shown(),
+        output.shown(),
         r.tensors,
         gb(r.bytes),
         converted,

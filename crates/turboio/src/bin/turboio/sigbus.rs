@@ -2,6 +2,7 @@
 //! touched (see the README's "Mapped loads and the one hazard"). The CLI turns that into its
 //! usual one-line error and exit status 1 instead of dying by the signal.
 
+use crate::out::Shown;
 use nix::sys::signal::{signal, SigHandler, Signal};
 use std::ffi::c_int;
 use std::os::fd::AsFd;
@@ -30,7 +31,7 @@ pub fn report_for(file: &Path) {
     let line = format!(
         "turboio: error: {}: the file changed while it was mapped (another program truncated or rewrote it in place); \
          load it with --mode copied if it is rewritten in place\n",
-        file.display()
+        file.shown()
     );
     if MESSAGE.set(line.into_bytes()).is_ok() {
         // SAFETY: installs a handler that only calls async-signal-safe functions (above).
