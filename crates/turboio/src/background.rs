@@ -34,9 +34,21 @@ pub const DEFAULT_SNAPSHOTS: usize = 2;
 
 /// The pool snapshots come from when [`SaveOptions::snapshots`] is `None`: bounded to
 /// [`DEFAULT_SNAPSHOTS`] (a save that finds them all in use waits for one to come back).
+///
+/// Its arenas use 4 KiB pages unless `TURBOIO_HUGE_PAGES=1` asks for huge pages: a snapshot's
+/// first touch of a new arena is on its caller's time, and transparent huge pages made it 2.5-5
+/// times slower there (the kernel compacts memory to find 2 MiB pages). Measured on the 2-vCPU
+/// VM, a 1 GiB `save_file(..., blocking=False)` in a new process blocked 1.07-2.23 s with huge
+/// pages against 0.33-0.42 s for a bare two-thread `memcpy` into fresh memory in the same runs
+/// (the floor of any snapshot), and without them about the floor (0.42-0.48 s against
+/// 0.38-0.45 s; in a later set 1.25-1.67 s against 1.9-2.1 s: this VM's fresh memory costs
+/// swing that much); a synchronous save took 0.55-0.74 s (issue 48, item 18).
 pub fn default_snapshot_pool() -> &'static ArenaPool {
     static POOL: OnceLock<ArenaPool> = OnceLock::new();
-    POOL.get_or_init(|| ArenaPool::bounded(DEFAULT_SNAPSHOTS))
+    POOL.get_or_init(|| {
+        let huge = std::env::var("TURBOIO_HUGE_PAGES").is_ok_and(|v| matches!(v.as_str(), "1" | "on" | "true" | "yes"));
+        ArenaPool::bounded_with_huge_pages(DEFAULT_SNAPSHOTS, huge)
+    })
 }
 
 #[derive(Debug)]

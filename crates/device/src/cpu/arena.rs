@@ -176,7 +176,12 @@ impl ArenaPool {
     /// waits while that many are in use, until one comes back. Whoever takes must not hold an
     /// arena of the pool while waiting for another (that could wait forever).
     pub fn bounded(max_arenas: usize) -> Self {
-        Self::make(max_arenas, Some(max_arenas.max(1)), super::pool_huge_pages())
+        Self::bounded_with_huge_pages(max_arenas, super::pool_huge_pages())
+    }
+
+    /// A [bounded](Self::bounded) pool whose new arenas use huge pages or not.
+    pub fn bounded_with_huge_pages(max_arenas: usize, huge_pages: bool) -> Self {
+        Self::make(max_arenas, Some(max_arenas.max(1)), huge_pages)
     }
 
     fn make(max_arenas: usize, max_in_use: Option<usize>, huge_pages: bool) -> Self {
