@@ -353,7 +353,9 @@ pub fn run(args: Args) -> Result<()> {
             eprintln!("{}: python, hot, {runs} runs ...", size_name(size));
             all.extend(crate::pybench::measure(py, &path, &pt, len, runs, false)?);
             if !args.no_cold {
-                eprintln!("{}: python, cold, {runs} runs ...", size_name(size));
+                eprintln!("{}: python, cold (file evicted), {runs} runs ...", size_name(size));
+                all.extend(crate::pybench::measure_file_evicted(py, &path, &pt, len, runs)?);
+                eprintln!("{}: python, cold (every cache dropped), {runs} runs ...", size_name(size));
                 all.extend(crate::pybench::measure(py, &path, &pt, len, runs, true)?);
             }
             eprintln!("{}: .pt rows ...", size_name(size));

@@ -106,6 +106,24 @@ pub fn measure(python: &Path, file: &Path, pt: &Path, len: u64, runs: usize, col
     measure_on(python, file, pt, len, runs, cold, "cpu", &LOADERS, "python")
 }
 
+/// [`measure`] with only the file evicted before each run (`POSIX_FADV_DONTNEED`): the disk
+/// read, while the file system's metadata, the interpreter's and the libraries' pages stay
+/// cached (a model loaded again on a busy node). `cold` rows evict everything
+/// (`drop_caches`: a fresh node after a boot). Issue 48, item 19, compares the two.
+pub fn measure_file_evicted(python: &Path, file: &Path, pt: &Path, len: u64, runs: usize) -> Result<Vec<Row>> {
+    measure_state(python, file, pt, len, runs, State::FileEvicted, "cpu", &LOADERS, "python")
+}
+
+/// What is in the page cache when a run starts.
+#[derive(Clone, Copy, PartialEq)]
+enum State {
+    Hot,
+    /// Only the loaded file evicted.
+    FileEvicted,
+    /// Every cache dropped.
+    Cold,
+}
+
 /// [`measure`] for `loaders` loading into `device` (rows in `group`).
 #[allow(clippy::too_many_arguments)]
 pub fn measure_on(
@@ -119,7 +137,27 @@ pub fn measure_on(
     loaders: &[&'static str],
     group: &'static str,
 ) -> Result<Vec<Row>> {
-    let cache = if cold { "cold" } else { "hot" };
+    let state = if cold { State::Cold } else { State::Hot };
+    measure_state(python, file, pt, len, runs, state, device, loaders, group)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn measure_state(
+    python: &Path,
+    file: &Path,
+    pt: &Path,
+    len: u64,
+    runs: usize,
+    state: State,
+    device: &str,
+    loaders: &[&'static str],
+    group: &'static str,
+) -> Result<Vec<Row>> {
+    let cache = match state {
+        State::Hot => "hot",
+        State::FileEvicted => "cold (file evicted)",
+        State::Cold => "cold",
+    };
     let mut rows: Vec<Row> =
         loaders.iter().map(|l| Row { size: len, cache, loader: l, group, ..Default::default() }).collect();
     for r in 0..runs {
@@ -128,15 +166,17 @@ pub fn measure_on(
                 continue;
             }
             let target = if on_pt(loaders[i]) { pt } else { file };
-            if cold {
-                if let Err(why) = drop_caches() {
-                    for row in rows.iter_mut() {
-                        row.skipped = Some(why.clone());
+            match state {
+                State::Cold => {
+                    if let Err(why) = drop_caches() {
+                        for row in rows.iter_mut() {
+                            row.skipped = Some(why.clone());
+                        }
+                        return Ok(rows);
                     }
-                    return Ok(rows);
                 }
-            } else {
-                warm(target)?;
+                State::FileEvicted => crate::benchkit::evict(target)?,
+                State::Hot => warm(target)?,
             }
             let (load, touch, peak) = match run_child(python, loaders[i], target, device) {
                 Ok(r) => r,
