@@ -273,19 +273,23 @@ fn is_secret_key(key: &str) -> bool {
         || (key.contains("key") && !key.contains("key_id") && !key.contains("key_file") && !key.ends_with("_path"))
 }
 
-/// Removes `?query` from every URL in `text`.
+/// Every URL in `text` as [`turboio_storage::shown`] shows it: without user info
+/// (`user:password@`) and without its query string (presigned URLs and SAS tokens carry
+/// credentials there). object_store's own messages quote the URLs they requested.
 fn redact_queries(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for (i, word) in text.split(' ').enumerate() {
         if i > 0 {
             out.push(' ');
         }
-        match (word.find("://"), word.find('?')) {
-            (Some(s), Some(q)) if q > s => {
-                out.push_str(&word[..q]);
-                out.push_str("?<redacted>");
+        match word.find("://") {
+            Some(at) => {
+                let start =
+                    word[..at].rfind(|c: char| !(c.is_ascii_alphanumeric() || "+-.".contains(c))).map_or(0, |p| p + 1);
+                out.push_str(&word[..start]);
+                out.push_str(&turboio_storage::shown(std::path::Path::new(&word[start..])).to_string());
             }
-            _ => out.push_str(word),
+            None => out.push_str(word),
         }
     }
     out
@@ -417,6 +421,8 @@ mod tests {
             "GET https://b.s3.amazonaws.com/k?X-Amz-Signature=abc&X-Amz-Credential=x failed with wJalrXUtnFEMI/K7MDENG",
         );
         assert_eq!(msg, "GET https://b.s3.amazonaws.com/k?<redacted> failed with ***");
+        let msg = o.redact("Error performing GET http://alice:hunter2@127.0.0.1:9/m (\"http://u:p@h/x?q=1\")");
+        assert_eq!(msg, "Error performing GET http://***@127.0.0.1:9/m (\"http://***@h/x?<redacted>");
     }
 
     #[test]

@@ -273,6 +273,13 @@ fn query_strings_are_refused_and_secrets_never_reach_errors() {
     let e = read_all(&storage(&[]), &with_user).unwrap_err().to_string();
     assert!(!e.contains("hunter2") && !e.contains("alice"), "{e}");
     assert!(e.contains(&format!("http://***@127.0.0.1:{}/missing.safetensors", s.port())), "{e}");
+    // Nobody listening: object_store's own message quotes the URL it requested.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let e =
+        read_all(&storage(&[("max_retries", "0")]), &format!("http://alice:hunter2@127.0.0.1:{closed}/m.safetensors"))
+            .unwrap_err()
+            .to_string();
+    assert!(!e.contains("hunter2") && !e.contains("alice") && e.contains("m.safetensors"), "{e}");
 }
 
 #[test]

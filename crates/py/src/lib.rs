@@ -1289,6 +1289,13 @@ fn read_header(
     Ok(header_info(&h))
 }
 
+/// `path` as errors show it: a URL without user info or query string (the one rule the Rust
+/// errors follow, `turboio::storage::shown`). Private to the Python package.
+#[pyfunction]
+fn _shown(path: std::path::PathBuf) -> String {
+    turboio::storage::shown(&path).to_string()
+}
+
 /// What the plain file (decrypted with `cipher`) is, by content: `"safetensors"` (a plausible
 /// header length followed by `{` after optional whitespace), `"torch"` (a zip archive or a
 /// pickle, as `torch.save` writes), or `"unknown"`.
@@ -1987,6 +1994,7 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_file_version, m)?)?;
     m.add_function(wrap_pyfunction!(parse_header, m)?)?;
     m.add_function(wrap_pyfunction!(file_kind, m)?)?;
+    m.add_function(wrap_pyfunction!(_shown, m)?)?;
     m.add_function(wrap_pyfunction!(read_all, m)?)?;
     m.add_function(wrap_pyfunction!(write_file, m)?)?;
     m.add_function(wrap_pyfunction!(_write_at, m)?)?;

@@ -268,6 +268,30 @@ def test_errors_name_the_url_and_keep_secrets(s3):
     assert SECRET_KEY not in repr(_remote.storage("s3://pyobj/x", opts))
 
 
+def test_urls_with_secrets_never_reach_exception_text():
+    """Issue 48, items 3 and 4: a presigned URL is refused before any request (its query would
+    be dropped and another object loaded), and neither its query nor a URL's user info appears
+    in the exception, from the Rust errors or from the Python package's own messages."""
+    import socket
+
+    from turboio import _remote
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    signed = f"http://127.0.0.1:{port}/m.safetensors?X-Amz-Signature=sig123&X-Amz-Security-Token=tok456"
+    with pytest.raises(Exception) as info:
+        turboio.load(signed)
+    text = str(info.value) + repr(info.value)
+    assert "query string" in text and "sig123" not in text and "tok456" not in text, text
+    with pytest.raises(Exception) as info:
+        turboio.load(f"http://alice:hunter2@127.0.0.1:{port}/m.safetensors", storage_options={"max_retries": "0"})
+    text = str(info.value) + repr(info.value)
+    assert "hunter2" not in text and "alice" not in text and "m.safetensors" in text, text
+    assert _remote.shown(signed) == f"http://127.0.0.1:{port}/m.safetensors?<redacted>"
+    assert _remote.shown("/data/a?b.safetensors") == "/data/a?b.safetensors"
+
+
 def test_throttling_and_cut_bodies_are_retried(s3):
     sd = big_dict(3)
     turboio.save_file(sd, "s3://pyobj/retry.safetensors", storage_options=s3.options)

@@ -23,6 +23,11 @@ def _text(v):
     return ("true" if v else "false") if isinstance(v, bool) else str(v)
 
 
+def shown(path):
+    """`path` as error messages show it: a URL without user info or query string."""
+    return _turboio._shown(_os.fspath(path))
+
+
 def storage(path, storage_options, cache_dir=None):
     """The object-storage backend configured by `storage_options` and `cache_dir` for `path`
     (`None` when there are neither, or for a path that is not an object-store URL: the

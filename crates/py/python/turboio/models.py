@@ -226,7 +226,7 @@ def _load_replicated(path, pg, setup, num_thread, cache, max_host_memory=None):
     other = next((r for r, a in enumerate(asked) if a != asked[0]), None)
     if other is not None:
         raise ValueError(
-            f"fetch='once': rank {other} asked for {asked[other]!r} but rank 0 for {asked[0]!r}; "
+            f"fetch='once': rank {other} asked for {_remote.shown(asked[other])!r} but rank 0 for {_remote.shown(asked[0])!r}; "
             "every rank of the group must load the same model"
         )
     # One plan for every rank: rank 0 resolves the model and the shards' lengths (no shard byte).
@@ -269,7 +269,7 @@ def _load_replicated(path, pg, setup, num_thread, cache, max_host_memory=None):
             # Each rank's reads are pinned to the version its open saw: the same as the plan's
             # unless the object was replaced since, which this rank sees now.
             if _turboio._file_version(shards[i], storage=reader) != tuple(versions[i]):
-                raise RuntimeError(f"{shards[i]}: the object changed while the ranks were reading it; load again")
+                raise RuntimeError(f"{_remote.shown(shards[i])}: the object changed while the ranks were reading it; load again")
     except Exception as e:  # reported on every rank below, so that none waits in a broadcast
         failure = f"{type(e).__name__}: {e}"
     failures = [None] * world
@@ -323,16 +323,16 @@ def _load_replicated(path, pg, setup, num_thread, cache, max_host_memory=None):
         try:
             data_start, _, metadata, infos = _turboio.parse_header(prefix, n)
         except ValueError as e:
-            raise ValueError(f"{shard}: {e}") from None
+            raise ValueError(f"{_remote.shown(shard)}: {e}") from None
         names = {i[0] for i in infos}
         # Aliases in __metadata__ (as load_model returns them): a key that is no tensor of the
         # shard, naming one that is.
         aliases = {k: v for k, v in (metadata or {}).items() if v in names and k not in names}
         for name, dtype, shape, begin, end in infos:
             if name in where:
-                raise ValueError(f"{index or path}: tensor {name} is in both {where[name]} and {shard}")
+                raise ValueError(f"{_remote.shown(index or path)}: tensor {name} is in both {_remote.shown(where[name])} and {_remote.shown(shard)}")
             if name in aliased:
-                raise ValueError(f"{index or path}: {name} is an alias in {aliased[name]}, but {shard} holds a tensor of that name")
+                raise ValueError(f"{_remote.shown(index or path)}: {name} is an alias in {_remote.shown(aliased[name])}, but {_remote.shown(shard)} holds a tensor of that name")
             where[name] = shard
             raw = buf[data_start + begin : data_start + end]
             td = torch_dtype_for(dtype, shape)
@@ -346,18 +346,18 @@ def _load_replicated(path, pg, setup, num_thread, cache, max_host_memory=None):
         for alias, target in aliases.items():
             # Aliases are names too: one never replaces another shard's tensor or alias.
             if alias in where:
-                raise ValueError(f"{index or path}: {alias} is an alias in {shard}, but {where[alias]} holds a tensor of that name")
+                raise ValueError(f"{_remote.shown(index or path)}: {alias} is an alias in {_remote.shown(shard)}, but {_remote.shown(where[alias])} holds a tensor of that name")
             if alias in aliased:
-                raise ValueError(f"{index or path}: {alias} is an alias in two shards: {aliased[alias]} and {shard}")
+                raise ValueError(f"{_remote.shown(index or path)}: {alias} is an alias in two shards: {_remote.shown(aliased[alias])} and {_remote.shown(shard)}")
             aliased[alias] = shard
             out[alias] = out[target]
     if weight_map is not None:
         for name, pos in weight_map.items():
             if where.get(name) != shards[pos]:
-                raise ValueError(f"{index}: the index puts {name} in {shards[pos]}, which does not hold it")
+                raise ValueError(f"{_remote.shown(index)}: the index puts {name} in {_remote.shown(shards[pos])}, which does not hold it")
         extra = sorted(set(where) - set(weight_map))
         if extra:
-            raise ValueError(f"{index}: shard tensors the index does not name: {extra[:5]}")
+            raise ValueError(f"{_remote.shown(index)}: shard tensors the index does not name: {extra[:5]}")
     return out
 
 
