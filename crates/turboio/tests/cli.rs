@@ -41,7 +41,11 @@ fn gen_inspect_load_check() {
             }
             assert!(o.status.success(), "{mode}/{cache}: {}", stderr(&o));
             let out = stdout(&o);
-            assert!(out.contains("GB/s") && out.contains("check: all") && out.contains("median"), "{out}");
+            assert!(
+                out.contains("GB/s") && out.contains("all 186 tensors match") && out.contains("median of 2 runs"),
+                "{out}"
+            );
+            assert!(out.contains(&format!("check: {f}: ")), "the check names the file: {out}");
             let kept = if cache == "bypass" { "page cache bypassed" } else { "page cache kept" };
             assert!(out.contains(kept), "{mode}/{cache}: {out}");
         }
@@ -377,9 +381,24 @@ fn model_directories_generate_inspect_and_load() {
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     assert!(
-        out.contains("in 4 shard(s)") && out.contains("model-00001-of-00004.safetensors") && out.contains("dtypes:"),
+        out.contains("in 4 shards") && out.contains("model-00001-of-00004.safetensors") && out.contains("dtypes:"),
         "{out}"
     );
+    // Shards listed in order; counts in words ("1 tensor", never "1 tensors").
+    let at = |n: usize| out.find(&format!("model-0000{n}-of-00004")).unwrap();
+    assert!(at(1) < at(2) && at(2) < at(3) && at(3) < at(4), "{out}");
+    assert!(!out.contains(" 1 tensors"), "{out}");
+    // Issue 49: `gen --shards N` writes exactly N shards (it wrote N + 1).
+    for n in [3usize, 4, 8] {
+        let other = d.path().join(format!("model{n}"));
+        let o = turboio(&["gen", other.to_str().unwrap(), "--shards", &n.to_string(), "--size", "10MiB"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let shards = std::fs::read_dir(&other)
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".safetensors"))
+            .count();
+        assert_eq!(shards, n, "{}", stdout(&o));
+    }
     let o = turboio(&["inspect", index.to_str().unwrap(), "--json"]);
     let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(doc["shards"].as_array().unwrap().len(), 4);
@@ -391,7 +410,9 @@ fn model_directories_generate_inspect_and_load() {
         assert!(o.status.success(), "{}", stderr(&o));
         let out = stdout(&o);
         assert!(out.contains("in 4 shards"), "{out}");
-        assert_eq!(out.matches("check: all").count(), 4, "{out}");
+        assert_eq!(out.matches("a plain read of the file").count(), 4, "{out}");
+        let at = |n: usize| out.find(&format!("model-0000{n}-of-00004.safetensors: ")).unwrap();
+        assert!(at(1) < at(2) && at(2) < at(3) && at(3) < at(4), "shards checked in order: {out}");
     }
 
     // A broken index: one clear line naming it, exit 1.

@@ -66,7 +66,7 @@ fn conjugate_and_negative_views_convert_to_their_logical_values() {
     assert_eq!((conj["conj"].as_bool(), conj["neg"].as_bool()), (Some(true), Some(false)));
 
     let o = turboio(&["load", f, "--check"]);
-    assert!(o.status.success() && stdout(&o).contains("check: all 6 tensors match"), "{}{}", stdout(&o), stderr(&o));
+    assert!(o.status.success() && stdout(&o).contains("all 6 tensors match"), "{}{}", stdout(&o), stderr(&o));
 
     // The conversion writes the logical values (safetensors has no bits).
     let st = d.path().join("bits.safetensors");

@@ -518,8 +518,8 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
             None => (format!(", {}", gb(file_len)), file_len),
         };
         outln!(
-            "run {run}: {} tensors{what} in {:.3} s = {:.2} GB/s ({}, {}{}{}{}{converted}; {})",
-            loaded.len(),
+            "run {run}: {}{what} in {:.3} s = {:.2} GB/s ({}, {}{}{}{}{converted}; {})",
+            count(loaded.len(), "tensor", "{n} tensors"),
             r.elapsed.as_secs_f64(),
             r.gb_per_s(bytes),
             r.held,
@@ -537,8 +537,9 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
         }
     }
     if times.len() > 1 {
+        let runs = times.len();
         let m = median(times);
-        outln!("median: {m:.3} s = {:.2} GB/s", file_len as f64 / m / 1e9);
+        outln!("median of {runs} runs: {m:.3} s = {:.2} GB/s", file_len as f64 / m / 1e9);
     }
     Ok(())
 }
@@ -609,7 +610,9 @@ fn check_against_plain_read(loaded: &LoadedFile, opts: &LoadOptions) -> CliResul
             .into());
         }
     }
-    outln!("check: all {} tensors match a plain read of the file", loaded.len());
+    let what = if turboio::object::is_object_url(loaded.path()) { "object" } else { "file" };
+    let matched = count(loaded.len(), "tensor matches", "all {n} tensors match");
+    outln!("check: {path}: {matched} a plain read of the {what}");
     Ok(())
 }
 
@@ -643,9 +646,9 @@ fn gen(
     };
     let secs = start.elapsed().as_secs_f64();
     outln!(
-        "wrote {}: {} tensors, {} in {:.2} s ({}/s)",
+        "wrote {}: {}, {} in {:.2} s ({}/s)",
         out.shown(),
-        tensors.len(),
+        count(tensors.len(), "tensor", "{n} tensors"),
         gb(len),
         secs,
         gb((len as f64 / secs.max(1e-9)) as u64)
@@ -681,19 +684,22 @@ fn inspect_model(path: &Path, json: bool, opts: &LoadOptions) -> CliResult {
     }
     let index = files.index.as_ref().map(|p| format!(" (index {})", p.shown())).unwrap_or_default();
     outln!(
-        "{}: {} tensors, {} in {} shard(s){index}",
+        "{}: {}, {} in {}{index}",
         path.shown(),
-        summary.tensors(),
+        count(summary.tensors(), "tensor", "{n} tensors"),
         gb(summary.bytes()),
-        summary.shards.len()
+        count(summary.shards.len(), "shard", "{n} shards")
     );
     outln!("shards:");
-    for (p, n, b) in &summary.shards {
-        outln!("  {}  {n} tensors  {}", p.file_name().unwrap_or_default().to_string_lossy(), gb(*b));
+    let mut shards: Vec<&(PathBuf, usize, u64)> = summary.shards.iter().collect();
+    shards.sort_by(|a, b| a.0.cmp(&b.0));
+    for (p, n, b) in shards {
+        let name = p.file_name().unwrap_or_default().to_string_lossy();
+        outln!("  {name}  {}  {}", count(*n, "tensor", "{n} tensors"), gb(*b));
     }
     outln!("dtypes:");
     for (d, (n, b)) in &summary.dtypes {
-        outln!("  {d:<12} {n:>6} tensors  {}", gb(*b));
+        outln!("  {d:<12} {:>13}  {}", count(*n, "tensor", "{n} tensors"), gb(*b));
     }
     Ok(())
 }
@@ -725,9 +731,9 @@ fn load_model(path: &Path, mut opts: LoadOptions, repeat: usize, check: bool) ->
         how.sort();
         how.dedup();
         outln!(
-            "run {run}: {} tensors in {} shards, {} in {:.3} s = {:.2} GB/s ({} shards at a time x {} threads; {})",
-            loaded.len(),
-            r.files,
+            "run {run}: {} in {}, {} in {:.3} s = {:.2} GB/s ({} shards at a time x {} threads; {})",
+            count(loaded.len(), "tensor", "{n} tensors"),
+            count(r.files, "shard", "{n} shards"),
             gb(total),
             r.elapsed.as_secs_f64(),
             total as f64 / r.elapsed.as_secs_f64().max(1e-9) / 1e9,
@@ -741,14 +747,17 @@ fn load_model(path: &Path, mut opts: LoadOptions, repeat: usize, check: bool) ->
             }
         }
         if check {
-            for shard in loaded.shards() {
+            let mut shards: Vec<&LoadedFile> = loaded.shards().iter().collect();
+            shards.sort_by(|a, b| a.path().cmp(b.path()));
+            for shard in shards {
                 check_against_plain_read(shard, &opts)?;
             }
         }
     }
     if times.len() > 1 {
+        let runs = times.len();
         let m = median(times);
-        outln!("median: {m:.3} s = {:.2} GB/s", total as f64 / m / 1e9);
+        outln!("median of {runs} runs: {m:.3} s = {:.2} GB/s", total as f64 / m / 1e9);
     }
     Ok(())
 }
@@ -794,15 +803,19 @@ fn gen_model(
                 data: t.bytes().unwrap_or(&[]),
             })
             .collect();
-        let data: u64 = list.iter().map(|t| t.data.len() as u64).sum();
-        let max = data.div_ceil(shards as u64).max(1);
-        let report =
-            turboio::save_model_dir(dir, &list, None, max, &SaveOptions { encryption, storage, ..Default::default() })?;
+        let groups = even_groups(&list.iter().map(|t| t.data.len() as u64).collect::<Vec<_>>(), shards);
+        let report = turboio::save_model_dir_grouped(
+            dir,
+            &list,
+            &groups,
+            None,
+            &SaveOptions { encryption, storage, ..Default::default() },
+        )?;
         outln!(
-            "wrote {}: {} tensors in {} shards, {} in {:.2} s",
+            "wrote {}: {} in {}, {} in {:.2} s",
             dir.shown(),
-            list.len(),
-            report.shards.len(),
+            count(list.len(), "tensor", "{n} tensors"),
+            count(report.shards.len(), "shard", "{n} shards"),
             gb(report.total_size),
             start.elapsed().as_secs_f64()
         );
@@ -812,9 +825,54 @@ fn gen_model(
     result
 }
 
+/// `sizes` (in order) cut into `n` consecutive groups of about equal bytes: exactly `n` when
+/// there are at least `n` items, else one per item. (`gen --shards 4` wrote 5 shards when it
+/// packed greedily up to a quarter of the bytes each.)
+fn even_groups(sizes: &[u64], n: usize) -> Vec<Vec<usize>> {
+    let len = sizes.len();
+    let n = n.clamp(1, len.max(1));
+    let total = sizes.iter().sum::<u64>().max(1);
+    let mut groups: Vec<Vec<usize>> = Vec::with_capacity(n);
+    let mut acc = 0u64;
+    for (i, &size) in sizes.iter().enumerate() {
+        // The share of the bytes this item's middle falls in; never behind the current group,
+        // never skipping one, and early enough that the items left fill the groups left.
+        let by_bytes = ((acc + size / 2) as u128 * n as u128 / total as u128) as usize;
+        let lowest = n.saturating_sub(len - i);
+        let g = match groups.len() {
+            0 => 0,
+            made => by_bytes.max(lowest).clamp(made - 1, made.min(n - 1)),
+        };
+        if g == groups.len() {
+            groups.push(Vec::new());
+        }
+        groups[g].push(i);
+        acc += size;
+    }
+    groups
+}
+
+/// The median of `v` (of an even count, the mean of the middle two).
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n.is_multiple_of(2) {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    } else {
+        v[n / 2]
+    }
+}
+
+/// `n` things: "1 tensor", "3 tensors"; `many` (with `{n}`) for more than one.
+pub(crate) fn count(n: usize, one: &str, many: &str) -> String {
+    if n == 1 {
+        format!("1 {one}")
+    } else {
+        many.replace("{n}", &n.to_string())
+    }
 }
 
 fn demo(size: u64, dir: Option<PathBuf>, runs: usize) -> CliResult {
@@ -912,4 +970,22 @@ fn cache_command(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn even_groups_make_exactly_the_shards_asked_for() {
+        for sizes in [vec![10u64; 7], vec![1, 100, 1, 1, 100, 1, 5, 5, 5, 300], vec![0; 5], vec![50, 1, 1, 1]] {
+            for n in 1..=sizes.len() + 2 {
+                let g = super::even_groups(&sizes, n);
+                assert_eq!(g.len(), n.min(sizes.len()), "{sizes:?} into {n}: {g:?}");
+                let flat: Vec<usize> = g.iter().flatten().copied().collect();
+                assert_eq!(flat, (0..sizes.len()).collect::<Vec<_>>(), "{sizes:?} into {n}: in order, each once");
+            }
+        }
+        assert_eq!(super::median(vec![3.0, 0.5]), 1.75);
+        assert_eq!(super::median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(super::count(1, "tensor", "{n} tensors"), "1 tensor");
+    }
 }

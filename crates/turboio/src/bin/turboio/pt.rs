@@ -1,7 +1,7 @@
 //! `.pt` / `.bin` checkpoints in the CLI: `inspect`, `load` and `convert`.
 
 use crate::out::{outln, Shown};
-use crate::{gb, median, progress, CliResult};
+use crate::{count, gb, median, progress, CliResult};
 use std::collections::BTreeMap;
 use std::path::Path;
 use turboio::convert::{ConvertOptions, SharedTensors};
@@ -156,7 +156,11 @@ pub fn load(file: &Path, mut opts: LoadOptions, repeat: usize, check: bool, top_
             }
             let meta = again.tensors().iter().filter(|t| t.meta).count();
             let note = if meta > 0 { format!(" ({meta} meta tensors have no data to compare)") } else { String::new() };
-            outln!("check: all {} tensors match a plain read of the file{note}", loaded.len() - meta);
+            outln!(
+                "check: {}: {} a plain read of the file{note}",
+                file.shown(),
+                count(loaded.len() - meta, "tensor matches", "all {n} tensors match")
+            );
         }
     }
     if times.len() > 1 {
