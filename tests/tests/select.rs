@@ -272,7 +272,7 @@ fn a_copy_over_the_host_budget_fails_before_reading_with_the_numbers() {
     assert!(matches!(e, Error::WontFit { .. }), "{e:?}");
     let msg = e.to_string();
     assert!(
-        msg.contains("needs") && msg.contains("of host memory") && msg.contains("max_host_memory is 4.2 MB"),
+        msg.contains("needs") && msg.contains("of host memory") && msg.contains("max_host_memory is 4MiB"),
         "{msg}"
     );
     assert!(msg.contains("a mapped load") && msg.contains("fewer tensors"), "{msg}");

@@ -42,7 +42,8 @@ fn to_py(e: Error) -> PyErr {
 }
 
 fn error_to_py(e: &Error) -> PyErr {
-    let msg = e.to_string();
+    // A memory plan's refusal names the keyword arguments that would fit, not the CLI's flags.
+    let msg = e.describe_for(turboio::memory::Api::Python);
     let invalid_file = |path: &std::path::Path, reason: String| {
         let err = PyValueError::new_err(msg.clone());
         Python::attach(|py| {
@@ -54,6 +55,11 @@ fn error_to_py(e: &Error) -> PyErr {
     };
     match e {
         Error::Storage(StorageError::NotFound { .. }) => PyFileNotFoundError::new_err(msg),
+        // The object-storage backend refused its configuration or the URL (an unknown storage
+        // option, a URL with a query string): a bad argument, as a bad option value already is.
+        Error::Storage(StorageError::Setup { path, .. }) if turboio::object::is_object_url(path) => {
+            PyValueError::new_err(msg)
+        }
         Error::Storage(StorageError::PermissionDenied { .. }) => PyPermissionError::new_err(msg),
         Error::Storage(StorageError::Io { .. } | StorageError::ShortFile { .. } | StorageError::Changed { .. }) => {
             PyOSError::new_err(msg)
@@ -1289,6 +1295,13 @@ fn read_header(
     Ok(header_info(&h))
 }
 
+/// True if `path` names a checkpoint file by its extension (`.safetensors`, `.pt`, `.pth`,
+/// `.bin`), as the CLI decides whether a URL is a file or a model's prefix. Private.
+#[pyfunction]
+fn _names_a_checkpoint_file(path: std::path::PathBuf) -> bool {
+    turboio::model::names_a_checkpoint_file(&path)
+}
+
 /// `path` as errors show it: a URL without user info or query string (the one rule the Rust
 /// errors follow, `turboio::storage::shown`). Private to the Python package.
 #[pyfunction]
@@ -1995,6 +2008,7 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_header, m)?)?;
     m.add_function(wrap_pyfunction!(file_kind, m)?)?;
     m.add_function(wrap_pyfunction!(_shown, m)?)?;
+    m.add_function(wrap_pyfunction!(_names_a_checkpoint_file, m)?)?;
     m.add_function(wrap_pyfunction!(read_all, m)?)?;
     m.add_function(wrap_pyfunction!(write_file, m)?)?;
     m.add_function(wrap_pyfunction!(_write_at, m)?)?;

@@ -230,9 +230,14 @@ def test_the_fastsafetensors_loaders_select_across_files(tmp):
 
 def test_a_load_over_its_memory_budget_raises_memory_error_before_reading(file, tmp):
     seen = []
-    with pytest.raises(MemoryError, match="this load needs .* of host memory .* max_host_memory is 0.3 MB"):
+    with pytest.raises(MemoryError, match="this load needs .* of host memory .* max_host_memory is 256KiB"):
         turboio.load(str(file), cache="bypass", max_host_memory="256KiB", progress=seen.append)
     assert not seen or seen[-1] == 0, seen
+    # The remedies are Python's own keyword arguments, never the CLI's flags (issue 49, item 11).
+    with pytest.raises(MemoryError) as info:
+        turboio.load(str(file), cache="bypass", max_host_memory="256KiB")
+    msg = str(info.value)
+    assert 'cache="auto"' in msg and "tensors=" in msg and "max_host_memory=" in msg and "--" not in msg, msg
     # A mapped load holds no copy; a selection fits.
     assert len(turboio.load(str(file), max_host_memory="256KiB")) == len(sample())
     got = turboio.load(str(file), cache="bypass", max_host_memory=256 << 10, tensors=["lm_head.weight"])
@@ -246,7 +251,7 @@ def test_a_load_over_its_memory_budget_raises_memory_error_before_reading(file, 
     # The same for a .pt file: its copy is checked before it is made; mapped, or a selection, fits.
     pt = tmp / "m.pt"
     torch.save(sample(), str(pt))
-    with pytest.raises(MemoryError, match=r"m\.pt: this load needs .* max_host_memory is 0\.3 MB"):
+    with pytest.raises(MemoryError, match=r"m\.pt: this load needs .* max_host_memory is 256KiB"):
         turboio.load(str(pt), cache="bypass", max_host_memory="256KiB")
     assert len(turboio.load(str(pt), max_host_memory="256KiB")) == len(sample())
     got = turboio.load(str(pt), cache="bypass", max_host_memory="256KiB", tensors="lm_head.weight")

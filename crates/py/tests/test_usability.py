@@ -131,3 +131,48 @@ def test_a_wrong_key_that_decrypts_to_0x80_is_refused(tmp, monkeypatch):
             fn()
     monkeypatch.setenv("VETURBOIO_KEY", base64.b64encode(KEY).decode())
     assert same(turboio.load(str(path), use_cipher=True)["a"], sd["a"])
+
+
+def test_load_of_a_model_directory_or_prefix_points_to_load_model(tmp):
+    """Issue 49, item 9: `turboio.load` of a model directory raised `OSError: Is a directory`,
+    of a model's key prefix a bare `FileNotFoundError`; both now say what loads a model."""
+    d = tmp / "model"
+    turboio.save_model_dir({"a": torch.ones(3), "b": torch.zeros(2)}, str(d), max_shard_size="20B")
+    with pytest.raises(IsADirectoryError, match=r"turboio\.load_model\("):
+        turboio.load(str(d))
+    assert set(turboio.load_model(str(d))) == {"a", "b"}
+    # A server that answers 404 to everything: the prefix is no object.
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/models/llama"
+        with pytest.raises(FileNotFoundError, match=r"model's prefix .*turboio\.load_model"):
+            turboio.load(url)
+        # A file's URL that is missing says only that.
+        with pytest.raises(FileNotFoundError) as info:
+            turboio.load(url + "/model.safetensors")
+        assert "load_model" not in str(info.value)
+    finally:
+        server.shutdown()
+
+
+def test_storage_option_mistakes_are_value_errors():
+    """Issue 49, item 13: an unknown storage option was a RuntimeError, a bad value a ValueError."""
+    with pytest.raises(ValueError, match="unknown storage option"):
+        turboio.load("s3://bucket/x.safetensors", storage_options={"no_such_option": "1"})
+    with pytest.raises(ValueError, match="concurrency"):
+        turboio.load("s3://bucket/x.safetensors", storage_options={"concurrency": "x"})

@@ -401,7 +401,7 @@ mod bound_tests {
         let e = save_async(&path, &t, None, &opts).unwrap_err();
         assert!(matches!(e, Error::WontFit { .. }), "{e}");
         let e = e.to_string();
-        assert!(e.contains("b.safetensors") && e.contains("max_host_memory is 6.3 MB"), "{e}");
+        assert!(e.contains("b.safetensors") && e.contains("max_host_memory is 6MiB"), "{e}");
         assert_eq!((pool.in_use(), pool.free_arenas()), (0, 0), "nothing taken");
         assert!(!path.exists());
         // Two snapshots of 2 x 2 MiB do not fit in 3 x 2 MiB together: the second save waits

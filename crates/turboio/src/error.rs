@@ -74,12 +74,19 @@ pub enum Error {
     /// The load does not fit in the memory available (or the budget given); it failed before
     /// allocating anything. The message says what was needed, what is available and what would
     /// fit.
-    #[error("{}: {message}", turboio_storage::shown(path))]
+    #[error(
+        "{}: {message}{}",
+        turboio_storage::shown(path),
+        crate::memory::describe_remedies(remedies, crate::memory::Api::Rust)
+    )]
     WontFit {
         /// The file, or the model's index or first shard.
         path: PathBuf,
-        /// Needed vs available, and the options that would fit.
+        /// Needed vs available ("this load needs 4.30 GB of host memory but ...").
         message: String,
+        /// What would fit, for the message to name in the caller's own API
+        /// ([`Error::describe_for`]).
+        remedies: Vec<crate::memory::Remedy>,
     },
     /// The operation was cancelled.
     #[error("{}: cancelled", turboio_storage::shown(path))]
@@ -90,6 +97,20 @@ pub enum Error {
 }
 
 impl Error {
+    /// The message as a caller of `api` reads it: a memory plan's refusal names the remedies
+    /// that API offers (the CLI's flags, Python's keyword arguments) and no other; every other
+    /// error reads as its `Display`.
+    pub fn describe_for(&self, api: crate::memory::Api) -> String {
+        match self {
+            Error::WontFit { path, message, remedies } => format!(
+                "{}: {message}{}",
+                turboio_storage::shown(path),
+                crate::memory::describe_remedies(remedies, api)
+            ),
+            other => other.to_string(),
+        }
+    }
+
     pub(crate) fn format(path: &std::path::Path, source: FormatError) -> Self {
         Error::Format { path: path.to_owned(), source, hint: None }
     }

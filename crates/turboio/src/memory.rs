@@ -116,6 +116,98 @@ pub fn check_host(origin: &Path, bytes: u64, max_host_memory: Option<u64>) -> Re
     check(origin, &needs, &opts, &turboio_device::CpuDevice::new())
 }
 
+/// Who reads a memory plan's refusal: its remedies are named in that API's terms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Api {
+    /// The Rust crate (`LoadOptions`, `LoadMode`).
+    Rust,
+    /// The `turboio` command (`--mode`, `--tensors`, ...).
+    Cli,
+    /// The Python package (keyword arguments of `turboio.load`, `load_model`, `save_file`).
+    Python,
+}
+
+/// Something that would make a refused load or save fit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Remedy {
+    /// Holding the tensors in the page cache (mapped) instead of this many bytes of copies.
+    Mapped {
+        /// The copies' bytes a mapped load would not allocate.
+        copies: u64,
+    },
+    /// Loading fewer tensors (a selection).
+    FewerTensors,
+    /// Smaller pinned staging chunks (device loads).
+    SmallerStagingChunk,
+    /// A larger budget than the one given.
+    LargerBudget,
+    /// A blocking save (background saves' snapshots).
+    BlockingSave,
+    /// Fewer tensors per file (background saves).
+    FewerTensorsPerFile,
+}
+
+impl Remedy {
+    /// The remedy in `api`'s terms; `None` where that API has no such option.
+    pub fn describe(&self, api: Api) -> Option<String> {
+        Some(match (self, api) {
+            (Remedy::Mapped { copies }, Api::Rust) => format!(
+                "a mapped load (LoadMode::Mapped: the page cache, which the kernel can reclaim, instead of {} of copies)",
+                gb(*copies)
+            ),
+            (Remedy::Mapped { copies }, Api::Cli) => format!(
+                "a mapped load (--mode mapped: the page cache, which the kernel can reclaim, instead of {} of copies)",
+                gb(*copies)
+            ),
+            (Remedy::Mapped { copies }, Api::Python) => format!(
+                "a load from the page cache (cache=\"auto\" rather than \"bypass\", no dtype=: the kernel can \
+                 reclaim it, instead of {} of copies)",
+                gb(*copies)
+            ),
+            (Remedy::FewerTensors, Api::Rust) => "fewer tensors (a selection: LoadOptions::tensors)".into(),
+            (Remedy::FewerTensors, Api::Cli) => "fewer tensors (a selection: --tensors)".into(),
+            (Remedy::FewerTensors, Api::Python) => "fewer tensors (a selection: tensors=)".into(),
+            (Remedy::SmallerStagingChunk, Api::Rust) => "a smaller staging chunk (LoadOptions::staging_chunk)".into(),
+            (Remedy::SmallerStagingChunk, Api::Cli | Api::Python) => return None,
+            (Remedy::LargerBudget, Api::Rust) => "a larger budget (the options' max_host_memory)".into(),
+            (Remedy::LargerBudget, Api::Cli) => "a larger budget (--max-host-memory)".into(),
+            (Remedy::LargerBudget, Api::Python) => "a larger budget (max_host_memory=)".into(),
+            (Remedy::BlockingSave, Api::Python) => "a blocking save (blocking=True: it takes no snapshot)".into(),
+            (Remedy::BlockingSave, _) => "a blocking save (turboio::save: it takes no snapshot)".into(),
+            (Remedy::FewerTensorsPerFile, _) => "fewer tensors per file".into(),
+        })
+    }
+}
+
+/// "; What would fit: a; b" for the remedies `api` offers ("" when none).
+pub(crate) fn describe_remedies(remedies: &[Remedy], api: Api) -> String {
+    let named: Vec<String> = remedies.iter().filter_map(|r| r.describe(api)).collect();
+    if named.is_empty() {
+        String::new()
+    } else {
+        format!(". What would fit: {}", named.join("; "))
+    }
+}
+
+/// A budget as the caller most likely wrote it: in GiB or MiB when it is a whole number of
+/// them, in GB or MB when it is a whole number of those, else in bytes.
+pub(crate) fn budget(n: u64) -> String {
+    const GIB: u64 = 1 << 30;
+    const MIB: u64 = 1 << 20;
+    match n {
+        0 => "0 bytes".into(),
+        n if n.is_multiple_of(GIB) => format!("{}GiB", n / GIB),
+        n if n.is_multiple_of(1_000_000_000) => format!("{}GB", n / 1_000_000_000),
+        n if n.is_multiple_of(MIB) => format!("{}MiB", n / MIB),
+        n if n.is_multiple_of(1_000_000) => format!("{}MB", n / 1_000_000),
+        n if n.is_multiple_of(1024) => format!("{}KiB", n / 1024),
+        n if n.is_multiple_of(1000) => format!("{}kB", n / 1000),
+        n => format!("{n} bytes"),
+    }
+}
+
 /// Checks a background save's snapshot of `bytes` against `budget` (`max_host_memory`) and,
 /// when it maps a new arena (`reusable` false), against the host memory available; the error
 /// names the file, the numbers and what would fit.
@@ -124,21 +216,27 @@ pub(crate) fn check_snapshot(path: &Path, bytes: u64, budget: Option<u64>, reusa
 }
 
 fn check_snapshot_with(path: &Path, bytes: u64, budget: Option<u64>, reusable: bool, avail: Option<u64>) -> Result<()> {
-    let refuse = |available: String, larger: &str| Error::WontFit {
-        path: path.to_owned(),
-        message: format!(
-            "this background save's snapshot needs {} of host memory but {available}; nothing was copied. \
-             What would fit: a blocking save (it takes no snapshot); fewer tensors per file{larger}",
-            gb(bytes)
-        ),
+    let refuse = |available: String, larger: bool| {
+        let mut remedies = vec![Remedy::BlockingSave, Remedy::FewerTensorsPerFile];
+        if larger {
+            remedies.push(Remedy::LargerBudget);
+        }
+        Error::WontFit {
+            path: path.to_owned(),
+            message: format!(
+                "this background save's snapshot needs {} of host memory but {available}; nothing was copied",
+                gb(bytes)
+            ),
+            remedies,
+        }
     };
     if let Some(b) = budget.filter(|&b| bytes > b) {
-        return Err(refuse(format!("max_host_memory is {}", gb(b)), "; or a larger budget"));
+        return Err(refuse(format!("max_host_memory is {}", self::budget(b)), true));
     }
     if let Some(a) = avail.filter(|&a| !reusable && bytes > a) {
         return Err(refuse(
             format!("{} is available (MemAvailable, and the cgroup's memory.max less what it holds)", gb(a)),
-            "",
+            false,
         ));
     }
     Ok(())
@@ -180,30 +278,28 @@ fn check_with(
     };
     let mut fits = Vec::new();
     if needs.mappable > 0 {
-        fits.push(format!(
-            "a mapped load (mode mapped: the page cache, which the kernel can reclaim, instead of {} of copies)",
-            gb(needs.mappable)
-        ));
+        fits.push(Remedy::Mapped { copies: needs.mappable });
     }
-    fits.push("fewer tensors (a selection: tensors= / --tensors)".to_owned());
+    fits.push(Remedy::FewerTensors);
     if needs.pinned > 0 {
-        fits.push("a smaller staging chunk (staging_chunk)".to_owned());
+        fits.push(Remedy::SmallerStagingChunk);
     }
     let refuse = |needed: String, available: String, budget: bool| {
-        let option = if budget { "; or a larger budget" } else { "" };
+        let mut remedies = fits.clone();
+        if budget {
+            remedies.push(Remedy::LargerBudget);
+        }
         Error::WontFit {
             path: origin.to_owned(),
-            message: format!(
-                "this load needs {needed} but {available}; nothing was allocated. What would fit: {}{option}",
-                fits.join("; ")
-            ),
+            message: format!("this load needs {needed} but {available}; nothing was allocated"),
+            remedies,
         }
     };
     if host > 0 {
         if let Some(budget) = opts.max_host_memory.filter(|&b| host > b) {
             return Err(refuse(
                 format!("{} of host memory ({})", gb(host), what_host()),
-                format!("max_host_memory is {}", gb(budget)),
+                format!("max_host_memory is {}", self::budget(budget)),
                 true,
             ));
         }
@@ -220,7 +316,7 @@ fn check_with(
         if let Some(budget) = opts.max_device_memory.filter(|&b| needs.device > b) {
             return Err(refuse(
                 format!("{} of {id} memory", gb(needs.device)),
-                format!("max_device_memory is {}", gb(budget)),
+                format!("max_device_memory is {}", self::budget(budget)),
                 true,
             ));
         }
@@ -312,7 +408,7 @@ mod tests {
         let p = Path::new("ckpt.safetensors");
         let e = check_snapshot_with(p, 3_000_000_000, Some(2_000_000_000), true, None).unwrap_err().to_string();
         assert!(
-            e.starts_with("ckpt.safetensors: this background save's snapshot needs 3.00 GB of host memory but max_host_memory is 2.00 GB; nothing was copied"),
+            e.starts_with("ckpt.safetensors: this background save's snapshot needs 3.00 GB of host memory but max_host_memory is 2GB; nothing was copied"),
             "{e}"
         );
         assert!(e.contains("a blocking save") && e.contains("a larger budget"), "{e}");
@@ -334,7 +430,21 @@ mod tests {
         assert!(check_with(p, &needs, &LoadOptions::default(), &cpu, None).is_ok(), "unknown: not refused");
         let budget = LoadOptions { max_host_memory: Some(1 << 30), ..Default::default() };
         let e = check_with(p, &needs, &budget, &cpu, Some(u64::MAX)).unwrap_err().to_string();
-        assert!(e.contains("max_host_memory is 1.07 GB") && e.contains("a larger budget"), "{e}");
+        assert!(e.contains("max_host_memory is 1GiB") && e.contains("a larger budget"), "{e}");
+        assert!(e.contains("LoadMode::Mapped") && e.contains("LoadOptions::tensors"), "{e}");
+        // Each API reads its own remedies (issue 49, item 11).
+        let refused = check_with(p, &needs, &budget, &cpu, None).unwrap_err();
+        let cli = refused.describe_for(Api::Cli);
+        assert!(
+            cli.contains("--mode mapped") && cli.contains("--tensors") && cli.contains("--max-host-memory"),
+            "{cli}"
+        );
+        let py = refused.describe_for(Api::Python);
+        assert!(py.contains("cache=\"auto\"") && py.contains("tensors=") && py.contains("max_host_memory="), "{py}");
+        assert!(!py.contains("--") && !py.contains("LoadMode"), "{py}");
+        for (n, shown) in [(256 << 10, "256KiB"), (8 << 30, "8GiB"), (5_000_000_000, "5GB"), (1500, "1500 bytes")] {
+            assert_eq!(super::budget(n), shown);
+        }
         assert!(check_with(p, &Needs::default(), &budget, &cpu, Some(0)).is_ok(), "a mapped load needs nothing");
     }
 }

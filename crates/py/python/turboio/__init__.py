@@ -277,6 +277,11 @@ def load(
     remote = _is_remote(path)
     if not remote and not _os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
+    if not remote and _os.path.isdir(path):
+        raise IsADirectoryError(
+            f"{path}: is a directory; a model directory (its index and shards) loads with "
+            f"turboio.load_model({path!r}), one file with turboio.load(<the file>)"
+        )
 
     def load_pt():
         try:
@@ -343,6 +348,14 @@ def load(
     except ValueError:
         if remote and _kind(path, cipher, storage) == "torch":
             return load_pt()
+        raise
+    except FileNotFoundError as e:
+        # A model's key prefix is no object: say what loads it.
+        if remote and not _turboio._names_a_checkpoint_file(path):
+            raise FileNotFoundError(
+                f"{e}; if {_remote.shown(path)} is a model's prefix (its index and shards under it), "
+                f"load it with turboio.load_model"
+            ) from None
         raise
     return _tensors_of(loaded, aliases=enable_fast_mode)
 

@@ -388,7 +388,11 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.is::<out::Closed>() => ExitCode::from(out::CLOSED_STATUS),
         Err(e) => {
-            eprintln!("turboio: error: {e}");
+            // A memory plan's refusal names this command's flags as its remedies.
+            match e.downcast_ref::<turboio::Error>() {
+                Some(e) => eprintln!("turboio: error: {}", e.describe_for(turboio::memory::Api::Cli)),
+                None => eprintln!("turboio: error: {e}"),
+            }
             ExitCode::FAILURE
         }
     }
