@@ -28,6 +28,10 @@ Where turboio differs, on purpose:
   asserts end the process); an I/O error raises ``OSError`` naming the file (from the sync call,
   or from ``wait()`` once every pending operation finished; DeepSpeed ignores them); a buffer
   that is not contiguous raises ``ValueError`` (DeepSpeed reads into the storage behind it).
+  The one exception is DeepSpeed's own contract: a file that cannot be opened (missing, no
+  permission, a directory) makes the call return -1, as DeepSpeed's does, with the reason logged
+  at ERROR to the ``turboio.deepnvme`` logger (which Python prints to standard error when no
+  logging is configured); code written for DeepSpeed checks that -1.
 - **Threads.** Each operation is read or written by turboio's parallel engine (io_uring with
   ``O_DIRECT``, 1 MiB chunks by default); ``intra_op_parallelism`` > 1 sets its thread count,
   ``block_size`` the chunk size of writes, the other settings are kept for the getters only. Queued
@@ -43,7 +47,8 @@ Where turboio differs, on purpose:
   turboio's GDS path serves whole loads and saves (``gds=`` in ``turboio.load``).
 
 Writes are raw positional writes, as DeepSpeed's: in place, the file created with mode 0600
-when missing and never truncated, not synced. For checkpoints that must survive a crash, use
+when missing (DeepSpeed's mode; turboio's own saves create files with the umask's mode, as
+``open`` does) and never truncated, not synced. For checkpoints that must survive a crash, use
 ``turboio.save_file`` (atomic) or ``turboio.dcp``.
 """
 
