@@ -611,6 +611,18 @@ impl NodeCache {
         self.evict_lru(Some(keep), fits).is_ok_and(|e| e.satisfied)
     }
 
+    /// After `keep` was published for `url` (as entries record it: no query, no user info):
+    /// removes the entries of `url`'s other versions, which no load asks for any more (an
+    /// object replaced in the store). Returns how many were removed.
+    pub(crate) fn drop_superseded(&self, url: &str, keep: &str) -> usize {
+        let Ok(entries) = self.entries() else { return 0 };
+        entries
+            .iter()
+            .filter(|e| e.url == url && e.key != keep)
+            .filter(|e| remove_entry(&self.slot(e.key.clone())))
+            .count()
+    }
+
     /// After a fill: removes least recently used entries beyond the size limit (never `keep`).
     pub(crate) fn enforce_limit(&self, keep: &str) {
         if let Some(max) = self.max_bytes {
@@ -648,10 +660,16 @@ struct Eviction {
     freed: u64,
 }
 
-/// Unlinks an entry's data (then its description); true if the data was removed.
+/// Unlinks an entry's data (then its description, and its lock file unless a fetch holds it);
+/// true if the data was removed.
 fn remove_entry(slot: &Slot) -> bool {
     let removed = fs::remove_file(slot.data()).is_ok();
     let _ = fs::remove_file(slot.meta());
+    if let Ok(Locking::Held(lock)) = slot.try_lock() {
+        // Nobody fetches the key: the lock file goes too (a fetch starting now makes a new one).
+        let _ = fs::remove_file(slot.lock_path());
+        drop(lock);
+    }
     removed
 }
 

@@ -150,6 +150,7 @@ impl Filling {
         crate::filling_here(&self.slot.key, false);
         drop(st);
         if result.is_ok() {
+            self.cache.drop_superseded(&self.url, &self.slot.key);
             self.cache.enforce_limit(&self.slot.key);
         }
     }

@@ -85,7 +85,9 @@
 //!
 //! # Limits and eviction
 //!
-//! Entries are used most-recently-first: a hit sets the entry's modification time. Before a
+//! A new version of an object, once published, replaces the entries of its older versions
+//! (they are removed then, not at the next prune). Entries are used most-recently-first: a
+//! hit sets the entry's modification time. Before a
 //! fill, least recently used entries are removed until the new object fits both the size limit
 //! ([`NodeCache::with_max_bytes`], `TURBOIO_CACHE_MAX_SIZE`) and the file system keeps 5% of its
 //! size free; an object that cannot fit is loaded without the cache. Removing an entry unlinks
@@ -264,6 +266,7 @@ impl CacheStorage {
         drop(lock);
         match result {
             Ok(()) => {
+                self.cache.drop_superseded(&entries::clean_url(url), &slot.key);
                 self.cache.enforce_limit(&slot.key);
                 true
             }

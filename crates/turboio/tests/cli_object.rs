@@ -178,7 +178,12 @@ fn the_node_cache_serves_later_loads_and_concurrent_processes_fetch_once() {
     let cold = fx.server.stat("get_bytes");
     assert!(cold >= size && cold <= size + (3 << 20), "cold load fetched {cold} bytes");
     let (ok, out) = run(&["--cache-dir", cache_arg, "cache", "ls"]);
-    assert!(ok && out.contains("s3://cached/m.safetensors") && out.contains("1 entries"), "{out}");
+    assert!(ok && out.contains("s3://cached/m.safetensors") && out.contains("1 entry,"), "{out}");
+    // Sizes as everywhere else, under a header (issue 49, item 12).
+    assert!(
+        out.contains("SIZE") && out.contains("LAST USED") && out.contains(" MB") && out.contains(" s ago"),
+        "{out}"
+    );
 
     // Warm, from the environment this time: no byte from the server (one HEAD per open).
     fx.server.faults("{}");
@@ -208,8 +213,9 @@ fn the_node_cache_serves_later_loads_and_concurrent_processes_fetch_once() {
     let (ok, out) = run(&["--cache-dir", cache_arg, "load", "s3://cached/m.safetensors", "--check"]);
     assert!(ok && out.contains("a plain read of the"), "{out}");
     assert!(fx.server.stat("get_bytes") >= size);
+    // The replaced version's entry went when the new one was published (issue 49, item 12).
     let (ok, out) = run(&["--cache-dir", cache_arg, "cache", "du"]);
-    assert!(ok && out.contains("2 entries"), "{out}");
+    assert!(ok && out.contains("1 entry,") && out.contains(" MB in"), "{out}");
 
     // Four processes on a cold cache: the object is served about once (each process that takes
     // the fetch for a moment, to look at the header, costs one opening GET of 1 MiB more).
@@ -237,9 +243,12 @@ fn the_node_cache_serves_later_loads_and_concurrent_processes_fetch_once() {
 
     // prune: down to one entry, then all; a missing directory is an error only without one.
     let (ok, out) = run(&["--cache-dir", cache_arg, "cache", "prune", "--max-size", "50MiB"]);
-    assert!(ok && out.contains("removed 1 entries"), "{out}");
+    assert!(ok && out.contains("removed 0 entries"), "{out}");
     let (ok, out) = run(&["--cache-dir", cache_arg, "cache", "prune"]);
-    assert!(ok && out.contains("removed 1 entries"), "{out}");
+    assert!(ok && out.contains("removed 1 entry (") && out.contains(" MB)"), "{out}");
+    // Nothing left behind: no lock file, no record.
+    let left: Vec<_> = std::fs::read_dir(&cache).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.is_empty(), "{left:?}");
     let (ok, out) = run(&["cache", "ls"]);
     assert!(!ok && out.contains("--cache-dir"), "{out}");
     let (ok, out) = run(&["--cache-dir", cache_arg, "--cache-max-size", "lots", "cache", "ls"]);

@@ -404,6 +404,21 @@ fn gb(bytes: u64) -> String {
     turboio::inspect::human_bytes(bytes)
 }
 
+/// The bytes of the node cache's entries, as sizes are shown everywhere.
+fn total(entries: &[turboio::cache::Entry]) -> String {
+    gb(entries.iter().map(|e| e.len).sum::<u64>())
+}
+
+/// Seconds ago as "12 s ago", "5 min ago", "3 h ago", "2 d ago".
+fn ago_text(secs: u64) -> String {
+    match secs {
+        s if s < 120 => format!("{s} s ago"),
+        s if s < 2 * 3600 => format!("{} min ago", s / 60),
+        s if s < 2 * 86400 => format!("{} h ago", s / 3600),
+        s => format!("{} d ago", s / 86400),
+    }
+}
+
 /// `--repeat` and `--runs`: a count of at least 1.
 fn parse_count(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
@@ -952,24 +967,27 @@ fn cache_command(
                 outln!("{}", serde_json::to_string_pretty(&list)?);
             } else {
                 let now = std::time::SystemTime::now();
+                if !entries.is_empty() {
+                    outln!("{:>10}  {:>10}  URL  (VERSION)", "SIZE", "LAST USED");
+                }
                 for e in &entries {
                     let ago = now.duration_since(e.last_used).map_or(0, |d| d.as_secs());
-                    outln!("{:>12}  {:>9}  {}  {}", e.len, format!("{}s ago", ago), e.url, e.version);
+                    outln!("{:>10}  {:>10}  {}  ({})", gb(e.len), ago_text(ago), e.url, e.version);
                 }
-                outln!("{} entries, {} bytes in {dir}", entries.len(), entries.iter().map(|e| e.len).sum::<u64>());
+                outln!("{}, {} in {dir}", count(entries.len(), "entry", "{n} entries"), total(&entries));
             }
         }
         CacheAction::Du => {
             let entries = entries()?;
-            outln!("{} entries, {} bytes in {dir}", entries.len(), entries.iter().map(|e| e.len).sum::<u64>());
+            outln!("{}, {} in {dir}", count(entries.len(), "entry", "{n} entries"), total(&entries));
         }
         CacheAction::Prune { max_size } => {
             let r = cache.prune(max_size.unwrap_or(0)).map_err(|e| format!("{dir}: {e}"))?;
             outln!(
-                "removed {} entries ({} bytes) and {} unfinished fetches from {dir}",
-                r.removed,
-                r.freed,
-                r.stale_parts
+                "removed {} ({}) and {} from {dir}",
+                count(r.removed, "entry", "{n} entries"),
+                gb(r.freed),
+                count(r.stale_parts, "unfinished fetch", "{n} unfinished fetches")
             );
         }
     }
