@@ -250,10 +250,18 @@ impl ObjectStorage {
     /// The storage error for an object_store failure of `op` on `url`.
     pub(crate) fn error(&self, url: &Path, op: &'static str, e: object_store::Error) -> StorageError {
         use object_store::Error as E;
+        let text = e.to_string();
+        if let Some(message) = no_credentials(url, &text) {
+            return StorageError::Io {
+                path: url.to_owned(),
+                op,
+                source: std::io::Error::new(std::io::ErrorKind::PermissionDenied, message),
+            };
+        }
         match e {
             E::NotFound { .. } => StorageError::NotFound { path: url.to_owned() },
             E::PermissionDenied { .. } | E::Unauthenticated { .. } => {
-                let detail = self.redact(&e.to_string());
+                let detail = one_line(&self.redact(&text));
                 StorageError::Io {
                     path: url.to_owned(),
                     op,
@@ -267,7 +275,7 @@ impl ObjectStorage {
             other => StorageError::Io {
                 path: url.to_owned(),
                 op,
-                source: std::io::Error::other(self.redact(&other.to_string())),
+                source: std::io::Error::other(one_line(&self.redact(&other.to_string()))),
             },
         }
     }
@@ -323,6 +331,49 @@ impl ObjectStorage {
     }
 }
 
+/// The message for a request that failed because the credential chain found nothing: with no
+/// keys in the environment or the options, object_store asks the cloud's instance-metadata
+/// service last (`PUT http://169.254.169.254/latest/api/token`), and its failure is all the
+/// error said. `None` for any other failure.
+fn no_credentials(url: &Path, text: &str) -> Option<String> {
+    let imds =
+        text.contains("/latest/api/token") || text.contains("169.254.169.254") || text.contains("/latest/meta-data");
+    if !imds {
+        return None;
+    }
+    let scheme = url.to_str().and_then(|u| u.split_once("://")).map_or("", |(s, _)| s);
+    Some(match scheme {
+        "s3" => "no credentials found: none in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, \
+                 AWS_PROFILE, AWS_WEB_IDENTITY_TOKEN_FILE) and no instance-metadata service answered; set them, or \
+                 pass the storage options access_key_id= and secret_access_key= (skip_signature=true for a public \
+                 bucket)"
+            .to_owned(),
+        _ => "no credentials found: none in the environment or the storage options, and no instance-metadata \
+              service answered; set the store's credentials (see the object-storage docs)"
+            .to_owned(),
+    })
+}
+
+/// A server's error on one line: an S3-style XML body as `Code: Message`, anything else with
+/// its line breaks folded.
+pub(crate) fn one_line(text: &str) -> String {
+    let tag = |name: &str| {
+        let open = format!("<{name}>");
+        let start = text.find(&open)? + open.len();
+        let end = text[start..].find(&format!("</{name}>"))? + start;
+        Some(text[start..end].trim().to_owned())
+    };
+    if let Some(code) = tag("Code") {
+        let head = text.find('<').map_or(text, |i| &text[..i]).trim_end().trim_end_matches(':');
+        let head: String = head.split_whitespace().collect::<Vec<_>>().join(" ");
+        return match tag("Message") {
+            Some(msg) => format!("{head}: {code}: {msg}"),
+            None => format!("{head}: {code}"),
+        };
+    }
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
 pub(crate) fn setup(path: &Path, message: impl Into<String>) -> StorageError {
     StorageError::Setup { path: path.to_owned(), message: message.into() }
 }
@@ -350,5 +401,28 @@ impl Storage for ObjectStorage {
 
     fn current_version(&self, path: &Path) -> Result<Option<turboio_storage::Version>, StorageError> {
         self.head(path)
+    }
+}
+
+#[cfg(test)]
+mod message_tests {
+    use super::{no_credentials, one_line};
+    use std::path::Path;
+
+    #[test]
+    fn server_xml_folds_to_one_line_and_missing_credentials_say_what_to_set() {
+        let xml = "Client error with status 403 Forbidden: <?xml version=\"1.0\"?>\n<Error>\n  <Code>SignatureDoesNotMatch</Code>\n  <Message>The request signature we calculated does not match</Message>\n</Error>";
+        assert_eq!(
+            one_line(xml),
+            "Client error with status 403 Forbidden: SignatureDoesNotMatch: The request signature we calculated does not match"
+        );
+        assert_eq!(one_line("a\n  b\tc"), "a b c");
+        let m = no_credentials(
+            Path::new("s3://b/k"),
+            "Generic S3 error: Error performing PUT http://169.254.169.254/latest/api/token in 1ms - HTTP error",
+        )
+        .unwrap();
+        assert!(m.contains("AWS_ACCESS_KEY_ID") && m.contains("access_key_id=") && !m.contains('\n'), "{m}");
+        assert!(no_credentials(Path::new("s3://b/k"), "Generic S3 error: connection refused").is_none());
     }
 }

@@ -276,7 +276,7 @@ impl ObjectFile {
             let why = match self.get_into(offset, dst, &mut filled).await? {
                 Ok(Fetch::Done) => return Ok(()),
                 Ok(Fetch::Short) => format!("the body ended after {filled} of {} bytes", dst.len()),
-                Err(e) if transient(&e) => self.storage.redact(&e.to_string()),
+                Err(e) if transient(&e) => crate::one_line(&self.storage.redact(&e.to_string())),
                 Err(e) => return Err(self.storage.error(&self.url, "GET", e)),
             };
             if attempt >= self.storage.options().part_retries {

@@ -113,6 +113,8 @@ fn permanent_failures_are_clear_and_keep_secrets() {
     let err = st.open(&url("s3://perm/x.bin")).unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains("s3://perm/x.bin") && msg.contains("access denied"), "{msg}");
+    // One line: the server's XML error folded to its code and message (issue 49, item 8).
+    assert!(!msg.contains('\n') && !msg.contains("<Error>"), "{msg}");
     assert!(!msg.contains(SECRET_KEY) && !format!("{err:?}").contains(SECRET_KEY), "{msg}");
     assert!(s.stat("requests") <= 2, "a refusal is not retried: {}", s.stats());
     assert!(!format!("{st:?}").contains(SECRET_KEY));

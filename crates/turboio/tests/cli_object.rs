@@ -125,6 +125,26 @@ fn hostile_servers_and_secret_urls_get_clear_errors_from_the_cli() {
         assert!(!out.contains("sekrit") && !out.contains("tokentoken"), "{out}");
     }
     assert!(quiet.requests().is_empty(), "{:?}", quiet.requests());
+    // Issue 49, item 8: no credentials anywhere. The chain's last resort, the instance-metadata
+    // service, is pointed at a closed port here (this machine reaches nothing beyond loopback,
+    // and a test must never ask the cloud's); its failure was all the error said.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let out = Command::new(env!("CARGO_BIN_EXE_turboio"))
+        .args(["inspect", "s3://bucket/model.safetensors", "--storage-option", "max_retries=0"])
+        .env_remove("AWS_ACCESS_KEY_ID")
+        .env_remove("AWS_SECRET_ACCESS_KEY")
+        .env_remove("AWS_SESSION_TOKEN")
+        .env_remove("AWS_PROFILE")
+        .env("AWS_REGION", "us-east-1")
+        .env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{closed}"))
+        .env("AWS_METADATA_ENDPOINT", format!("http://127.0.0.1:{closed}"))
+        .env_remove("TURBOIO_CACHE_DIR")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("s3://bucket/model.safetensors") && err.contains("no credentials found"), "{err}");
+    assert!(err.contains("AWS_ACCESS_KEY_ID") && err.trim_end().lines().count() == 1, "one line: {err}");
     let with_user = format!("http://bob:pa55word@127.0.0.1:{}/missing.safetensors", quiet.port());
     let (ok, out) = bounded(&["load", &with_user]);
     assert!(!ok && !out.contains("pa55word") && out.contains("missing.safetensors"), "{out}");
