@@ -150,6 +150,44 @@ fn hostile_servers_and_secret_urls_get_clear_errors_from_the_cli() {
     assert!(!ok && !out.contains("pa55word") && out.contains("missing.safetensors"), "{out}");
 }
 
+/// Issue 49, item 7: a remote load's bar showed a total of 0 B, was full from the first frame
+/// and printed rates like 555 GiB/s, in MiB where the command's lines say MB. Drawn only on a
+/// terminal: the binary runs under `script`, which gives it one.
+#[test]
+fn a_remote_loads_progress_bar_has_its_total_and_the_commands_units() {
+    use hostile_http::{Answer, Body, HostileServer, Object};
+    if std::process::Command::new("script").arg("--version").output().is_err() {
+        eprintln!("skipped: no `script` (util-linux) to run the binary on a terminal");
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let file = d.path().join("bar.safetensors");
+    let o =
+        Command::new(env!("CARGO_BIN_EXE_turboio")).args(["gen", file.to_str().unwrap(), "--size", "20MiB"]).output();
+    assert!(o.unwrap().status.success());
+    let data: &'static [u8] = Vec::leak(std::fs::read(&file).unwrap());
+    // Every part after the first GET waits 0.4 s: the load lasts long enough to draw.
+    let s = HostileServer::start(move |r| match (Object { data, etag: Some("v1"), last_modified: None }).answer(r) {
+        Answer::Respond { status: 206, headers, body: Body::Bytes(b) } if r.range().is_some_and(|x| x.start > 0) => {
+            Answer::Respond { status: 206, headers, body: Body::Stall(std::time::Duration::from_millis(400), b) }
+        }
+        other => other,
+    });
+    let cmd = format!("{} load {}", env!("CARGO_BIN_EXE_turboio"), s.url("bar.safetensors"));
+    let out =
+        Command::new("script").args(["-qfec", &cmd, "/dev/null"]).env_remove("TURBOIO_CACHE_DIR").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).replace('\r', "\n");
+    assert!(out.status.success(), "{text}");
+    let frames: Vec<&str> = text.lines().filter(|l| l.contains("loading ") && l.contains('[')).collect();
+    assert!(!frames.is_empty(), "no bar drawn: {text}");
+    let total = std::fs::metadata(&file).unwrap().len() as f64 / 1e6;
+    for f in &frames {
+        assert!(f.contains(&format!("/{total:.2} MB")), "every frame has the total ({total:.2} MB): {f}");
+        assert!(!f.contains("iB") && !f.contains("GB/s"), "decimal units, a sane rate: {f}");
+    }
+    assert!(!frames[0].contains("[=============================="), "not full from the first frame: {}", frames[0]);
+}
+
 #[test]
 fn the_node_cache_serves_later_loads_and_concurrent_processes_fetch_once() {
     let Some(fx) = fixture("cached", &[]) else { return };

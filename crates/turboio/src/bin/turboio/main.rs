@@ -505,8 +505,12 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
         let huge = opts.huge_pages.unwrap_or_else(turboio::device::pool_huge_pages);
         opts.arenas = Some(turboio::device::ArenaPool::with_huge_pages(1, huge));
     }
-    // (A remote file's length is known once opened.)
+    // A remote file's length: asked for first when a bar shows it (its opening GET, which a
+    // node cache may serve), else known once loaded.
     let mut file_len = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
+    if file_len == 0 && progress::shown() {
+        file_len = turboio::read_header_of(file, &opts).map_or(0, |h| h.file_len());
+    }
     let mut times = Vec::new();
     for run in 1..=repeat {
         let bar = progress::Bar::start(file_len, &format!("loading {}", file.shown()));

@@ -1,6 +1,6 @@
 //! Progress bars on stderr, shown only when stderr is a terminal.
 
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -14,40 +14,51 @@ pub struct Bar {
     thread: Option<JoinHandle<()>>,
 }
 
+/// Whether bars are drawn (standard error is a terminal).
+pub fn shown() -> bool {
+    std::io::stderr().is_terminal()
+}
+
 impl Bar {
-    /// Starts a bar for `total` bytes (a no-op when stderr is not a terminal).
+    /// Starts a bar for `total` bytes, or (`total` 0: not known) a counter of bytes and rate
+    /// without a total; a no-op when stderr is not a terminal. Sizes and rates in the units of
+    /// the command's own lines (kB, MB, GB), never a bar full before the bytes are in.
     pub fn start(total: u64, message: &str) -> Bar {
         let done = Arc::new(AtomicBool::new(false));
-        if !std::io::stderr().is_terminal() {
+        if !shown() {
             return Bar { counter: None, done, thread: None };
         }
         let counter = Arc::new(AtomicU64::new(0));
         let (c, d, message) = (counter.clone(), done.clone(), message.to_owned());
         let thread = std::thread::spawn(move || {
-            // Only draw for operations that last: a quick load shows no bar at all.
-            let mut bar: Option<ProgressBar> = None;
+            // Made at once but drawn only for operations that last (a quick load shows no bar):
+            // its rate is then measured over the whole operation, not over the first frame.
+            let bar = if total > 0 {
+                ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::hidden())
+            } else {
+                ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden())
+            };
+            let template = if total > 0 {
+                "{msg} [{bar:30}] {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec}"
+            } else {
+                "{msg} {spinner} {decimal_bytes} {decimal_bytes_per_sec}"
+            };
+            bar.set_style(
+                ProgressStyle::with_template(template)
+                    .unwrap_or_else(|_| ProgressStyle::default_bar())
+                    .progress_chars("=> "),
+            );
+            bar.set_message(message);
             let mut waited = 0;
             while !d.load(Ordering::Relaxed) {
                 std::thread::park_timeout(Duration::from_millis(50));
                 waited += 50;
-                if waited < 300 || d.load(Ordering::Relaxed) {
-                    continue;
+                bar.set_position(c.load(Ordering::Relaxed));
+                if waited == 300 && !d.load(Ordering::Relaxed) {
+                    bar.set_draw_target(ProgressDrawTarget::stderr());
                 }
-                let b = bar.get_or_insert_with(|| {
-                    let b = ProgressBar::new(total);
-                    b.set_style(
-                        ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec}")
-                            .unwrap_or_else(|_| ProgressStyle::default_bar())
-                            .progress_chars("=> "),
-                    );
-                    b.set_message(message.clone());
-                    b
-                });
-                b.set_position(c.load(Ordering::Relaxed));
             }
-            if let Some(b) = bar {
-                b.finish_and_clear();
-            }
+            bar.finish_and_clear();
         });
         Bar { counter: Some(counter), done, thread: Some(thread) }
     }
