@@ -112,6 +112,19 @@ fn load_tensors_reads_and_checks_only_the_selection() {
         assert!(out.contains(" tensors selected, ") && out.contains(" read in "), "{out}");
         assert!(out.contains("a plain read of the") && out.contains("tensors match a plain read"), "{out}");
     }
+    // A model's selection reports as a file's does: what it read, of how much, and the rate of
+    // what it read (it reported the whole model's bytes and a rate from them; issue 49, item 10).
+    let model = d.path().join("model");
+    assert!(turboio(&["gen", model.to_str().unwrap(), "--size", "16MiB", "--shards", "4"]).status.success());
+    let o = turboio(&["load", model.to_str().unwrap(), "--tensors", "model.layers.1.*"]);
+    let out = stdout(&o);
+    assert!(o.status.success() && out.contains(" tensors selected from "), "{out}");
+    let (read, of) = {
+        let tail = out.split(" selected from ").nth(1).unwrap();
+        let mut it = tail.split(", ").nth(1).unwrap().split(" of ");
+        (it.next().unwrap().to_owned(), it.next().unwrap().split(" read in ").next().unwrap().to_owned())
+    };
+    assert!(read != of && of.ends_with("MB"), "read {read} of {of}: {out}");
     let o = turboio(&["load", f, "--tensors", "model.layer.1.mlp.up_proj.weight"]);
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
