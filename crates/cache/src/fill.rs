@@ -286,6 +286,10 @@ impl RangeReader for Reader<'_> {
 }
 
 impl StorageFile for Filling {
+    fn served_by(&self) -> Option<&'static str> {
+        Some("node cache: miss, written through")
+    }
+
     fn path(&self) -> &Path {
         self.inner.path()
     }

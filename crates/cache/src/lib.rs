@@ -519,6 +519,10 @@ impl Check {
 }
 
 impl StorageFile for Hit {
+    fn served_by(&self) -> Option<&'static str> {
+        Some("node cache: hit")
+    }
+
     fn path(&self) -> &Path {
         &self.url
     }

@@ -768,6 +768,7 @@ impl PyLoaded {
         d.set_item("converted", r.converted)?;
         d.set_item("arena_reused", r.arena_reused)?;
         d.set_item("fallbacks", r.fallbacks.clone())?;
+        d.set_item("served_by", r.served_by)?;
         d.set_item("device", self.inner.device_id().to_string())?;
         Ok(d)
     }

@@ -323,8 +323,13 @@ def test_the_node_cache_serves_every_load_api_locally(s3, tmp, monkeypatch):
     assert len(_entries(cache)) == 1
     del got
 
-    # Warm: no byte from the server, through every load API.
+    # Warm: no byte from the server, through every load API; the load's report says so.
     s3.faults("{}")
+    from turboio import _remote, _turboio
+
+    storage = _remote.storage("s3://pyobj/cached.safetensors", opts, cache)
+    report = _turboio.load("s3://pyobj/cached.safetensors", storage=storage).report()
+    assert report["served_by"] == "node cache: hit", report
     got = turboio.load("s3://pyobj/cached.safetensors", storage_options=opts, cache_dir=cache)
     assert all(same(got[k], sd[k]) for k in sd)
     got = tt.load_file("s3://pyobj/cached.safetensors", storage_options=opts, cache_dir=cache)

@@ -307,6 +307,12 @@ pub trait StorageFile: Send + Sync + Debug {
     fn version(&self) -> Option<String> {
         None
     }
+
+    /// Where a caching layer served this file from, for reports (`"node cache: hit"`, `"node
+    /// cache: miss, written through"`); `None` for a plain backend (the default).
+    fn served_by(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// What a backend says of a file without opening it: its length and the tag of

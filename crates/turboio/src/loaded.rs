@@ -72,6 +72,9 @@ pub struct LoadReport {
     pub converted: usize,
     /// Wall time of the whole load, header included.
     pub elapsed: Duration,
+    /// Where a caching layer served the file from (`"node cache: hit"`, ...;
+    /// [`StorageFile::served_by`](crate::storage::StorageFile::served_by)); `None` otherwise.
+    pub served_by: Option<&'static str>,
 }
 
 impl LoadReport {

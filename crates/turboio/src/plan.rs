@@ -729,6 +729,7 @@ impl Planned {
                 fallbacks: self.fallbacks,
                 converted: 0,
                 elapsed: self.started.elapsed(),
+                served_by: self.opened.raw().served_by(),
             },
         })
     }

@@ -233,6 +233,7 @@ fn the_node_cache_serves_later_loads_and_concurrent_processes_fetch_once() {
     fx.server.faults("{}");
     let (ok, out) = run(&["--cache-dir", cache_arg, "load", "s3://cached/m.safetensors", "--check"]);
     assert!(ok && out.contains("a plain read of the"), "{out}");
+    assert!(out.contains("node cache: miss, written through"), "a miss is reported: {out}");
     let cold = fx.server.stat("get_bytes");
     assert!(cold >= size && cold <= size + (3 << 20), "cold load fetched {cold} bytes");
     let (ok, out) = run(&["--cache-dir", cache_arg, "cache", "ls"]);
@@ -249,6 +250,7 @@ fn the_node_cache_serves_later_loads_and_concurrent_processes_fetch_once() {
         command(&["load", "s3://cached/m.safetensors", "--check"]).env("TURBOIO_CACHE_DIR", &cache).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.contains("a plain read of the"), "{text}");
+    assert!(text.contains("node cache: hit"), "a hit is reported (issue 49, item 12): {text}");
     assert_eq!(fx.server.stat("get_bytes"), 0, "a warm load reads the local entry");
 
     // Trusting the version seen for an hour: after one load that asks, none asks anything.

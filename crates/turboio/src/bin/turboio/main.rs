@@ -404,6 +404,11 @@ fn gb(bytes: u64) -> String {
     turboio::inspect::human_bytes(bytes)
 }
 
+/// "; node cache: hit" when a node cache served the file.
+fn node_cache(r: &turboio::LoadReport) -> String {
+    r.served_by.map(|s| format!("; {s}")).unwrap_or_default()
+}
+
 /// The bytes of the node cache's entries, as sizes are shown everywhere.
 fn total(entries: &[turboio::cache::Entry]) -> String {
     gb(entries.iter().map(|e| e.len).sum::<u64>())
@@ -536,6 +541,8 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
             (Some(d), n) if n > 0 => format!(", {n} tensors converted to {d}"),
             _ => String::new(),
         };
+        // Where a node cache served it from, when one did (issue 49, item 12).
+        let served = r.served_by.map(|s| format!("; {s}")).unwrap_or_default();
         // A selection reads part of the file: the size and rate are of what it read.
         let (what, bytes) = match opts.tensors {
             Some(_) => (format!(" selected, {} of {} read", gb(r.bytes), gb(file_len)), r.bytes),
@@ -543,7 +550,7 @@ fn load(file: &Path, mut opts: LoadOptions, repeat: usize, reuse_arena: bool, ch
         };
         rate_bytes = bytes;
         outln!(
-            "run {run}: {}{what} in {:.3} s = {:.2} GB/s ({}, {}{}{}{}{converted}; {})",
+            "run {run}: {}{what} in {:.3} s = {:.2} GB/s ({}, {}{}{}{}{converted}; {}{served})",
             count(loaded.len(), "tensor", "{n} tensors"),
             r.elapsed.as_secs_f64(),
             r.gb_per_s(bytes),
@@ -752,8 +759,10 @@ fn load_model(path: &Path, mut opts: LoadOptions, repeat: usize, check: bool) ->
             total = r.bytes;
         }
         times.push(r.elapsed.as_secs_f64());
-        let mut how: Vec<String> =
-            loaded.shard_reports().map(|s| format!("{}, {}; {}", s.held, s.read.method, s.cache)).collect();
+        let mut how: Vec<String> = loaded
+            .shard_reports()
+            .map(|s| format!("{}, {}; {}{}", s.held, s.read.method, s.cache, node_cache(s)))
+            .collect();
         how.sort();
         how.dedup();
         // A selection reads part of the model: the size and the rate are of what it read, as
