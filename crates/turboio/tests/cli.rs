@@ -494,3 +494,36 @@ fn torch_checkpoints_inspect_load_and_convert() {
     let err = turboio::load(&pt, &turboio::LoadOptions::default()).unwrap_err().to_string();
     assert!(err.contains("PyTorch checkpoint") && err.contains("ckpt.pt"), "{err}");
 }
+
+/// Issue 49, item 6: `turboio -h` gives one line per command; the options every command takes
+/// are listed apart from a command's own; the page cache and the node cache cannot be confused;
+/// the writing commands describe encryption as writing it.
+#[test]
+fn help_is_short_and_says_what_each_option_is_for() {
+    let o = turboio(&["-h"]);
+    let out = stdout(&o);
+    let commands: Vec<&str> =
+        out.lines().skip_while(|l| !l.starts_with("Commands:")).skip(1).take_while(|l| !l.is_empty()).collect();
+    assert!(commands.len() >= 8, "{out}");
+    for line in &commands {
+        assert!(line.len() <= 110, "one short line per command: {line}");
+    }
+    let o = turboio(&["load", "-h"]);
+    let out = stdout(&o);
+    assert!(out.contains("--page-cache <POLICY>") && out.contains("not the node cache"), "{out}");
+    assert!(out.contains("Object storage and the node cache (any command):"), "{out}");
+    let own = out.split("Object storage and the node cache").next().unwrap();
+    assert!(!own.lines().any(|l| l.trim_start().starts_with("--cache-dir")), "the global options are apart: {out}");
+    for cmd in ["gen", "encrypt"] {
+        let out = stdout(&turboio(&[cmd, "-h"]));
+        assert!(out.contains("Encrypt what is written"), "{cmd}: {out}");
+        assert!(!out.contains("The file is encrypted"), "{cmd}: {out}");
+    }
+    let out = stdout(&turboio(&["cache", "prune", "-h"]));
+    assert!(out.contains("--max-size <SIZE>") && out.contains("e.g. 50GiB"), "{out}");
+    // The older spelling still works.
+    let d = scratch();
+    let f = d.path().join("s.safetensors");
+    assert!(turboio(&["gen", f.to_str().unwrap(), "--size", "1MiB"]).status.success());
+    assert!(turboio(&["load", f.to_str().unwrap(), "--cache", "keep"]).status.success());
+}

@@ -7,6 +7,8 @@ use turboio::crypt::{Encryption, Keys};
 /// Key options of the commands that read encrypted checkpoints (`load`, `inspect`, `decrypt`).
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct ReadCipherArgs {
+    /// The file is encrypted (AES-CTR, veTurboIO's formats).
+    ///
     /// The file is encrypted with AES-CTR, veTurboIO's formats (detected: with or without the
     /// 256 KiB cipher header). Keys come from veTurboIO's chain: a cipher header's KMS-wrapped
     /// key (VETURBOIO_KMS_*), the datapipe socket (DATAPIPE_SOCKET_PATH), then VETURBOIO_KEY /
@@ -21,15 +23,23 @@ pub struct ReadCipherArgs {
 impl ReadCipherArgs {
     /// The decryption asked for, if any.
     pub fn encryption(&self) -> Result<Option<Encryption>, String> {
-        CipherArgs { read: self.clone(), cipher_header: false }.encryption()
+        CipherArgs { cipher: self.cipher, key_env: self.key_env, cipher_header: false }.encryption()
     }
 }
 
 /// Key options of the commands that write encrypted checkpoints (`gen`, `encrypt`).
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct CipherArgs {
-    #[command(flatten)]
-    pub read: ReadCipherArgs,
+    /// Encrypt what is written: AES-CTR, veTurboIO's format.
+    ///
+    /// The key and IV come from veTurboIO's chain (the datapipe socket DATAPIPE_SOCKET_PATH,
+    /// then VETURBOIO_KEY / VETURBOIO_IV); with --cipher-header, a fresh key is made and stored
+    /// in the file's header, wrapped by KMS. Read it back with the same key options.
+    #[arg(long)]
+    pub cipher: bool,
+    /// Like --cipher, with the key and IV taken only from VETURBOIO_KEY / VETURBOIO_IV (base64).
+    #[arg(long)]
+    pub key_env: bool,
     /// Write veTurboIO's 256 KiB cipher header, holding a fresh key wrapped by KMS Encrypt
     /// (needs VETURBOIO_KMS_*); implies --cipher.
     #[arg(long)]
@@ -39,10 +49,10 @@ pub struct CipherArgs {
 impl CipherArgs {
     /// The encryption asked for, if any.
     pub fn encryption(&self) -> Result<Option<Encryption>, String> {
-        if !(self.read.cipher || self.read.key_env || self.cipher_header) {
+        if !(self.cipher || self.key_env || self.cipher_header) {
             return Ok(None);
         }
-        let keys = if self.read.key_env { Keys::env_only()? } else { Keys::from_env() };
+        let keys = if self.key_env { Keys::env_only()? } else { Keys::from_env() };
         Ok(Some(Encryption { keys, header: self.cipher_header, check_content: true }))
     }
 }
@@ -50,7 +60,7 @@ impl CipherArgs {
 /// `turboio encrypt IN OUT`: any file (safetensors or .pt) to veTurboIO's encrypted format.
 pub fn encrypt(input: &Path, output: &Path, args: &CipherArgs) -> Result<(), Box<dyn std::error::Error>> {
     let mut args = args.clone();
-    args.read.cipher = true;
+    args.cipher = true;
     let enc = args.encryption()?.ok_or("no encryption")?;
     turboio::crypt::encrypt_file(input, output, &enc, &turboio::SaveOptions::default())?;
     outln!(

@@ -23,8 +23,9 @@ use turboio::{parse_direct, CachePolicy, DirectIo, LoadMode, LoadOptions, Loaded
 struct Cli {
     #[command(subcommand)]
     command: Command,
-    /// An option of the object-storage backend, for s3://, gs://, az://, abfs[s]:// and
-    /// http(s):// paths (repeatable): endpoint=URL, region=R, access_key_id=K,
+    /// An option of the object-storage backend (repeatable; see --help).
+    ///
+    /// For s3://, gs://, az://, abfs[s]:// and http(s):// paths: endpoint=URL, region=R, access_key_id=K,
     /// secret_access_key=S, session_token=T, allow_http=true, concurrency=N (requests in
     /// flight, default 16), part_size=16MiB (bytes per GET / uploaded part, default 8MiB),
     /// max_bandwidth=500MB (bytes per second), max_retries=N, retry_timeout=SECONDS, or any
@@ -33,24 +34,35 @@ struct Cli {
     /// AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL, GOOGLE_APPLICATION_CREDENTIALS,
     /// AZURE_STORAGE_ACCOUNT_NAME, ... (prefer the environment for secrets: a command line is
     /// visible to other users).
-    #[arg(long = "storage-option", global = true, value_name = "KEY=VALUE", value_parser = parse_key_value)]
+    #[arg(long = "storage-option", global = true, value_name = "KEY=VALUE", value_parser = parse_key_value, help_heading = "Object storage and the node cache (any command)")]
     storage_option: Vec<(String, String)>,
+    /// The node cache's directory for remote objects (default: $TURBOIO_CACHE_DIR).
+    ///
     /// Node-local cache for s3://, gs://, az:// and http(s):// objects (default:
     /// $TURBOIO_CACHE_DIR, none if unset): the first load of an object version writes it
     /// through to a file here while loading it; later loads of that version read the local
     /// file. Processes loading the same object at once fetch it once. See `turboio cache`.
-    #[arg(long = "cache-dir", global = true, value_name = "DIR")]
+    #[arg(
+        long = "cache-dir",
+        global = true,
+        value_name = "DIR",
+        help_heading = "Object storage and the node cache (any command)"
+    )]
     cache_dir: Option<PathBuf>,
-    /// Bound on the cache's size (default: $TURBOIO_CACHE_MAX_SIZE, else only the file
-    /// system's free space, of which 5% is kept free): least recently used entries go first.
-    #[arg(long = "cache-max-size", global = true, value_name = "SIZE", value_parser = size::parse_size)]
+    /// Bound on the node cache's size, e.g. 500GB or 2TiB (default: $TURBOIO_CACHE_MAX_SIZE).
+    ///
+    /// Without it (and $TURBOIO_CACHE_MAX_SIZE) the bound is the file system's free space, of
+    /// which 5% is kept free; least recently used entries go first.
+    #[arg(long = "cache-max-size", global = true, value_name = "SIZE", value_parser = size::parse_size, help_heading = "Object storage and the node cache (any command)")]
     cache_max_size: Option<u64>,
+    /// How long the node cache trusts an object's version without asking: 90s, 5m, 1h.
+    ///
     /// Trust the version the store reported for an object for this long before asking again
     /// (default: $TURBOIO_CACHE_REVALIDATE, else 0: every load asks, while it reads the cached
     /// copy, and loads again if the object was replaced): within it a cached
     /// object loads with no request to the store, as fast as a local file; an object replaced
     /// meanwhile is noticed when it ends. Seconds, or 90s, 5m, 1h.
-    #[arg(long = "cache-revalidate", global = true, value_name = "INTERVAL", value_parser = turboio::cache::parse_interval)]
+    #[arg(long = "cache-revalidate", global = true, value_name = "INTERVAL", value_parser = turboio::cache::parse_interval, help_heading = "Object storage and the node cache (any command)")]
     cache_revalidate: Option<std::time::Duration>,
 }
 
@@ -80,6 +92,8 @@ fn storage_for(
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Show a file's or a model's tensors and metadata (only headers are read).
+    ///
     /// Show a file's tensors (name, dtype, shape, size) and metadata; only the header is read.
     /// For a model directory (or its index JSON): the shards, tensors, sizes and a dtype
     /// histogram, with the index checked against the shards' headers. For a PyTorch checkpoint
@@ -97,6 +111,8 @@ enum Command {
         #[command(flatten)]
         cipher: cipher::ReadCipherArgs,
     },
+    /// Load a file or a model as the library does, and report the speed.
+    ///
     /// Load every tensor into memory exactly as the library does and report the speed. A model
     /// directory (or its index JSON) is loaded as one job: every shard validated first, then all
     /// shards read in one pipeline. A PyTorch checkpoint (.pt / .bin, detected by content) is
@@ -111,10 +127,12 @@ enum Command {
         /// Reader threads (0 = one per core).
         #[arg(long, default_value_t = 0)]
         threads: usize,
+        /// Page-cache policy: keep, bypass or auto (not the node cache: see --cache-dir).
+        ///
         /// Page cache: keep (read through it, so the next load of the file is hot), bypass
         /// (O_DIRECT; copied loads only; the cache is left as it was), auto (keep unless the
         /// file and its copy do not both fit in available memory).
-        #[arg(long, default_value = "auto")]
+        #[arg(long = "page-cache", visible_alias = "cache", value_name = "POLICY", default_value = "auto")]
         cache: CachePolicy,
         /// Older spelling of --cache: on = bypass, off = keep, auto = auto.
         #[arg(long, hide = true, value_parser = parse_direct, conflicts_with = "cache")]
@@ -162,6 +180,8 @@ enum Command {
         #[command(flatten)]
         gpu: gpu::GpuArgs,
     },
+    /// Convert a PyTorch checkpoint (a file or a model directory) to safetensors, executing nothing.
+    ///
     /// Convert a PyTorch checkpoint (.pt / .bin) to safetensors without executing its pickle,
     /// streaming (memory stays near the writers' chunks, not the checkpoint) and atomically. A
     /// directory of shards (with pytorch_model.bin.index.json, or the index itself) becomes a
@@ -204,7 +224,7 @@ enum Command {
         #[arg(long, value_parser = parse_count)]
         shards: Option<usize>,
         /// Approximate size, e.g. 4GiB, 512MiB, 100MB, 123456 (at least the smallest sample, about 362 KiB).
-        #[arg(long, default_value = "1GiB", value_parser = size::parse_size, allow_hyphen_values = true)]
+        #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = size::parse_size, allow_hyphen_values = true)]
         size: u64,
         /// Seed of the random data.
         #[arg(long, default_value_t = 0)]
@@ -230,16 +250,15 @@ enum Command {
         #[command(flatten)]
         cipher: cipher::ReadCipherArgs,
     },
-    /// The node-local cache of remote objects (--cache-dir, else $TURBOIO_CACHE_DIR): list its
-    /// entries, show its size, or remove entries.
+    /// List, size or prune the node cache of remote objects (--cache-dir, $TURBOIO_CACHE_DIR).
     Cache {
         #[command(subcommand)]
         action: CacheAction,
     },
     /// Generate a sample checkpoint and print a load table (mapped, copied, auto vs std::fs::read).
     Demo {
-        /// Size of the sample.
-        #[arg(long, default_value = "1GiB", value_parser = size::parse_size, allow_hyphen_values = true)]
+        /// Size of the sample, e.g. 1GiB or 500MB.
+        #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = size::parse_size, allow_hyphen_values = true)]
         size: u64,
         /// Where to put the sample (default: target/turboio-demo under the current directory).
         #[arg(long)]
@@ -260,12 +279,14 @@ enum CacheAction {
     },
     /// The number of entries and their total size.
     Du,
+    /// Remove least recently used entries, down to --max-size (all without it).
+    ///
     /// Removes least recently used entries until the cache holds at most --max-size (all of
     /// them without it), and what fetches that died left behind. Loads that have an entry
     /// open keep reading it.
     Prune {
-        /// The size to prune down to.
-        #[arg(long, value_parser = size::parse_size)]
+        /// The size to prune down to, e.g. 50GiB or 200GB.
+        #[arg(long, value_name = "SIZE", value_parser = size::parse_size)]
         max_size: Option<u64>,
     },
 }
