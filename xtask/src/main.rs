@@ -16,6 +16,7 @@ mod benchkit;
 mod bindgen;
 mod cachebench;
 mod ceiling;
+mod charts;
 mod gpubench;
 mod gpumodel;
 mod modelbench;
@@ -51,10 +52,29 @@ enum Command {
     Test(test::Args),
     /// Generate io-gds's cuFile declarations from cufile.h (`--check`: compare instead).
     Bindgen(bindgen::Args),
+    /// Draw the SVG charts of a saved bench run (`load.json`), one per table, into a directory.
+    Chart {
+        /// The run's JSON (`target/bench/load.json`).
+        #[arg(long, default_value = "target/bench/load.json")]
+        from: std::path::PathBuf,
+        /// Where the charts go.
+        #[arg(long, default_value = "target/bench")]
+        out: std::path::PathBuf,
+    },
     /// One load of a model through a new model device, in this new process (`bench
     /// --gpu-model`'s first-load rows).
     #[command(hide = true)]
     GpuModelChild(gpumodel::ChildArgs),
+}
+
+fn chart(from: &std::path::Path, out: &std::path::Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let text = std::fs::read_to_string(from).with_context(|| format!("reading {}", from.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", from.display()))?;
+    for p in charts::write(&charts::tables(&json), out)? {
+        println!("wrote {}", p.display());
+    }
+    Ok(())
 }
 
 fn main() -> std::process::ExitCode {
@@ -62,6 +82,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Test(a) => test::run(a),
         Command::Bindgen(a) => bindgen::run(a),
+        Command::Chart { from, out } => chart(&from, &out),
         Command::GpuModelChild(a) => gpumodel::child(a),
     };
     match result {
