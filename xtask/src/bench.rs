@@ -583,7 +583,7 @@ pub fn run(args: Args) -> Result<()> {
     std::fs::write(args.out.join("load.csv"), csv)?;
     let json = report_json(&all, &checks, runs);
     std::fs::write(args.out.join("load.json"), serde_json::to_string_pretty(&json)?)?;
-    // One SVG chart per table, beside the Markdown (the README and the Benchmarks page show them).
+    // One SVG chart per table, beside the Markdown (the Benchmarks page, docs/src/benchmarks.md, shows them).
     for p in crate::charts::write(&crate::charts::tables(&json), &args.out)? {
         eprintln!("wrote {}", p.display());
     }

@@ -15,8 +15,8 @@
 //! busy. Bytes are not kept, so [`Device::download`] is refused: correctness is the
 //! [`OpaqueDevice`](super::OpaqueDevice)'s job.
 //!
-//! The defaults ([`GpuModel::default`]) are the H200 VMs' measurements (see the README's GPU
-//! runs): a pinned host-to-device copy of 1.07 GB in 0.019-0.020 s (55 GB/s, 4 streams), and
+//! The defaults ([`GpuModel::default`]) are the H200 VMs' measurements (see the GPU runs in
+//! docs/src/benchmarks.md): a pinned host-to-device copy of 1.07 GB in 0.019-0.020 s (55 GB/s, 4 streams), and
 //! pinning at about 2 GB/s (`cuMemHostRegister` of 1.07 GB in 0.59-0.62 s). The per-call costs
 //! are assumptions, not measurements; a GPU run that measures them resets them.
 

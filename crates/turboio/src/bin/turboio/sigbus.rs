@@ -1,5 +1,5 @@
 //! A mapped file truncated in place by another program raises `SIGBUS` when its lost pages are
-//! touched (see the README's "Mapped loads and the one hazard"). The CLI turns that into its
+//! touched (see "Mapped loads and the one hazard" in docs/src/loads.md). The CLI turns that into its
 //! usual one-line error and exit status 1 instead of dying by the signal.
 
 use crate::out::Shown;
