@@ -589,7 +589,6 @@ pub(crate) fn filling_here(key: &str, on: bool) {
     }
 }
 
-/// Reports a cache problem once per process and directory (the load goes on without it).
 /// True if the bytes of a shared cache's entry match the hash recorded at its publication
 /// (each file checked once per process: entries are never rewritten in place, a new version
 /// is a new file).
@@ -614,6 +613,7 @@ fn verified(slot: &Slot, file: &std::fs::File, md: &std::fs::Metadata) -> bool {
     ok
 }
 
+/// Reports a cache problem once per process and directory (the load goes on without it).
 pub(crate) fn warn(cache: &NodeCache, what: &str) {
     static SEEN: Mutex<Vec<std::path::PathBuf>> = Mutex::new(Vec::new());
     let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());

@@ -333,20 +333,26 @@ fn an_object_too_large_for_the_disk_evicts_nothing() {
     assert_eq!(cache.cache().entries().unwrap().len(), 2, "the cache kept its entries");
 }
 
-#[test]
-fn many_readers_at_once_fetch_the_object_once() {
-    let (dir, inner, cache) = setup(None);
+/// `readers` threads load one object of `len` bytes at once through a cache in front of a
+/// store whose chunk reads pause `pause`; returns the bytes the store served.
+fn concurrent_loads(pause: Option<Duration>, len: usize, readers: usize) -> (u64, u64) {
+    let (dir, inner, cache) = setup(pause);
     let path = dir.path().join("store/shared.bin");
-    let data = pattern(16 << 20, 3);
+    let data = pattern(len, 3);
     std::fs::write(&path, &data).unwrap();
     let cache = Arc::new(cache);
     std::thread::scope(|s| {
-        for _ in 0..4 {
+        for _ in 0..readers {
             s.spawn(|| assert_eq!(read_all(cache.as_ref(), &path).0, data));
         }
     });
-    let read = inner.read.load(Ordering::Relaxed);
-    assert_eq!(read, data.len() as u64, "four readers, one fetch");
+    (inner.read.load(Ordering::Relaxed), data.len() as u64)
+}
+
+#[test]
+fn many_readers_at_once_fetch_the_object_once() {
+    let (read, len) = concurrent_loads(None, 16 << 20, 4);
+    assert_eq!(read, len, "four readers, one fetch");
 }
 
 /// Issue 48, item 8: waiters judged the fetch's progress by its part file, which moves only
@@ -355,18 +361,8 @@ fn many_readers_at_once_fetch_the_object_once() {
 #[test]
 fn waiters_wait_for_a_slow_fetch_that_is_alive() {
     // Each 1 MiB chunk takes longer than the waiters' patience to arrive.
-    let (dir, inner, cache) = setup(Some(turboio_cache::STALL + Duration::from_millis(1500)));
-    let path = dir.path().join("store/slow.bin");
-    let data = pattern(2 << 20, 4);
-    std::fs::write(&path, &data).unwrap();
-    let cache = Arc::new(cache);
-    std::thread::scope(|s| {
-        for _ in 0..3 {
-            s.spawn(|| assert_eq!(read_all(cache.as_ref(), &path).0, data));
-        }
-    });
-    let read = inner.read.load(Ordering::Relaxed);
-    assert_eq!(read, data.len() as u64, "three readers of a slow store, one fetch");
+    let (read, len) = concurrent_loads(Some(turboio_cache::STALL + Duration::from_millis(1500)), 2 << 20, 3);
+    assert_eq!(read, len, "three readers of a slow store, one fetch");
 }
 
 #[test]

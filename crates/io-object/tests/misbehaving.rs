@@ -68,30 +68,26 @@ fn gets(s: &HostileServer) -> Vec<Request> {
 
 #[test]
 fn an_endless_body_fails_the_read_with_bounded_memory() {
-    // The first GET: 206 with a sane Content-Range, then a body without end.
-    let s = HostileServer::start(|_| Answer::Respond {
-        status: 206,
-        headers: vec![("Content-Range".into(), format!("bytes 0-4095/{SIZE}"))],
-        body: Body::Endless,
-    });
+    // A server answering every GET with 206, this Content-Range and a body without end.
+    let endless = |range: String, body: fn() -> Body| {
+        HostileServer::start(move |_| Answer::Respond {
+            status: 206,
+            headers: vec![("Content-Range".into(), range.clone())],
+            body: body(),
+        })
+    };
+    // The first GET: a sane Content-Range, then a body without end.
+    let s = endless(format!("bytes 0-4095/{SIZE}"), || Body::Endless);
     let url = s.url("endless.safetensors");
     assert_error(read_all(&storage(&[]), &url), &url, "more than the 4096 bytes");
 
     // The same with the default 1 MiB first GET and a claimed 2 MiB object (the review's case).
-    let s = HostileServer::start(|_| Answer::Respond {
-        status: 206,
-        headers: vec![("Content-Range".into(), "bytes 0-1048575/2097152".into())],
-        body: Body::Endless,
-    });
+    let s = endless("bytes 0-1048575/2097152".into(), || Body::Endless);
     let url = s.url("endless.safetensors");
     assert_error(read_all(&ObjectStorage::default(), &url), &url, "more than the 1048576 bytes");
 
     // Chunked without end: no length at all.
-    let s = HostileServer::start(|_| Answer::Respond {
-        status: 206,
-        headers: vec![("Content-Range".into(), "bytes 0-1048575/2097152".into())],
-        body: Body::EndlessChunked,
-    });
+    let s = endless("bytes 0-1048575/2097152".into(), || Body::EndlessChunked);
     let url = s.url("chunked.safetensors");
     assert_error(read_all(&ObjectStorage::default(), &url), &url, "Content-Length");
 
