@@ -24,14 +24,12 @@
 
 use crate::loaded::{Held, LoadedFile};
 use crate::options::LoadOptions;
-use crate::plan::{cpu_device, io_options, load_plain, plan_unallocated};
 use crate::{Error, Result};
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::sync::Mutex;
-use std::time::Instant;
-use turboio_device::{Allocation, CastJob, CpuDevice, Device, DeviceKind};
+use turboio_device::{CastJob, CpuDevice, Device};
 use turboio_format::{can_cast, castable, Dtype, Header, TensorInfo, TensorSpec};
 
 /// Source bytes per conversion piece: small enough to spread a tensor over every thread and
@@ -41,6 +39,11 @@ const PIECE: usize = 4 << 20;
 /// Whether a load converting to `target` converts this tensor.
 fn converts(t: &TensorInfo, target: Dtype) -> bool {
     t.dtype != target && castable(t.dtype) && castable(target)
+}
+
+/// Whether a load converting to `target` converts any of `header`'s tensors.
+pub(crate) fn converts_any(header: &Header, target: Dtype) -> bool {
+    header.tensors().iter().any(|t| converts(t, target))
 }
 
 /// Refuses, before any I/O, a dtype nothing can be converted to.
@@ -55,55 +58,6 @@ pub(crate) fn check_target(path: &Path, target: Dtype) -> Result<()> {
              (F64, F32, F16, BF16, F8_E4M3 or F8_E5M2)"
         ),
     })
-}
-
-/// [`crate::load`] with [`LoadOptions::dtype`] set.
-pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Result<LoadedFile> {
-    check_target(path, target)?;
-    let started = Instant::now();
-    // A device that converts in its own memory: the plain load onto it, then its kernel.
-    let mut fallback = None;
-    if let Some(device) = opts.device.as_ref().filter(|d| d.id().kind != DeviceKind::Cpu && d.casts()) {
-        let src = load_plain(path, &LoadOptions { dtype: None, ..opts.clone() })?;
-        if !src.header.tensors().iter().any(|t| converts(t, target)) {
-            return Ok(src);
-        }
-        match cast_on_device(&src, target, device) {
-            Ok(mut out) => {
-                out.report.elapsed = started.elapsed();
-                return Ok(out);
-            }
-            // The kernel cannot run (no NVRTC...): convert on the host, and say why.
-            Err(e) => fallback = Some(format!("dtype conversion ran on the host: the device could not: {e}")),
-        }
-    }
-    let cpu = cpu_device(opts);
-    let host = LoadOptions { device: None, dtype: None, ..opts.clone() };
-    let mut planned = plan_unallocated(path, &host, &cpu)?;
-    // The memory plan: the source (a copy, unless mapped) and the converted arena.
-    let mut needs = planned.needs(&host);
-    if let Some(h) = planned.header() {
-        needs.host = needs.host.saturating_add(converted_bytes(h, target, opts.tensors.as_ref()));
-    }
-    crate::memory::check(path, &needs, &host, &cpu)?;
-    planned.allocate(&cpu, &host)?;
-    if !planned.header().is_some_and(|h| h.tensors().iter().any(|t| converts(t, target))) {
-        // Nothing to convert: the plain load, onto the asked-for device (the CPU one is planned).
-        if opts.device.as_ref().is_some_and(|d| d.id().kind != DeviceKind::Cpu) {
-            drop(planned);
-            return load_plain(path, &LoadOptions { dtype: None, ..opts.clone() });
-        }
-        let read = planned.fill(&cpu, &host, &io_options(&host))?;
-        return planned.finish(read, &host);
-    }
-    // Cold mapped: ask for everything, then let the converting threads read as pages arrive.
-    let fused = planned.defer_cold_populate();
-    let read = planned.fill(&cpu, &host, &io_options(&host))?;
-    let src = planned.finish(read, &host)?;
-    let mut out = cast_loaded(src, target, opts, &cpu, fused)?;
-    out.report.elapsed = started.elapsed();
-    out.report.fallbacks.extend(fallback);
-    Ok(out)
 }
 
 /// Bytes of the arena a load converting `header`'s tensors (those `selection` keeps) to
@@ -153,7 +107,7 @@ fn converted_header(path: &Path, header: &Header, target: Dtype) -> Result<(Head
 
 /// Converts a load held in device memory with the device's own kernel ([`Device::cast`]) into
 /// a new allocation of that device.
-fn cast_on_device(src: &LoadedFile, target: Dtype, device: &Arc<dyn Device>) -> Result<LoadedFile> {
+pub(crate) fn cast_on_device(src: &LoadedFile, target: Dtype, device: &Arc<dyn Device>) -> Result<LoadedFile> {
     let path = &src.path;
     let (header, data_len) = converted_header(path, &src.header, target)?;
     let memory = device.alloc(data_len.max(1)).map_err(|e| Error::device(path, e))?;
@@ -188,9 +142,10 @@ struct Piece<'a> {
     tensor: &'a str,
 }
 
-/// Converts the floating tensors of a loaded file (host memory) to `target`, into a new arena
-/// (uploaded to `opts.device` when that is not the CPU). `count_progress`: the source was not
-/// populated yet, so the bytes it reads count as read here.
+/// Converts the floating tensors of a loaded file (host memory) to `target`, into a new CPU
+/// arena; a file with nothing to convert is given back as it is. `count_progress`: the source
+/// was not populated yet, so the bytes it reads count as read here. Placing the result on a
+/// device is the caller's next stage ([`crate::to_device::upload_loaded`]).
 pub(crate) fn cast_loaded(
     src: LoadedFile,
     target: Dtype,
@@ -201,8 +156,7 @@ pub(crate) fn cast_loaded(
     let path = src.path.clone();
     check_target(&path, target)?;
     let converted = src.header.tensors().iter().filter(|t| converts(t, target)).count();
-    let on_device = opts.device.as_ref().filter(|d| d.id().kind != DeviceKind::Cpu);
-    if converted == 0 && on_device.is_none() {
+    if converted == 0 {
         return Ok(src);
     }
     let Some(src_bytes) = src.memory.host() else {
@@ -296,44 +250,8 @@ pub(crate) fn cast_loaded(
     }
     report.converted = converted;
     report.held = Held::Copied;
-    let (memory, device) = match on_device {
-        Some(device) => {
-            report.held = Held::Staged;
-            let host = memory.host().map(|m| &m[..data_len]).unwrap_or_default();
-            (upload(device.as_ref(), host, opts).map_err(|e| Error::device(&path, e))?, Some(device.clone()))
-        }
-        None => (memory, None),
-    };
     drop(src);
-    Ok(LoadedFile { path, header, memory, data_base: 0, device, report })
-}
-
-/// Copies host bytes into new memory of `device`, through its staging buffers.
-fn upload(
-    device: &dyn Device,
-    host: &[u8],
-    opts: &LoadOptions,
-) -> std::result::Result<Box<dyn Allocation>, turboio_device::DeviceError> {
-    let memory = device.alloc(host.len().max(1))?;
-    if device.uploads_from_host() {
-        device.upload_from_host(host, memory.as_ref(), 0)?;
-    } else {
-        let chunk = if opts.staging_chunk == 0 { crate::to_device::DEFAULT_CHUNK } else { opts.staging_chunk };
-        let mut pending = None;
-        for (i, part) in host.chunks(chunk).enumerate() {
-            let mut staging = device.alloc_staging(part.len())?;
-            staging.as_mut_slice()[..part.len()].copy_from_slice(part);
-            if let Some(t) = pending.take() {
-                drop(turboio_device::Transfer::wait(t)?);
-            }
-            pending = Some(device.upload(staging, part.len(), memory.as_ref(), i * chunk)?);
-        }
-        if let Some(t) = pending {
-            drop(turboio_device::Transfer::wait(t)?);
-        }
-    }
-    device.synchronize()?;
-    Ok(memory)
+    Ok(LoadedFile { path, header, memory, data_base: 0, device: None, report })
 }
 
 #[cfg(test)]

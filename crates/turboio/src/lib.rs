@@ -12,7 +12,8 @@
 //!
 //! 1. The backend opens the file and the first `8 + N` bytes are read and validated
 //!    ([`turboio_format`]); the data section is never read to validate.
-//! 2. The file's page-cache residency is probed (a `mincore` sample, well under a millisecond).
+//! 2. The file's page-cache residency is probed once (`cachestat(2)`, or a `mincore` sample
+//!    where the kernel lacks it; well under a millisecond).
 //! 3. The bytes are brought in one pass, one of three ways:
 //!    - **mapped** (CPU, the default for local unencrypted files): a private writable mapping
 //!      populated with `MADV_POPULATE_READ`. Hot, no byte is copied (about 40 GB/s on the
@@ -81,14 +82,27 @@
 //!
 //! # Inside
 //!
-//! The orchestrator's modules form no cycle. `backend` picks the [`storage::Storage`] of a path
-//! (the one given, the scheme's, else the local file system: every open file is a
-//! `Box<dyn StorageFile>`, and a mapping is asked for through its `local_file` capability, never
-//! by matching on a backend). `encryption` is the cipher layer (keys, the decrypting layer of an
-//! open file, the encrypting write source); [`crypt`] is its public face. `plan` is the load
-//! pipeline (open, parse, plan, fill, finish); `cast` is dtype conversion, a stage after it;
-//! [`pt`] plugs the `.pt` parser into it; `load` holds the entry points that compose them.
-//! `to_device`, [`model`], `save`, `background` and [`convert`] build on those.
+//! `backend` picks the [`storage::Storage`] of a path (the one given, the scheme's, else the
+//! local file system: every open file is a `Box<dyn StorageFile>`, and a mapping is asked for
+//! through its `local_file` capability, never by matching on a backend). `encryption` is the
+//! cipher layer (keys, the decrypting layer of an open file, the encrypting write source);
+//! [`crypt`] is its public face.
+//!
+//! A load is a few stages, and each module of the load path calls only the ones below it (a
+//! test reads the sources and fails on an upward call):
+//!
+//! | module | stage | may call |
+//! |---|---|---|
+//! | [`model`] | a model's shards: resolve, plan all, one memory plan, fill together, convert | `load`, `plan`, `cast`, `to_device`, `select` |
+//! | `load` | the entry points of a file: plan, memory plan, allocate, fill, convert, place | `plan`, `cast`, `to_device` |
+//! | `cast` | convert dtypes (host threads, or the device's kernel) | none of these |
+//! | `plan` | what to read and where: open, parse, select, the memory plan's needs, allocate, fill host memory or dispatch to `to_device`, finish | `to_device`, `select` |
+//! | `to_device` | fill device memory: page-cache mapping, GPUDirect, or the staging engine; place a host load on a device | `select` |
+//! | [`select`] | which tensors and byte runs | `size` |
+//! | [`size`] | sizes written by people | nothing |
+//!
+//! [`pt`] plugs the `.pt` parser into `plan`; `save`, `background` and [`convert`] build on
+//! those.
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
@@ -112,6 +126,7 @@ pub mod pt;
 pub mod sample;
 mod save;
 pub mod select;
+pub mod size;
 mod to_device;
 
 #[cfg(feature = "cache")]
@@ -153,3 +168,59 @@ pub use turboio_io_sfcs as sfcs;
 
 #[cfg(feature = "gds")]
 pub use turboio_io_gds as gds;
+
+#[cfg(test)]
+mod layers {
+    /// The load path's modules, each with the ones it may call (see "Inside" above).
+    const LAYERS: &[(&str, &str, &[&str])] = &[
+        ("model", include_str!("model.rs"), &["load", "plan", "cast", "to_device", "select", "size"]),
+        ("load", include_str!("load.rs"), &["plan", "cast", "to_device", "select", "size"]),
+        ("cast", include_str!("cast.rs"), &["select", "size"]),
+        ("plan", include_str!("plan.rs"), &["to_device", "select", "size"]),
+        ("to_device", include_str!("to_device.rs"), &["select", "size"]),
+        ("select", include_str!("select.rs"), &["size"]),
+        ("size", include_str!("size.rs"), &[]),
+    ];
+
+    /// The load-path modules `source` names in code (comments left out): `crate::m::...` and
+    /// `use crate::{m, ...}` / `use crate::{m::x, ...}`.
+    fn calls(source: &str) -> std::collections::BTreeSet<&'static str> {
+        let code: String = source.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n");
+        let mut named = std::collections::BTreeSet::new();
+        for (module, _, _) in LAYERS {
+            let direct = format!("crate::{module}::");
+            let grouped = |sep: &str| {
+                code.match_indices("crate::{").any(|(at, _)| {
+                    let group = &code[at..at + code[at..].find('}').unwrap_or(0)];
+                    group.split(['{', ',', ' ', '\n']).any(|w| w == *module || w.starts_with(&format!("{module}{sep}")))
+                })
+            };
+            if code.contains(&direct) || code.contains(&format!("use crate::{module};")) || grouped("::") {
+                named.insert(*module);
+            }
+        }
+        named
+    }
+
+    #[test]
+    fn the_load_path_calls_only_downward() {
+        for (module, source, allowed) in LAYERS {
+            for called in calls(source) {
+                assert!(
+                    called == *module || allowed.contains(&called),
+                    "`{module}` calls `{called}`, which is not below it: the load path's stages call only downward"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_check_sees_each_way_of_naming_a_module() {
+        assert!(calls("use crate::plan::{open, io_options};").contains("plan"));
+        assert!(calls("let x = crate::cast::cast_loaded(s);").contains("cast"));
+        assert!(calls("use crate::{model::parse, Error};").contains("model"));
+        assert!(calls("use crate::{Error,\n    load};").contains("load"));
+        assert!(calls("use crate::size;").contains("size"));
+        assert!(calls("// crate::model::x in a comment\nuse crate::Error;").is_empty());
+    }
+}

@@ -3,13 +3,16 @@
 //! first bytes, all of it, or ranges of it.
 
 use crate::backend::ReadInfo;
+use crate::cast;
 use crate::loaded::LoadedFile;
 use crate::options::{CachePolicy, LoadOptions};
-use crate::plan::{io_options, load_plain, open, read_header};
+use crate::plan::{cpu_device, io_options, load_plain, open, plan_unallocated, read_header};
 use crate::{Error, Result};
 use std::path::Path;
 use std::sync::atomic::Ordering;
-use turboio_format::Header;
+use std::time::Instant;
+use turboio_device::DeviceKind;
+use turboio_format::{Dtype, Header};
 use turboio_storage::ReadRequest;
 
 /// Reads only the header of a safetensors file (decrypting it when the options ask for it).
@@ -48,9 +51,62 @@ pub fn read_all(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Vec<u8>> {
 /// released and the error names the file.
 pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedFile> {
     again_if_changed(opts, || match opts.dtype {
-        Some(target) => crate::cast::load_cast(path.as_ref(), opts, target),
+        Some(target) => load_cast(path.as_ref(), opts, target),
         None => load_plain(path.as_ref(), opts),
     })
+}
+
+/// [`load`] with [`LoadOptions::dtype`] set: the stages in order, each called from here
+/// (plan, memory plan, allocate, fill, convert, place on the device).
+pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Result<LoadedFile> {
+    cast::check_target(path, target)?;
+    let started = Instant::now();
+    // A device that converts in its own memory: the plain load onto it, then its kernel.
+    let mut fallback = None;
+    if let Some(device) = opts.device.as_ref().filter(|d| d.id().kind != DeviceKind::Cpu && d.casts()) {
+        let src = load_plain(path, &LoadOptions { dtype: None, ..opts.clone() })?;
+        if !cast::converts_any(&src.header, target) {
+            return Ok(src);
+        }
+        match cast::cast_on_device(&src, target, device) {
+            Ok(mut out) => {
+                out.report.elapsed = started.elapsed();
+                return Ok(out);
+            }
+            // The kernel cannot run (no NVRTC...): convert on the host, and say why.
+            Err(e) => fallback = Some(format!("dtype conversion ran on the host: the device could not: {e}")),
+        }
+    }
+    let cpu = cpu_device(opts);
+    let host = LoadOptions { device: None, dtype: None, ..opts.clone() };
+    let mut planned = plan_unallocated(path, &host, &cpu)?;
+    // The memory plan: the source (a copy, unless mapped) and the converted arena.
+    let mut needs = planned.needs(&host);
+    if let Some(h) = planned.header() {
+        needs.host = needs.host.saturating_add(cast::converted_bytes(h, target, opts.tensors.as_ref()));
+    }
+    crate::memory::check(path, &needs, &host, &cpu)?;
+    planned.allocate(&cpu, &host)?;
+    if !planned.header().is_some_and(|h| cast::converts_any(h, target)) {
+        // Nothing to convert: the plain load, onto the asked-for device (the CPU one is planned).
+        if opts.device.as_ref().is_some_and(|d| d.id().kind != DeviceKind::Cpu) {
+            drop(planned);
+            return load_plain(path, &LoadOptions { dtype: None, ..opts.clone() });
+        }
+        let read = planned.fill(&cpu, &host, &io_options(&host))?;
+        return planned.finish(read, &host);
+    }
+    // Cold mapped: ask for everything, then let the converting threads read as pages arrive.
+    let fused = planned.defer_cold_populate();
+    let read = planned.fill(&cpu, &host, &io_options(&host))?;
+    let src = planned.finish(read, &host)?;
+    let mut out = cast::cast_loaded(src, target, opts, &cpu, fused)?;
+    if let Some(device) = opts.device.as_ref().filter(|d| d.id().kind != DeviceKind::Cpu) {
+        out = crate::to_device::upload_loaded(out, device, opts)?;
+    }
+    out.report.elapsed = started.elapsed();
+    out.report.fallbacks.extend(fallback);
+    Ok(out)
 }
 
 /// How many times a load is tried when a file it read turns out to have been replaced.

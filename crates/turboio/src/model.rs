@@ -593,7 +593,13 @@ fn load_files(mut files: ModelFiles, local: bool, opts: &LoadOptions, started: I
     if let Some((t, asked)) = target {
         shards = shards
             .into_iter()
-            .map(|s| crate::cast::cast_loaded(s, t, asked, &cpu, false))
+            .map(|s| {
+                let out = crate::cast::cast_loaded(s, t, asked, &cpu, false)?;
+                match asked.device.as_ref().filter(|d| d.id().kind != turboio_device::DeviceKind::Cpu) {
+                    Some(device) => crate::to_device::upload_loaded(out, device, asked),
+                    None => Ok(out),
+                }
+            })
             .collect::<Result<Vec<_>>>()?;
     }
     let owner: HashMap<String, usize> = shards
@@ -641,31 +647,9 @@ fn plan_all(shards: &[PathBuf], opts: &LoadOptions, device: &dyn turboio_device:
         .collect()
 }
 
-/// Parses a shard size: a number of bytes, or with a unit (`"5GB"`, `"500MB"`, `"2GiB"`, as
-/// `transformers`' `max_shard_size` takes them: KB/MB/GB are powers of 10, KiB/MiB/GiB of 2).
-pub fn parse_shard_size(s: &str) -> std::result::Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("invalid size {s:?}: expected e.g. 5GB, 500MB or a byte count"))?;
-    let mult: f64 = match unit.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 1.0,
-        "KB" => 1e3,
-        "MB" => 1e6,
-        "GB" => 1e9,
-        "TB" => 1e12,
-        "KIB" => 1024.0,
-        "MIB" => 1024.0 * 1024.0,
-        "GIB" => 1024.0 * 1024.0 * 1024.0,
-        "TIB" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        _ => return Err(format!("invalid size {s:?}: unknown unit {unit:?} (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")),
-    };
-    let v = n * mult;
-    if !(1.0..1.8e19).contains(&v) {
-        return Err(format!("invalid size {s:?}: must be at least one byte"));
-    }
-    Ok(v as u64)
-}
+/// Parses a shard size (see [`crate::size::parse_size`]): a byte count or a number with a unit,
+/// as `transformers`' `max_shard_size` takes them.
+pub use crate::size::parse_size as parse_shard_size;
 
 /// Splits tensors (their byte sizes, in order) into shards of at most `max` bytes each, as
 /// `transformers` does: a tensor that does not fit in the current shard starts a new one, and

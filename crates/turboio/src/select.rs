@@ -206,7 +206,7 @@ fn gap_with(local: bool, env: Option<&str>) -> u64 {
         if v == "0" {
             return 0;
         }
-        if let Ok(g) = crate::model::parse_shard_size(v) {
+        if let Ok(g) = crate::size::parse_size(v) {
             return g;
         }
     }

@@ -297,6 +297,56 @@ pub(crate) const SLOTS_PER_READER: usize = 2;
 /// read overlaps its last copy early, large enough that a copy's fixed costs vanish.
 pub(crate) const DEFAULT_CHUNK: usize = 8 << 20;
 
+/// Places a load held in host memory (a conversion's arena) on `device`: its data section is
+/// copied into new device memory through the device's staging slots (two in flight: the next
+/// slot is filled while the last one's copy runs), and the file is given back held there
+/// ([`Held::Staged`](crate::Held::Staged)), its data section at the allocation's start.
+pub(crate) fn upload_loaded(
+    mut file: crate::loaded::LoadedFile,
+    device: &std::sync::Arc<dyn Device>,
+    opts: &LoadOptions,
+) -> Result<crate::loaded::LoadedFile> {
+    let path = file.path.clone();
+    let host = file.memory.host().and_then(|m| m.get(file.data_base..)).ok_or_else(|| Error::Unsupported {
+        path: path.clone(),
+        message: "the upload needs the bytes in host memory".into(),
+    })?;
+    let memory = upload_host(device.as_ref(), host, opts).map_err(|e| Error::device(&path, e))?;
+    file.memory = memory;
+    file.data_base = 0;
+    file.device = Some(device.clone());
+    file.report.held = crate::loaded::Held::Staged;
+    Ok(file)
+}
+
+/// Copies host bytes into new memory of `device`, through its staging slots.
+fn upload_host(
+    device: &dyn Device,
+    host: &[u8],
+    opts: &LoadOptions,
+) -> std::result::Result<Box<dyn Allocation>, turboio_device::DeviceError> {
+    let memory = device.alloc(host.len().max(1))?;
+    if device.uploads_from_host() {
+        device.upload_from_host(host, memory.as_ref(), 0)?;
+    } else {
+        let chunk = if opts.staging_chunk == 0 { DEFAULT_CHUNK } else { opts.staging_chunk };
+        let mut pending = None;
+        for (i, part) in host.chunks(chunk).enumerate() {
+            let mut staging = device.alloc_staging(part.len())?;
+            staging.as_mut_slice()[..part.len()].copy_from_slice(part);
+            if let Some(t) = pending.take() {
+                drop(Transfer::wait(t)?);
+            }
+            pending = Some(device.upload(staging, part.len(), memory.as_ref(), i * chunk)?);
+        }
+        if let Some(t) = pending {
+            drop(Transfer::wait(t)?);
+        }
+    }
+    device.synchronize()?;
+    Ok(memory)
+}
+
 /// How far the read-ahead cursor of a cold, cached load runs ahead of the readers.
 const READ_AHEAD_WINDOW: u64 = 1 << 30;
 /// Bytes asked for per `will_need` call of the cursor.
