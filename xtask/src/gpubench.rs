@@ -1,8 +1,12 @@
 //! The GPU rows of `cargo xtask bench --device cuda:N`, hot and cold, in the same run as the CPU
 //! rows: turboio into the GPU (auto, staged through pinned buffers, straight from the page-cache
 //! mapping, GPUDirect Storage, an encrypted file decrypted on the GPU) against the ceiling, a
-//! pinned host-to-device copy of 1 GiB over the device's copy streams. The Python peers
-//! (safetensors, fastsafetensors with and without GDS, torch.load) are in `pybench`.
+//! pinned host-to-device copy of 1 GiB over the device's copy streams, with the machine's rates
+//! at the staging engine's sizes beside it: the copy in 8 MiB pieces (one staging slot) and
+//! pinning fresh memory in 8 MiB slots (what the pool pays once per process; both rates are
+//! printed as the model device's settings, `--gpu-model-spec link=...,pin=...`). The Python
+//! peers (safetensors, fastsafetensors with and without GDS, InstantTensor, torch.load) are in
+//! `pybench`.
 //!
 //! Where the device cannot be opened (no GPU, no driver) every row is skipped with the reason,
 //! so the bench runs everywhere.
@@ -24,6 +28,10 @@ enum GpuLoader {
     Gds,
     Encrypted,
     Ceiling,
+    /// The link at the staging slot's size: what one slot's copy can reach.
+    CeilingSlot,
+    /// Pinning fresh memory in slots, as the staging pool does once per process.
+    Pinning,
 }
 
 impl GpuLoader {
@@ -35,17 +43,26 @@ impl GpuLoader {
             GpuLoader::Gds => "turboio -> GPU, GPUDirect Storage",
             GpuLoader::Encrypted => "turboio -> GPU, encrypted, decrypted on the GPU",
             GpuLoader::Ceiling => "ceiling: pinned H2D copy, 1 GiB, all streams",
+            GpuLoader::CeilingSlot => "ceiling: pinned H2D copy, 8 MiB pieces (a staging slot)",
+            GpuLoader::Pinning => "pinning the file's size in 8 MiB slots (cuMemHostRegister)",
         }
     }
 
-    const HOT: [GpuLoader; 6] = [
+    const HOT: [GpuLoader; 8] = [
         GpuLoader::Auto,
         GpuLoader::Staged,
         GpuLoader::Mapped,
         GpuLoader::Gds,
         GpuLoader::Encrypted,
         GpuLoader::Ceiling,
+        GpuLoader::CeilingSlot,
+        GpuLoader::Pinning,
     ];
+
+    /// Rows that measure the machine, not a load (no warm-up load, no file to warm).
+    fn is_ceiling(self) -> bool {
+        matches!(self, GpuLoader::Ceiling | GpuLoader::CeilingSlot | GpuLoader::Pinning)
+    }
     const COLD: [GpuLoader; 4] = [GpuLoader::Auto, GpuLoader::Staged, GpuLoader::Gds, GpuLoader::Encrypted];
 }
 
@@ -73,10 +90,24 @@ fn one(
     encrypted: &Path,
     len: u64,
 ) -> Result<(f64, String, Option<String>)> {
-    if loader == GpuLoader::Ceiling {
-        let cuda = turboio::device::cuda::CudaDevice::new(id.ordinal)?;
-        let gbps = cuda.pinned_h2d_gbps(1 << 30, 64 << 20, 3)?;
-        return Ok((len as f64 / (gbps * 1e9), format!("{gbps:.1} GB/s over {} streams", cuda.streams()), None));
+    // The staging slot's size (the engine's default chunk).
+    const SLOT: usize = 8 << 20;
+    match loader {
+        GpuLoader::Ceiling | GpuLoader::CeilingSlot => {
+            let cuda = turboio::device::cuda::CudaDevice::new(id.ordinal)?;
+            let piece = if loader == GpuLoader::Ceiling { 64 << 20 } else { SLOT };
+            let gbps = cuda.pinned_h2d_gbps(1 << 30, piece, 3)?;
+            // The model device's link setting from this machine (`--gpu-model-spec`).
+            let how = format!("{gbps:.1} GB/s over {} streams (model: link={gbps:.1})", cuda.streams());
+            return Ok((len as f64 / (gbps * 1e9), how, None));
+        }
+        GpuLoader::Pinning => {
+            let cuda = turboio::device::cuda::CudaDevice::new(id.ordinal)?;
+            let bytes = usize::try_from(len).unwrap_or(usize::MAX).min(1 << 30);
+            let gbps = cuda.pinning_gbps(bytes, SLOT)?;
+            return Ok((len as f64 / (gbps * 1e9), format!("{gbps:.2} GB/s (model: pin={gbps:.2})"), None));
+        }
+        _ => {}
     }
     let gds = |mode| {
         Some(Arc::new(GdsStorage::with_config(GdsConfig { mode, ..Default::default() }))
@@ -91,7 +122,7 @@ fn one(
         GpuLoader::Encrypted => {
             (encrypted, LoadOptions { encryption: Some(crate::benchkit::bench_encryption()?), ..base })
         }
-        GpuLoader::Ceiling => unreachable!(),
+        GpuLoader::Ceiling | GpuLoader::CeilingSlot | GpuLoader::Pinning => unreachable!(),
     };
     let t = Instant::now();
     let f = turboio::load(file, &opts)?;
@@ -140,7 +171,7 @@ pub fn measure(device: &str, path: &Path, encrypted: &Path, len: u64, runs: usiz
     // compile of the decryption kernel: 0.44 s of a 0.64 s first encrypted load on an H200).
     if !cold {
         for (i, &loader) in loaders.iter().enumerate() {
-            if rows[i].skipped.is_none() && loader != GpuLoader::Ceiling {
+            if rows[i].skipped.is_none() && !loader.is_ceiling() {
                 one(loader, id, &dev, path, encrypted, len)?;
             }
         }
@@ -158,7 +189,7 @@ pub fn measure(device: &str, path: &Path, encrypted: &Path, len: u64, runs: usiz
                     }
                     return Ok(rows);
                 }
-            } else {
+            } else if !loaders[i].is_ceiling() {
                 warm(target)?;
             }
             let (secs, how, refused) = one(loaders[i], id, &dev, path, encrypted, len)?;

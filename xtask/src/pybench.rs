@@ -91,14 +91,17 @@ fn run_child(python: &Path, loader: &str, file: &Path, device: &str) -> Result<(
     Ok((f("load_s"), f("touch_s"), v["peak_rss"].as_u64().unwrap_or(0)))
 }
 
-/// The loaders compared on a GPU (`--device cuda:N`).
-pub const GPU_LOADERS: [&str; 6] = [
+/// The loaders compared on a GPU (`--device cuda:N`). InstantTensor (`instanttensor` on PyPI)
+/// is GPU-only and not in the CPU venv: `.ci/gpu-bundle` carries its wheel to the GPU machine,
+/// and where it is missing its row says why.
+pub const GPU_LOADERS: [&str; 7] = [
     "turboio.load",
     "turboio.torch.load_file",
     "safetensors.torch.load_file",
     "torch.load",
     "fastsafetensors",
     "fastsafetensors (GDS)",
+    "instanttensor",
 ];
 
 /// Measures every Python loader `runs` times, in a shuffled order each run, hot or cold.

@@ -419,6 +419,12 @@ pub fn run(args: Args) -> Result<()> {
     }
     step("tests", &mut tests)?;
     step("python tests", Command::new(&python).args(["-m", "pytest", "-q", "crates/py/tests"]))?;
+    // The GPU machine's script, with everything but the GPU calls (its command lines parsed by
+    // the binaries they name, its pytest selections collected), so that it cannot rot here.
+    step(
+        "GPU check, dry run (.ci/gpu --dry-run)",
+        Command::new("bash").args([".ci/gpu", "--dry-run"]).env("TURBOIO_PYTHON", &python),
+    )?;
     if args.vllm {
         vllm_tests()?;
     }

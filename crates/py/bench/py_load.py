@@ -54,6 +54,8 @@ def main():
         import safetensors.torch
     elif a.loader.startswith("fastsafetensors"):
         import fastsafetensors  # noqa: F401
+    elif a.loader == "instanttensor":
+        import instanttensor  # noqa: F401
     if a.wait:
         print(json.dumps({"ready": True}), flush=True)
         sys.stdin.readline()
@@ -100,6 +102,15 @@ def main():
         loader.add_filenames({0: [a.file]})
         fb = loader.copy_files_to_device()
         sd = {k: fb.get_tensor(k) for k in loader.get_keys()}
+    elif a.loader == "instanttensor":
+        # Its default (copy=True): every yielded tensor owns its GPU memory, as the others' do.
+        from instanttensor import safe_open
+
+        if not gpu:
+            raise SystemExit("instanttensor loads into a GPU only")
+        t0 = time.perf_counter()
+        with safe_open(a.file, framework="pt", device=torch.device(dev).index or 0) as f:
+            sd = dict(f.tensors())
     else:
         raise SystemExit(f"unknown loader {a.loader}")
     if gpu:

@@ -444,6 +444,27 @@ impl CudaDevice {
         times.sort_by(f64::total_cmp);
         Ok(bytes as f64 / times[times.len() / 2] / 1e9)
     }
+
+    /// Measures the pinning rate as the staging pool pays it: `bytes` of fresh anonymous memory
+    /// in slots of `slot` bytes, each registered with the driver (`cuMemHostRegister`) the way
+    /// a pool slot is made, in GB/s (the slots are released afterwards, outside the time).
+    pub fn pinning_gbps(&self, bytes: usize, slot: usize) -> Result<f64> {
+        let slot = slot.max(4096);
+        let mut kept = Vec::new();
+        let t = std::time::Instant::now();
+        for _ in 0..bytes.div_ceil(slot).max(1) {
+            let arena = Arena::new(slot, false)?;
+            // SAFETY: the arena's pages stay mapped until the registration is dropped (the
+            // tuple's order: registration first), and the driver only pins them.
+            let registered = unsafe { ffi::Registered::new(&self.shared.ctx, arena.as_slice(), false) }
+                .map_err(|e| self.shared.driver_error("cuMemHostRegister", e))?;
+            kept.push((registered, arena));
+        }
+        let secs = t.elapsed().as_secs_f64();
+        let pinned = kept.len() * slot;
+        drop(kept);
+        Ok(pinned as f64 / secs / 1e9)
+    }
 }
 
 /// Device memory from [`CudaDevice::alloc`] (owned, freed on drop) or [`Device::borrow`]
