@@ -95,4 +95,25 @@ fn steady_state_loads_pin_nothing_and_decide_once() {
         assert!(probes <= 6, "{label}: {probes} probes for 3 shards of 6 chunks");
     }
     assert_eq!(pool.allocations() as u64, first.pinned_allocations, "no slot was ever pinned again");
+
+    // A new process's first load pins exactly the slots the next load holds at once, however
+    // its readers are timed: a reader that ends early keeps its slots until the fill is done
+    // (handed to a late reader, they left the pool one slot short, and the second load of
+    // some processes pinned again), and a reader without a share of the slots reads nothing.
+    for threads in [2, 3, 4, 8] {
+        for round in 0..6 {
+            let dev = Arc::new(ModelDevice::new(0, GpuModel::default()));
+            let opts = LoadOptions { device: Some(dev.clone() as Arc<dyn Device>), threads, ..opts(CachePolicy::Keep) };
+            let mut pinned = Vec::new();
+            for _ in 0..3 {
+                let before = dev.counters();
+                turboio::load(&file, &opts).unwrap();
+                pinned.push(dev.counters().since(&before).pinned_allocations);
+            }
+            let pool = dev.staging_pool().unwrap();
+            assert!(pinned[0] > 0, "{threads} readers, round {round}: the first load pins the slots");
+            assert_eq!(pinned[1..], [0, 0], "{threads} readers, round {round}: later loads pin nothing: {pinned:?}");
+            assert_eq!(pool.allocations() as u64, pinned[0], "{threads} readers, round {round}");
+        }
+    }
 }

@@ -154,6 +154,7 @@ fn open_target(py: Python<'_>, device: &str, staging: Option<&PyStagingPool>) ->
     let id = DeviceId::parse(device).map_err(PyValueError::new_err)?;
     match id.kind {
         DeviceKind::Cpu => Ok(None),
+        DeviceKind::Cuda if gpu_model::enabled() => gpu_model::device(id.ordinal).map(Some),
         DeviceKind::Cuda => {
             let dev = py
                 .detach(|| turboio::device::cuda::CudaDevice::new(id.ordinal))
@@ -172,6 +173,73 @@ fn open_target(py: Python<'_>, device: &str, staging: Option<&PyStagingPool>) ->
             Err(PyRuntimeError::new_err(format!("turboio: {e}")))
         }
     }
+}
+
+/// `TURBOIO_GPU_MODEL` (a `GpuModel` spec, e.g. `link=25,pin=1.5`; empty for the defaults): CUDA
+/// devices are replaced by the performance model of a GPU (`turboio::device::testing::
+/// ModelDevice`), one per ordinal for the process, as the CUDA device's pool is. Every Python
+/// path into a GPU then runs unchanged on a machine without one; the tensors it gives back are
+/// `meta` tensors (the model keeps no bytes), and `_gpu_model_counters` says what the model
+/// counted (pinned allocations, events, synchronisations, link time).
+mod gpu_model {
+    use super::*;
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    use turboio::device::testing::{GpuModel, ModelDevice};
+
+    pub const ENV: &str = "TURBOIO_GPU_MODEL";
+
+    /// The model's settings, read once per process; `None` when the variable is unset.
+    fn settings() -> &'static Option<std::result::Result<GpuModel, String>> {
+        static SETTINGS: OnceLock<Option<std::result::Result<GpuModel, String>>> = OnceLock::new();
+        SETTINGS.get_or_init(|| std::env::var(ENV).ok().map(|spec| GpuModel::parse(&spec)))
+    }
+
+    pub fn enabled() -> bool {
+        settings().is_some()
+    }
+
+    /// The process's model of GPU `ordinal`.
+    pub fn model(ordinal: u32) -> PyResult<Arc<ModelDevice>> {
+        let model = match settings() {
+            Some(Ok(m)) => *m,
+            Some(Err(e)) => return Err(PyValueError::new_err(format!("turboio: {ENV}: {e}"))),
+            None => return Err(PyRuntimeError::new_err(format!("turboio: {ENV} is not set"))),
+        };
+        static DEVICES: OnceLock<Mutex<HashMap<u32, Arc<ModelDevice>>>> = OnceLock::new();
+        let mut devices = DEVICES.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+        Ok(devices.entry(ordinal).or_insert_with(|| Arc::new(ModelDevice::new(ordinal, model))).clone())
+    }
+
+    pub fn device(ordinal: u32) -> PyResult<Arc<dyn Device>> {
+        Ok(model(ordinal)? as Arc<dyn Device>)
+    }
+}
+
+/// What the model of GPU `device` (`TURBOIO_GPU_MODEL`) counted since the process began:
+/// `{"allocations", "uploads", "uploaded_bytes", "pinned_allocations", "pinned_bytes",
+/// "pin_s", "events_created", "synchronizations", "upload_waits", "upload_wait_s",
+/// "link_busy_s"}`.
+#[pyfunction]
+fn _gpu_model_counters(device: &str) -> PyResult<BTreeMap<&'static str, f64>> {
+    let id = DeviceId::parse(device).map_err(PyValueError::new_err)?;
+    if id.kind != DeviceKind::Cuda {
+        return Err(PyValueError::new_err(format!("turboio: {device}: the model stands in for CUDA devices")));
+    }
+    let c = gpu_model::model(id.ordinal)?.counters();
+    Ok(BTreeMap::from([
+        ("allocations", c.allocations as f64),
+        ("uploads", c.uploads as f64),
+        ("uploaded_bytes", c.uploaded_bytes as f64),
+        ("pinned_allocations", c.pinned_allocations as f64),
+        ("pinned_bytes", c.pinned_bytes as f64),
+        ("pin_s", c.pin_time.as_secs_f64()),
+        ("events_created", c.events_created as f64),
+        ("synchronizations", c.synchronizations as f64),
+        ("upload_waits", c.upload_waits as f64),
+        ("upload_wait_s", c.upload_wait_time.as_secs_f64()),
+        ("link_busy_s", c.link_busy.as_secs_f64()),
+    ]))
 }
 
 /// The object-storage backend with explicit options (endpoint, region, credentials,
@@ -659,6 +727,12 @@ impl PyLoaded {
     /// `[(name, dtype, shape, begin, end)]` in file order.
     fn infos(&self) -> Vec<(&str, &'static str, Vec<usize>, usize, usize)> {
         infos(self.inner.header())
+    }
+
+    /// Whether the load went to the model of a GPU (`TURBOIO_GPU_MODEL`), which keeps no bytes:
+    /// its tensors are `meta` tensors.
+    fn on_model(&self) -> bool {
+        self.inner.device_id().kind == DeviceKind::Test
     }
 
     /// `__metadata__` or None.
@@ -2003,6 +2077,7 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFileBytes>()?;
     m.add_function(wrap_pyfunction!(_save_model_dir, m)?)?;
     m.add_function(wrap_pyfunction!(parse_shard_size, m)?)?;
+    m.add_function(wrap_pyfunction!(_gpu_model_counters, m)?)?;
     m.add_function(wrap_pyfunction!(read_header, m)?)?;
     m.add_function(wrap_pyfunction!(_model_files, m)?)?;
     m.add_function(wrap_pyfunction!(_file_version, m)?)?;

@@ -520,7 +520,20 @@ fn load_staged(files: &[Staged<'_>], device: &dyn Device, chunk: usize) -> Resul
     let slots = AtomicUsize::new((plan.readers * plan.slots_per_reader).min(chunks.len()));
     let cursor = Cursor::default();
     let lead = ctx.iter().any(|c| c.read == StageRead::ColdKept);
-    let pipeline = Pipeline { files, ctx: &ctx, device, chunks: &chunks, next: &next, slots: &slots, plan: &plan };
+    // The slots of readers that are done wait here until the whole fill is: a reader that ends
+    // early must not hand its slots to one that starts late, or the fill would pin fewer slots
+    // than the next load of the same files holds at once (and that load would pin again).
+    let parked = Mutex::new(Vec::new());
+    let pipeline = Pipeline {
+        files,
+        ctx: &ctx,
+        device,
+        chunks: &chunks,
+        next: &next,
+        slots: &slots,
+        plan: &plan,
+        parked: &parked,
+    };
     let result = std::thread::scope(|s| {
         if lead {
             s.spawn(|| cursor.lead(&pipeline, io));
@@ -535,7 +548,8 @@ fn load_staged(files: &[Staged<'_>], device: &dyn Device, chunk: usize) -> Resul
     });
     // Every reader waited for each of its transfers (each copy, and the decryption after it,
     // complete): nothing of this fill is left on the device, and no device-wide
-    // synchronisation is needed.
+    // synchronisation is needed. The slots go back to the pool now.
+    drop(parked);
     result?;
     Ok(ctx
         .iter()
@@ -556,6 +570,8 @@ struct Pipeline<'p, 'a> {
     next: &'p AtomicUsize,
     slots: &'p AtomicUsize,
     plan: &'p StagePlan,
+    /// The slots of the readers that are done (see [`load_staged`]).
+    parked: &'p Mutex<Vec<turboio_device::Staging>>,
 }
 
 impl Pipeline<'_, '_> {
@@ -572,6 +588,11 @@ impl Pipeline<'_, '_> {
                 .slots
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n - n.min(plan.slots_per_reader)))
                 .map_or(0, |n| n.min(plan.slots_per_reader));
+            if share == 0 {
+                // Every slot of the fill is some other reader's: the chunks are theirs too
+                // (a reader with no slot would pin one more than the fill's share).
+                return Ok(());
+            }
             for _ in 0..share {
                 free.push(device.alloc_staging(plan.chunk).map_err(|e| Error::device(first_path, e))?);
             }
@@ -590,7 +611,7 @@ impl Pipeline<'_, '_> {
                 // synchronous read per chunk would keep a single request queued per reader.
                 let mut batch = vec![first];
                 let mut at = i + 1;
-                while c.read == StageRead::ColdDirect && batch.len() < plan.slots_per_reader {
+                while c.read == StageRead::ColdDirect && batch.len() < share {
                     match self.chunks.get(at) {
                         Some(n)
                             if n.file == first.file
@@ -649,13 +670,15 @@ impl Pipeline<'_, '_> {
             }
         })();
         // Every transfer still running is waited for, success or not: the device may be
-        // reading those buffers. The slots go back to the pool as they drop.
+        // reading those buffers. The slots are parked until the fill is done.
         let mut drained = Ok(());
         for (k, t) in inflight {
-            if let Err(e) = t.wait() {
-                drained = drained.and(Err(Error::device(self.files[k].job.opened.path(), e)));
+            match t.wait() {
+                Ok(buf) => free.push(buf),
+                Err(e) => drained = drained.and(Err(Error::device(self.files[k].job.opened.path(), e))),
             }
         }
+        self.parked.lock().unwrap_or_else(|p| p.into_inner()).append(&mut free);
         result.and(drained)
     }
 }

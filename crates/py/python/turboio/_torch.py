@@ -81,6 +81,12 @@ def tensors_of(loaded, aliases=True):
     packs (F4, F6), are exported on their own (as bytes where torch has no dtype)."""
     import torch
 
+    if loaded.on_model():
+        out = _meta_tensors(loaded)
+        if aliases:
+            for alias, target in loaded.aliases():
+                out[alias] = out[target]
+        return out
     out, odd = loaded.build(typed_export(loaded), torch.as_strided)
     if odd:
         exported = {pt.name: pt for pt in loaded.tensors()}
@@ -91,6 +97,22 @@ def tensors_of(loaded, aliases=True):
     if aliases:
         for alias, target in loaded.aliases():
             out[alias] = out[target]
+    return out
+
+
+def _meta_tensors(loaded):
+    """`meta` tensors of a load the model of a GPU took (`TURBOIO_GPU_MODEL`: no bytes kept),
+    with the dtypes and shapes the real load would give."""
+    import torch
+    from ._dtypes import torch_shape
+
+    out = {}
+    for name, dtype, shape, begin, end in loaded.infos():
+        td = torch_dtype_for(dtype, shape)
+        if td is None:
+            out[name] = torch.empty(end - begin, dtype=torch.uint8, device="meta")
+        else:
+            out[name] = torch.empty(torch_shape(dtype, shape), dtype=td, device="meta")
     return out
 
 
