@@ -504,7 +504,7 @@ pub fn run(
                 &mut rows,
                 STEADY_DIRECT,
                 "cold",
-                "cache=bypass: O_DIRECT io_uring, each reader's slots filled by one call",
+                "cache=bypass: O_DIRECT, a reader per slot, each slot copied as soon as it is read",
             ),
         ];
         eprintln!("gpu model: cold, {runs} runs ...");

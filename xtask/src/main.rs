@@ -17,6 +17,7 @@ mod bindgen;
 mod cachebench;
 mod ceiling;
 mod charts;
+mod docs;
 mod gpubench;
 mod gpumodel;
 mod modelbench;
@@ -50,6 +51,9 @@ enum Command {
     Bench(bench::Args),
     /// Run every check CI runs.
     Test(test::Args),
+    /// Build the book (docs/, mdBook; installed into target/tools when missing) into
+    /// target/book, after checking the links of the README and every page.
+    Docs(docs::Args),
     /// Generate io-gds's cuFile declarations from cufile.h (`--check`: compare instead).
     Bindgen(bindgen::Args),
     /// Draw the SVG charts of a saved bench run (`load.json`), one per table, into a directory.
@@ -81,6 +85,7 @@ fn main() -> std::process::ExitCode {
     let result = match Cli::parse().command {
         Command::Bench(a) => bench::run(a),
         Command::Test(a) => test::run(a),
+        Command::Docs(a) => docs::run(a),
         Command::Bindgen(a) => bindgen::run(a),
         Command::Chart { from, out } => chart(&from, &out),
         Command::GpuModelChild(a) => gpumodel::child(a),

@@ -360,8 +360,9 @@ pub(crate) enum StageRead {
     /// Cold, and kept in the page cache (so the next process is hot): buffered reads led by
     /// one read-ahead cursor for the whole load.
     ColdKept,
-    /// Cold, the page cache bypassed: `O_DIRECT` reads straight into the slots, a reader's
-    /// slots filled by one call (io_uring keeps all their blocks in flight).
+    /// Cold, the page cache bypassed: `O_DIRECT` reads straight into the slots; a fill of such
+    /// files alone gets a reader per slot (one `pread` per slot, its copy issued as soon as it
+    /// is full), a fill mixing them with others reads a reader's slots in one call (io_uring).
     ColdDirect,
 }
 
@@ -370,7 +371,7 @@ impl StageRead {
         match self {
             StageRead::Hot => "staged: hot, pread into pinned slots",
             StageRead::ColdKept => "staged: cold, buffered reads led by one read-ahead cursor",
-            StageRead::ColdDirect => "staged: cold, O_DIRECT (io_uring) into pinned slots",
+            StageRead::ColdDirect => "staged: cold, O_DIRECT into pinned slots",
         }
     }
 }
@@ -504,7 +505,14 @@ fn load_staged(files: &[Staged<'_>], device: &dyn Device, chunk: usize) -> Resul
             }
         })
         .collect();
-    let plan = StagePlan::new(chunk, total, io.threads, device);
+    let mut plan = StagePlan::new(chunk, total, io.threads, device);
+    if ctx.iter().all(|c| c.read == StageRead::ColdDirect) {
+        // Cold with O_DIRECT: a reader per slot, each reading its slot with one `pread` and
+        // uploading it as soon as it is full, so every slot is being read from the disk except
+        // for the moment of its copy (a reader with several slots, reading them in one call,
+        // left them all idle between its calls). The same slots in all: nothing more is pinned.
+        plan = StagePlan { readers: plan.readers * plan.slots_per_reader, slots_per_reader: 1, ..plan };
+    }
     let mut chunks = Vec::new();
     for (i, f) in files.iter().enumerate() {
         chunks_of(i, f.job.runs, plan.chunk, f.job.opened.offset(), &mut chunks);
