@@ -27,10 +27,14 @@ pub use crate::root;
 
 pub fn step(name: &str, cmd: &mut Command) -> Result<()> {
     eprintln!("\n==> {name}\n    {cmd:?}");
+    let started = std::time::Instant::now();
     let status = cmd.current_dir(root()).status().with_context(|| format!("cannot run {cmd:?}"))?;
+    let secs = started.elapsed().as_secs_f64();
     if !status.success() {
-        bail!("step failed: {name} ({status})");
+        bail!("step failed: {name} ({status}) after {secs:.0} s");
     }
+    // Each step's time, so that a slow CI run says where its minutes went.
+    eprintln!("<== {name}: {secs:.0} s");
     Ok(())
 }
 
