@@ -2,7 +2,7 @@
 //! started by each test through the venv's Python): loads of files, model directories (a key
 //! prefix), encrypted files and `.pt` checkpoints give exactly the local file's tensors; saves
 //! and model saves to `s3://` read back byte for byte; a save killed mid-upload leaves the old
-//! object. (The CLI on URLs: crates/turboio/tests/cli_object.rs.)
+//! object. (The CLI on URLs: crates/cli/tests/cli_object.rs.)
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

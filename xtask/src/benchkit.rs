@@ -234,7 +234,7 @@ pub(crate) fn sharded_model(dir: &Path, size: u64) -> Result<PathBuf> {
 pub(crate) fn cli() -> Result<PathBuf> {
     let bin = crate::test::root().join("target/release/turboio");
     let built = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args(["build", "--release", "--quiet", "-p", "turboio", "--bin", "turboio"])
+        .args(["build", "--release", "--quiet", "-p", "turboio-cli", "--bin", "turboio"])
         .current_dir(crate::test::root())
         .status();
     match built {

@@ -216,6 +216,13 @@ mod gpu_model {
     }
 }
 
+/// Runs the `turboio` command line `argv` (its first item the program's name) with the CLI's
+/// own code, the GIL released, and gives its exit status: the `turboio` console script.
+#[pyfunction]
+fn _cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> u8 {
+    py.detach(|| turboio_cli::run(argv))
+}
+
 /// What the model of GPU `device` (`TURBOIO_GPU_MODEL`) counted since the process began:
 /// `{"allocations", "uploads", "uploaded_bytes", "pinned_allocations", "pinned_bytes",
 /// "pin_s", "events_created", "synchronizations", "upload_waits", "upload_wait_s",
@@ -2078,6 +2085,7 @@ fn _turboio(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_save_model_dir, m)?)?;
     m.add_function(wrap_pyfunction!(parse_shard_size, m)?)?;
     m.add_function(wrap_pyfunction!(_gpu_model_counters, m)?)?;
+    m.add_function(wrap_pyfunction!(_cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(read_header, m)?)?;
     m.add_function(wrap_pyfunction!(_model_files, m)?)?;
     m.add_function(wrap_pyfunction!(_file_version, m)?)?;

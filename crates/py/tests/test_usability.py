@@ -176,3 +176,31 @@ def test_storage_option_mistakes_are_value_errors():
         turboio.load("s3://bucket/x.safetensors", storage_options={"no_such_option": "1"})
     with pytest.raises(ValueError, match="concurrency"):
         turboio.load("s3://bucket/x.safetensors", storage_options={"concurrency": "x"})
+
+
+def test_the_wheel_puts_the_cli_on_the_path(tmp):
+    """`pip install` of the wheel gives the `turboio` command (issue 49, item 5): the CLI's own
+    code through the console script, with the binary's exit statuses."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import safetensors.torch as st
+    import torch
+
+    script = Path(sys.executable).parent / "turboio"
+    assert script.exists(), f"no console script next to {sys.executable}"
+    assert shutil.which("turboio", path=str(script.parent)) == str(script)
+    out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "Usage: turboio" in out.stdout and "inspect" in out.stdout, out
+    f = tmp / "x.safetensors"
+    st.save_file({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, str(f))
+    out = subprocess.run([str(script), "inspect", str(f)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "w" in out.stdout and "F32" in out.stdout, out
+    out = subprocess.run([str(script), "load", str(f), "--check"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out
+    out = subprocess.run([str(script), "load", str(f), "--bogus"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--bogus" in out.stderr, out
+    out = subprocess.run([str(script), "load", str(tmp / "missing.safetensors")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stderr.startswith("turboio: error:") and "missing.safetensors" in out.stderr, out

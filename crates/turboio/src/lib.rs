@@ -62,7 +62,6 @@
 //! | `cipher` | veTurboIO's encrypted files (AES-CTR, KMS) |
 //! | `cuda` | NVIDIA GPUs as load targets (`device::cuda`; libcuda and NVRTC loaded at run time) |
 //! | `gds` | GPUDirect Storage (`gds::GdsStorage`; libcufile loaded at run time); implies `cuda` |
-//! | `cli` (default) | the `turboio` binary (with `posix`, `cipher`, `cuda`, `gds`, `object`) |
 //! | `sfcs` | `sfcs://` paths: veMLP's SFCS cache through libcloudfs, loaded at run time (`turboio_io_sfcs`) |
 //! | `object` | `s3://`, `gs://`, `az://`, `abfs[s]://`, `http(s)://` URLs through object_store ([`object`]) |
 //! | `testing` | re-exports the opaque test device |

@@ -1,4 +1,5 @@
-//! The `turboio` command-line tool.
+//! The `turboio` command-line tool, as a library: the `turboio` binary and the Python wheel's
+//! `turboio` console script both call [`run`], so one install of either gives the same command.
 
 mod cipher;
 mod gpu;
@@ -291,13 +292,33 @@ enum CacheAction {
     },
 }
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
+/// The command with this process's arguments (the binary's `main`).
+pub fn main() -> ExitCode {
+    ExitCode::from(run(std::env::args_os()))
+}
+
+/// Runs the command line `args` (its first item is the program's name) and gives the exit
+/// status: 0 on success, 1 on an error (printed to stderr, one line), 2 on a usage error (clap's
+/// message), `out::CLOSED_STATUS` when stdout was closed early. `--help` and `--version` print
+/// and give 0.
+pub fn run<I, T>(args: I) -> u8
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Help and version go to stdout with status 0, usage errors to stderr with 2.
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
     let cache = match cli.node_cache() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("turboio: error: {e}");
-            return ExitCode::FAILURE;
+            return 1;
         }
     };
     let object: Option<Arc<dyn turboio::storage::Storage>> = if cli.storage_option.is_empty() && cli.cache_dir.is_none()
@@ -319,7 +340,7 @@ fn main() -> ExitCode {
             }
             Err(e) => {
                 eprintln!("turboio: error: --storage-option: {e}");
-                return ExitCode::FAILURE;
+                return 1;
             }
         }
     };
@@ -406,15 +427,15 @@ fn main() -> ExitCode {
     // Files replaced by saves are deleted in the background: gone before the process is.
     turboio::wait_for_saves();
     match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) if e.is::<out::Closed>() => ExitCode::from(out::CLOSED_STATUS),
+        Ok(()) => 0,
+        Err(e) if e.is::<out::Closed>() => out::CLOSED_STATUS,
         Err(e) => {
             // A memory plan's refusal names this command's flags as its remedies.
             match e.downcast_ref::<turboio::Error>() {
                 Some(e) => eprintln!("turboio: error: {}", e.describe_for(turboio::memory::Api::Cli)),
                 None => eprintln!("turboio: error: {e}"),
             }
-            ExitCode::FAILURE
+            1
         }
     }
 }
