@@ -17,6 +17,7 @@ mod bindgen;
 mod cachebench;
 mod ceiling;
 mod charts;
+mod docblocks;
 mod docs;
 mod gpubench;
 mod gpumodel;
@@ -51,6 +52,9 @@ enum Command {
     Bench(bench::Args),
     /// Run every check CI runs.
     Test(test::Args),
+    /// Run the README's and the book's sh and python blocks (with the test venv's Python and
+    /// the wheel's `turboio`), as `cargo xtask test` does.
+    DocBlocks,
     /// Build the book (docs/, mdBook; installed into target/tools when missing) into
     /// target/book, after checking the links of the README and every page.
     Docs(docs::Args),
@@ -86,6 +90,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Test(a) => test::run(a),
         Command::Docs(a) => docs::run(a),
+        Command::DocBlocks => docblocks::run(&root().join(".venv/bin/python")),
         Command::Bindgen(a) => bindgen::run(a),
         Command::Chart { from, out } => chart(&from, &out),
         Command::GpuModelChild(a) => gpumodel::child(a),

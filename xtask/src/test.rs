@@ -423,6 +423,9 @@ pub fn run(args: Args) -> Result<()> {
     }
     step("tests", &mut tests)?;
     step("python tests", Command::new(&python).args(["-m", "pytest", "-q", "crates/py/tests"]))?;
+    // Every runnable block of the README and the book (the others say why they are not run).
+    eprintln!("\n==> doc blocks (README.md, docs/src)");
+    crate::docblocks::run(&python)?;
     // The GPU machine's script, with everything but the GPU calls (its command lines parsed by
     // the binaries they name, its pytest selections collected), so that it cannot rot here.
     step(

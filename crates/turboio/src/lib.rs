@@ -168,6 +168,17 @@ pub use turboio_io_sfcs as sfcs;
 #[cfg(feature = "gds")]
 pub use turboio_io_gds as gds;
 
+/// The book's Rust examples, compiled as doc-tests (`cargo test --doc`), so that they cannot rot.
+#[cfg(doctest)]
+mod book {
+    #[doc = include_str!("../../../docs/src/crates.md")]
+    mod crates {}
+    #[doc = include_str!("../../../docs/src/dtype.md")]
+    mod dtype {}
+    #[doc = include_str!("../../../docs/src/selections.md")]
+    mod selections {}
+}
+
 #[cfg(test)]
 mod layers {
     /// The load path's modules, each with the ones it may call (see "Inside" above).
