@@ -12,24 +12,10 @@
 //!   Python interop in a venv it creates, a bench smoke run).
 
 mod bench;
-mod benchkit;
 mod bindgen;
-mod cachebench;
-mod ceiling;
-mod charts;
 mod docblocks;
 mod docs;
-mod gpubench;
-mod gpumodel;
-mod modelbench;
-mod objectbench;
-mod ptbench;
-mod pybench;
-mod savebench;
-mod tensorbench;
 mod test;
-mod trainbench;
-mod vllmbench;
 
 use clap::{Parser, Subcommand};
 
@@ -72,14 +58,14 @@ enum Command {
     /// One load of a model through a new model device, in this new process (`bench
     /// --gpu-model`'s first-load rows).
     #[command(hide = true)]
-    GpuModelChild(gpumodel::ChildArgs),
+    GpuModelChild(bench::gpu_model::ChildArgs),
 }
 
 fn chart(from: &std::path::Path, out: &std::path::Path) -> anyhow::Result<()> {
     use anyhow::Context;
     let text = std::fs::read_to_string(from).with_context(|| format!("reading {}", from.display()))?;
     let json: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", from.display()))?;
-    for p in charts::write(&charts::tables(&json), out)? {
+    for p in bench::charts::write(&bench::charts::tables(&json), out)? {
         println!("wrote {}", p.display());
     }
     Ok(())
@@ -93,7 +79,7 @@ fn main() -> std::process::ExitCode {
         Command::DocBlocks => docblocks::run(&root().join(".venv/bin/python")),
         Command::Bindgen(a) => bindgen::run(a),
         Command::Chart { from, out } => chart(&from, &out),
-        Command::GpuModelChild(a) => gpumodel::child(a),
+        Command::GpuModelChild(a) => bench::gpu_model::child(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -59,7 +59,7 @@ open(sys.argv[2], "w").write("\n".join(re.sub(r"==([0-9.]+)\+cpu", r"==\1", r) f
 /// `--deepspeed`: `test_deepnvme.py` with DeepSpeed's async_io op available, so that its
 /// side-by-side test runs instead of saying skipped.
 fn deepspeed_tests(python: &Path) -> Result<()> {
-    let (site, extensions) = crate::trainbench::deepnvme(python)
+    let (site, extensions) = crate::bench::train::deepnvme(python)
         .map_err(|why| anyhow::anyhow!("--deepspeed: DeepSpeed's DeepNVMe cannot be set up: {why}"))?;
     let venv_bin = python.parent().map(Path::to_path_buf).unwrap_or_default();
     let path = format!("{}:{}", venv_bin.display(), std::env::var("PATH").unwrap_or_default());
@@ -150,7 +150,7 @@ pub fn vllm_venv() -> Result<PathBuf> {
             "install Run:ai Model Streamer (vLLM's s3:// configs)",
             Command::new(&python)
                 .args(["-m", "pip", "install", "--quiet", "--no-cache-dir"])
-                .args(crate::objectbench::RUNAI_STREAMER),
+                .args(crate::bench::object::RUNAI_STREAMER),
         )?;
     }
     let wheels = root().join("target/wheels");

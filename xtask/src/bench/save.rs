@@ -6,7 +6,7 @@
 //! page cache holds afterwards (measured with `mincore`). The tensors come from the bench
 //! sample, copied into ordinary memory first (not timed).
 
-use crate::benchkit::run_order;
+use crate::bench::kit::run_order;
 use anyhow::{bail, Context, Result};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -123,7 +123,7 @@ pub fn measure(python: Option<&Path>, file: &Path, runs: usize) -> Result<Vec<Sa
                 }
                 "ceiling: O_DIRECT write QD32 + fsync" => {
                     let t = Instant::now();
-                    crate::ceiling::odirect_write(&out, len, 32, 1 << 20)?;
+                    crate::bench::ceiling::odirect_write(&out, len, 32, 1 << 20)?;
                     let s = t.elapsed().as_secs_f64();
                     (s, s)
                 }

@@ -2,7 +2,7 @@
 //! its own (`crates/py/bench/py_load.py`) and then touches one byte of every page of every
 //! tensor, so lazily mapped loaders pay for their reads too.
 
-use crate::benchkit::{drop_caches, warm, Row};
+use crate::bench::kit::{drop_caches, warm, Row};
 use crate::test::{install_wheel, root, venv};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
@@ -164,7 +164,7 @@ fn measure_state(
     let mut rows: Vec<Row> =
         loaders.iter().map(|l| Row { size: len, cache, loader: l, group, ..Default::default() }).collect();
     for r in 0..runs {
-        for i in crate::benchkit::run_order(loaders.len(), r) {
+        for i in crate::bench::kit::run_order(loaders.len(), r) {
             if rows[i].skipped.is_some() {
                 continue;
             }
@@ -178,7 +178,7 @@ fn measure_state(
                         return Ok(rows);
                     }
                 }
-                State::FileEvicted => crate::benchkit::evict(target)?,
+                State::FileEvicted => crate::bench::kit::evict(target)?,
                 State::Hot => warm(target)?,
             }
             let (load, touch, peak) = match run_child(python, loaders[i], target, device) {

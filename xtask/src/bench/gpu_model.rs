@@ -14,7 +14,7 @@
 //! created, synchronisations, time readers waited on uploads, link busy). The fixed cost of a
 //! load is the intercept of the steady-state hot loads of a small and the big model.
 
-use crate::benchkit::{
+use crate::bench::kit::{
     date, drop_caches, evict, machine, median_of, run_order, sample, sharded_model, size_name, warm,
 };
 use anyhow::{Context, Result};

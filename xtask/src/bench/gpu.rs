@@ -6,12 +6,12 @@
 //! pinning fresh memory in 8 MiB slots (what the pool pays once per process; both rates are
 //! printed as the model device's settings, `--gpu-model-spec link=...,pin=...`). The Python
 //! peers (safetensors, fastsafetensors with and without GDS, InstantTensor, torch.load) are in
-//! `pybench`.
+//! `python`.
 //!
 //! Where the device cannot be opened (no GPU, no driver) every row is skipped with the reason,
 //! so the bench runs everywhere.
 
-use crate::benchkit::{drop_caches, run_order, warm, Row};
+use crate::bench::kit::{drop_caches, run_order, warm, Row};
 use anyhow::Result;
 use std::path::Path;
 use std::sync::Arc;
@@ -67,7 +67,7 @@ impl GpuLoader {
 }
 
 /// The name of the hot auto row and of the ceiling row (for the bench's checks).
-pub const AUTO: &str = crate::benchkit::GPU_AUTO;
+pub const AUTO: &str = crate::bench::kit::GPU_AUTO;
 /// See [`AUTO`].
 pub const STAGED: &str = "turboio -> GPU, staged (pinned buffers)";
 /// See [`AUTO`].
@@ -120,7 +120,7 @@ fn one(
         GpuLoader::Mapped => (path, LoadOptions { mode: LoadMode::Mapped, ..base }),
         GpuLoader::Gds => (path, LoadOptions { mode: LoadMode::Copied, storage: gds(GdsMode::On), ..base }),
         GpuLoader::Encrypted => {
-            (encrypted, LoadOptions { encryption: Some(crate::benchkit::bench_encryption()?), ..base })
+            (encrypted, LoadOptions { encryption: Some(crate::bench::kit::bench_encryption()?), ..base })
         }
         GpuLoader::Ceiling | GpuLoader::CeilingSlot | GpuLoader::Pinning => unreachable!(),
     };

@@ -14,7 +14,7 @@
 //!   microseconds of each other); the disk bytes show whether the file was read once or four
 //!   times.
 
-use crate::benchkit::run_order;
+use crate::bench::kit::run_order;
 use crate::test::root;
 use anyhow::{bail, Context, Result};
 use std::fmt::Write as _;
@@ -92,8 +92,8 @@ fn child(python: &Path, loader: &str, file: &Path, wait: bool) -> Result<Child> 
     if wait {
         cmd.arg("--wait");
     }
-    cmd.env("VETURBOIO_KEY", crate::benchkit::KEY_B64)
-        .env("VETURBOIO_IV", crate::benchkit::IV_B64)
+    cmd.env("VETURBOIO_KEY", crate::bench::kit::KEY_B64)
+        .env("VETURBOIO_IV", crate::bench::kit::IV_B64)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -47,7 +47,7 @@
 //!   asks the store returns when the HEADs have answered, and the first read of its pages
 //!   follows: its "(limit of asking)" is the longer of the local row's load and the HEADs alone,
 //!   plus the local row's read of the pages. The local files and the server's copies are taken
-//!   out of the page cache once first (`benchkit::evict`) and read back by the warm before each
+//!   out of the page cache once first (`kit::evict`) and read back by the warm before each
 //!   run, so that they sit in the page cache as the cache's entries do.
 //! - **A server that is not the limit**: s3s-fs streams each GET in 4 KiB reads, so its
 //!   throughput paces every loader (boto3's download too). The loaders and ceilings run again
@@ -58,7 +58,7 @@
 //!   from the client for 20 ms before passing it on, so each request pays about 20 ms, as it
 //!   would against a store in another zone. Concurrency, not bandwidth, decides those rows.
 
-use crate::benchkit::{median_of as median, run_order, size_name, warm};
+use crate::bench::kit::{median_of as median, run_order, size_name, warm};
 use crate::test::root;
 use anyhow::{bail, Context, Result};
 use futures_util::{StreamExt, TryStreamExt};
@@ -676,7 +676,7 @@ fn model_dir(dir: &Path, size: u64) -> Result<PathBuf> {
         return Ok(out);
     }
     eprintln!("generating {} ({MODEL_SHARDS} shards) ...", out.display());
-    let status = Command::new(crate::benchkit::cli()?)
+    let status = Command::new(crate::bench::kit::cli()?)
         .args(["gen", "--shards", &MODEL_SHARDS.to_string(), "--size", &size.to_string()])
         .arg(&out)
         .status()?;
@@ -1320,7 +1320,7 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
             return Ok(s);
         }
     };
-    let file = crate::benchkit::sample(data_dir, size)?;
+    let file = crate::bench::kit::sample(data_dir, size)?;
     let model = model_dir(data_dir, size)?;
     let shards = shard_names(&model)?;
     let s3_root = data_dir.join("s3");
@@ -1436,7 +1436,7 @@ pub fn run(python: Option<&Path>, data_dir: &Path, size: u64, runs: usize, quick
     // then sit in the page cache alike, in read-ahead's large folios, and the local rows compare
     // the cache's work, not how each file got into memory.
     for p in setup.local_files.iter().chain(&setup.stored).flatten() {
-        crate::benchkit::evict(p)?;
+        crate::bench::kit::evict(p)?;
     }
     eprintln!("object rows, no added latency, {runs} runs ...");
     let plain = setup.measure(server.port, "No added latency (loopback)".into(), &LOADERS);

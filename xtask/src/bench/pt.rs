@@ -6,7 +6,7 @@
 //! `python -m turboio.convert` and veTurboIO's way (`torch.load` + `save_file`), with the peak
 //! memory of each.
 
-use crate::benchkit::{measure, median_of as median, ratio, warm, Check, Loader, Row};
+use crate::bench::kit::{measure, median_of as median, ratio, warm, Check, Loader, Row};
 use crate::test::root;
 use anyhow::{bail, Context, Result};
 use std::fmt::Write as _;
@@ -61,18 +61,28 @@ pub fn run(
     no_cold: bool,
     verdicts: bool,
 ) -> Result<String> {
-    let file = crate::benchkit::sample(data_dir, size)?;
-    let pt = crate::pybench::pt_copy(python, &file)?;
+    let file = crate::bench::kit::sample(data_dir, size)?;
+    let pt = crate::bench::python::pt_copy(python, &file)?;
     let len = std::fs::metadata(&file)?.len();
     let mut rows: Vec<Row> = Vec::new();
-    let label = crate::benchkit::size_name(size);
+    let label = crate::bench::kit::size_name(size);
     for cold in [false, true] {
         if cold && no_cold {
             continue;
         }
         let cache = if cold { "cold" } else { "hot" };
         eprintln!("{label}: .pt loads, {cache}, {runs} runs ...");
-        rows.extend(crate::pybench::measure_on(python, &file, &pt, len, runs, cold, "cpu", &PY_LOADERS, "python")?);
+        rows.extend(crate::bench::python::measure_on(
+            python,
+            &file,
+            &pt,
+            len,
+            runs,
+            cold,
+            "cpu",
+            &PY_LOADERS,
+            "python",
+        )?);
         eprintln!("{label}: converting loads, {cache}, {runs} runs ...");
         let loaders = [Loader::TurboCopied, Loader::TurboConvert];
         let mut these: Vec<Row> =
@@ -83,11 +93,11 @@ pub fn run(
 
     eprintln!("{label}: conversions, {conversions} runs ...");
     let out = pt.with_extension("converted.safetensors");
-    let cli = crate::benchkit::cli()?;
+    let cli = crate::bench::kit::cli()?;
     let mut convs: Vec<Conversion> =
         CONVERSIONS.iter().map(|&(_, name)| Conversion { name, seconds: Vec::new(), peak_rss: 0 }).collect();
     for r in 0..conversions {
-        for i in crate::benchkit::run_order(CONVERSIONS.len(), r) {
+        for i in crate::bench::kit::run_order(CONVERSIONS.len(), r) {
             warm(&pt)?;
             let _ = std::fs::remove_file(&out);
             let (s, peak) = convert_once(python, &cli, CONVERSIONS[i].0, &pt, &out)?;
@@ -128,7 +138,7 @@ pub fn run(
     if !verdicts {
         checks.clear();
     }
-    let mut s = crate::benchkit::render(&rows, &checks, runs);
+    let mut s = crate::bench::kit::render(&rows, &checks, runs);
     let _ = writeln!(
         s,
         "\n### Converting the {label} `.pt` to safetensors (input hot, median of {conversions}; largest tensor {:.0} MiB)\n",

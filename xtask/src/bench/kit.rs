@@ -2,7 +2,7 @@
 //! measurement, run orders, rows, ratios and checks, and the rendering of a table. The
 //! sections (`bench` and its `*bench` siblings) import this module; it imports none of them.
 
-use crate::ceiling;
+use crate::bench::ceiling;
 use anyhow::{Context, Result};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};

@@ -19,7 +19,7 @@
 //! to a new file and in place (with the same fsyncs), and a cold load into the handle's
 //! page-locked buffer.
 
-use crate::benchkit::run_order;
+use crate::bench::kit::run_order;
 use anyhow::{bail, Context, Result};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -362,7 +362,7 @@ pub fn run(python: Option<&Path>, dir: &Path, size: u64, runs: usize) -> Result<
                     let reference = dir.join("train.reference");
                     remove(&reference);
                     let t = Instant::now();
-                    crate::ceiling::odirect_write(&reference, size, 32, 1 << 20)?;
+                    crate::bench::ceiling::odirect_write(&reference, size, 32, 1 << 20)?;
                     let s = t.elapsed().as_secs_f64();
                     remove(&reference);
                     s
@@ -395,7 +395,7 @@ pub fn run(python: Option<&Path>, dir: &Path, size: u64, runs: usize) -> Result<
                     ensure_saved()?;
                     evict(&st)?;
                     let t = Instant::now();
-                    crate::ceiling::odirect_sequential(&st, 32, 1 << 20)?;
+                    crate::bench::ceiling::odirect_sequential(&st, 32, 1 << 20)?;
                     t.elapsed().as_secs_f64()
                 }
             };
@@ -459,7 +459,7 @@ fn run_dcp(python: &Path, dir: &Path, size: u64, runs: usize) -> Result<String> 
                 let reference = dir.join("dcp.reference");
                 remove(&reference);
                 let t = Instant::now();
-                crate::ceiling::odirect_write(&reference, size, 32, 1 << 20)?;
+                crate::bench::ceiling::odirect_write(&reference, size, 32, 1 << 20)?;
                 let s = t.elapsed().as_secs_f64();
                 remove(&reference);
                 s

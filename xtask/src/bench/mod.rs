@@ -2,7 +2,22 @@
 //! run with the loaders in a different shuffled order each run (the machines are noisy; only
 //! same-run ratios mean anything).
 
-use crate::benchkit::{
+pub mod cache;
+pub mod ceiling;
+pub mod charts;
+pub mod gpu;
+pub mod gpu_model;
+pub mod kit;
+pub mod model;
+pub mod object;
+pub mod pt;
+pub mod python;
+pub mod save;
+pub mod tensor;
+pub mod train;
+pub mod vllm;
+
+use crate::bench::kit::{
     date, encrypted_twin, machine, measure, parse_size, ratio, ratio_in, render, sample, size_name, Check, Loader, Row,
 };
 use anyhow::{Context, Result};
@@ -127,17 +142,17 @@ fn gpu_rows(
     // The sample's nominal size (its length is a little more: the header).
     let label = size_name(len - len % (64 << 20));
     eprintln!("{label}: GPU ({device}), hot, {runs} runs ...");
-    all.extend(crate::gpubench::measure(device, path, &enc, len, runs, false)?);
+    all.extend(crate::bench::gpu::measure(device, path, &enc, len, runs, false)?);
     if !no_cold {
         eprintln!("{label}: GPU ({device}), cold, {runs} runs ...");
-        all.extend(crate::gpubench::measure(device, path, &enc, len, runs, true)?);
+        all.extend(crate::bench::gpu::measure(device, path, &enc, len, runs, true)?);
     }
     if let Some(py) = python {
-        let pt = crate::pybench::pt_copy(py, path)?;
+        let pt = crate::bench::python::pt_copy(py, path)?;
         let caches: &[bool] = if no_cold { &[false] } else { &[false, true] };
         for &cold in caches {
             eprintln!("{label}: Python to {device}, {}, {runs} runs ...", if cold { "cold" } else { "hot" });
-            let mut rows = crate::pybench::measure_on(
+            let mut rows = crate::bench::python::measure_on(
                 py,
                 path,
                 &pt,
@@ -145,10 +160,10 @@ fn gpu_rows(
                 runs,
                 cold,
                 device,
-                &crate::pybench::GPU_LOADERS,
+                &crate::bench::python::GPU_LOADERS,
                 "python, gpu",
             )?;
-            if crate::gpubench::open(device).is_err() {
+            if crate::bench::gpu::open(device).is_err() {
                 for r in &mut rows {
                     r.skipped = Some(format!("{device} cannot be opened here"));
                 }
@@ -161,7 +176,7 @@ fn gpu_rows(
 
 /// The GPU checks for one size (the rows of [`gpu_rows`]).
 fn gpu_checks(all: &[Row], len: u64, size: u64, checks: &mut Vec<Check>) {
-    use crate::gpubench::{AUTO, CEILING, ENCRYPTED, STAGED};
+    use crate::bench::gpu::{AUTO, CEILING, ENCRYPTED, STAGED};
     let mut add = |what: &str, a: &str, b: &str, need: f64| {
         if let Some(r) = ratio(all, len, "hot", a, b) {
             checks.push(Check { what: format!("{} hot: {what}", size_name(size)), ratio: r, need });
@@ -203,7 +218,7 @@ fn report_json(all: &[Row], checks: &[Check], runs: usize) -> serde_json::Value 
 
 /// `--gpu-only`: the GPU rows and checks alone, for every size.
 fn run_gpu_only(args: &Args, device: &str, sizes: &[u64], runs: usize) -> Result<()> {
-    let python = if args.no_python { None } else { Some(crate::pybench::setup()?) };
+    let python = if args.no_python { None } else { Some(crate::bench::python::setup()?) };
     let mut all: Vec<Row> = Vec::new();
     let mut checks = Vec::new();
     for &size in sizes {
@@ -278,8 +293,8 @@ pub fn run(args: Args) -> Result<()> {
     let runs = args.runs.unwrap_or(if args.quick { 2 } else { 5 }).max(1);
     if args.model {
         let size = if args.sizes.is_empty() && !args.quick { 4 << 30 } else { sizes[0] };
-        let python = crate::pybench::setup()?;
-        let report = crate::modelbench::run(&python, &args.dir, size, runs, args.no_cold)?;
+        let python = crate::bench::python::setup()?;
+        let report = crate::bench::model::run(&python, &args.dir, size, runs, args.no_cold)?;
         std::fs::create_dir_all(&args.out)?;
         std::fs::write(args.out.join("model.md"), &report)?;
         println!("{report}\nwrote {}", args.out.join("model.md").display());
@@ -289,7 +304,8 @@ pub fn run(args: Args) -> Result<()> {
         let size = if args.sizes.is_empty() && !args.quick { 4 << 30 } else { sizes[0] };
         let small = (256u64 << 20).min(size / 4).max(64 << 20);
         let on = args.device.as_deref();
-        let report = crate::gpumodel::run(&args.dir, size, small, runs, args.no_cold, &args.gpu_model_spec, on)?;
+        let report =
+            crate::bench::gpu_model::run(&args.dir, size, small, runs, args.no_cold, &args.gpu_model_spec, on)?;
         std::fs::create_dir_all(&args.out)?;
         std::fs::write(args.out.join("gpu-model.md"), &report)?;
         println!("{report}\nwrote {}", args.out.join("gpu-model.md").display());
@@ -298,8 +314,8 @@ pub fn run(args: Args) -> Result<()> {
     if args.object {
         let size = if args.sizes.is_empty() && !args.quick { 4 << 30 } else { sizes[0] };
         let runs = args.runs.unwrap_or(if args.quick { 2 } else { 3 }).max(1);
-        let python = if args.no_python { None } else { Some(crate::pybench::setup()?) };
-        let report = crate::objectbench::run(python.as_deref(), &args.dir, size, runs, args.quick)?;
+        let python = if args.no_python { None } else { Some(crate::bench::python::setup()?) };
+        let report = crate::bench::object::run(python.as_deref(), &args.dir, size, runs, args.quick)?;
         std::fs::create_dir_all(&args.out)?;
         std::fs::write(args.out.join("object.md"), &report)?;
         println!("{report}\nwrote {}", args.out.join("object.md").display());
@@ -307,8 +323,8 @@ pub fn run(args: Args) -> Result<()> {
     }
     if args.training {
         let size = if args.sizes.is_empty() && !args.quick { 1 << 30 } else { sizes[0] };
-        let python = if args.no_python { None } else { Some(crate::pybench::setup()?) };
-        let report = crate::trainbench::run(python.as_deref(), &args.dir, size, runs)?;
+        let python = if args.no_python { None } else { Some(crate::bench::python::setup()?) };
+        let report = crate::bench::train::run(python.as_deref(), &args.dir, size, runs)?;
         std::fs::create_dir_all(&args.out)?;
         std::fs::write(args.out.join("training.md"), &report)?;
         println!("{report}\nwrote {}", args.out.join("training.md").display());
@@ -316,7 +332,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     if args.vllm {
         let runs = args.runs.unwrap_or(3).max(1);
-        let report = crate::vllmbench::run(&args.dir, runs)?;
+        let report = crate::bench::vllm::run(&args.dir, runs)?;
         std::fs::create_dir_all(&args.out)?;
         std::fs::write(args.out.join("vllm.md"), &report)?;
         println!("{report}\nwrote {}", args.out.join("vllm.md").display());
@@ -325,8 +341,8 @@ pub fn run(args: Args) -> Result<()> {
     if args.tensors {
         let size = if args.sizes.is_empty() && !args.quick { 2 << 30 } else { sizes[0] };
         let model = if args.sizes.is_empty() && !args.quick { 4 << 30 } else { sizes[0] };
-        let python = crate::pybench::setup()?;
-        let report = crate::tensorbench::run(&python, &args.dir, size, model, runs, args.no_cold)?;
+        let python = crate::bench::python::setup()?;
+        let report = crate::bench::tensor::run(&python, &args.dir, size, model, runs, args.no_cold)?;
         std::fs::create_dir_all(&args.out)?;
         std::fs::write(args.out.join("tensors.md"), &report)?;
         println!("{report}\nwrote {}", args.out.join("tensors.md").display());
@@ -336,8 +352,8 @@ pub fn run(args: Args) -> Result<()> {
     let process_runs = if args.quick { 1 } else { runs };
     if args.pt {
         let size = if args.sizes.is_empty() && !args.quick { 4 << 30 } else { sizes[0] };
-        let python = crate::pybench::setup()?;
-        let report = crate::ptbench::run(&python, &args.dir, size, runs, process_runs, args.no_cold, !args.quick)?;
+        let python = crate::bench::python::setup()?;
+        let report = crate::bench::pt::run(&python, &args.dir, size, runs, process_runs, args.no_cold, !args.quick)?;
         std::fs::create_dir_all(&args.out)?;
         std::fs::write(args.out.join("pt.md"), &report)?;
         println!("{report}\nwrote {}", args.out.join("pt.md").display());
@@ -348,33 +364,41 @@ pub fn run(args: Args) -> Result<()> {
         return run_gpu_only(&args, device, &sizes, runs);
     }
     let pool = ArenaPool::with_huge_pages(1, false);
-    let python = if args.no_python { None } else { Some(crate::pybench::setup()?) };
+    let python = if args.no_python { None } else { Some(crate::bench::python::setup()?) };
     let mut all: Vec<Row> = Vec::new();
-    let mut cache_tables: Vec<(u64, Vec<crate::cachebench::CacheRow>)> = Vec::new();
-    let mut save_tables: Vec<(u64, Vec<crate::savebench::SaveRow>)> = Vec::new();
+    let mut cache_tables: Vec<(u64, Vec<crate::bench::cache::CacheRow>)> = Vec::new();
+    let mut save_tables: Vec<(u64, Vec<crate::bench::save::SaveRow>)> = Vec::new();
     let mut pt_sections: Vec<String> = Vec::new();
     for &size in &sizes {
         let path = sample(&args.dir, size)?;
         let len = std::fs::metadata(&path)?.len();
         if let Some(py) = &python {
-            let pt = crate::pybench::pt_copy(py, &path)?;
+            let pt = crate::bench::python::pt_copy(py, &path)?;
             eprintln!("{}: python, hot, {runs} runs ...", size_name(size));
-            all.extend(crate::pybench::measure(py, &path, &pt, len, runs, false)?);
+            all.extend(crate::bench::python::measure(py, &path, &pt, len, runs, false)?);
             if !args.no_cold {
                 eprintln!("{}: python, cold (file evicted), {runs} runs ...", size_name(size));
-                all.extend(crate::pybench::measure_file_evicted(py, &path, &pt, len, runs)?);
+                all.extend(crate::bench::python::measure_file_evicted(py, &path, &pt, len, runs)?);
                 eprintln!("{}: python, cold (every cache dropped), {runs} runs ...", size_name(size));
-                all.extend(crate::pybench::measure(py, &path, &pt, len, runs, true)?);
+                all.extend(crate::bench::python::measure(py, &path, &pt, len, runs, true)?);
             }
             eprintln!("{}: .pt rows ...", size_name(size));
-            pt_sections.push(crate::ptbench::run(py, &args.dir, size, runs, process_runs, args.no_cold, !args.quick)?);
+            pt_sections.push(crate::bench::pt::run(
+                py,
+                &args.dir,
+                size,
+                runs,
+                process_runs,
+                args.no_cold,
+                !args.quick,
+            )?);
             if args.clean {
                 std::fs::remove_file(&pt)?;
             }
             if !args.no_cold {
                 eprintln!("{}: page cache across processes, {process_runs} runs ...", size_name(size));
                 let enc = encrypted_twin(&path)?;
-                let rows = crate::cachebench::measure(py, &path, &enc, process_runs)?;
+                let rows = crate::bench::cache::measure(py, &path, &enc, process_runs)?;
                 cache_tables.push((len, rows));
             }
         }
@@ -401,7 +425,7 @@ pub fn run(args: Args) -> Result<()> {
         all.extend(cold);
         if !args.no_save {
             eprintln!("{}: saves, {process_runs} runs ...", size_name(size));
-            save_tables.push((len, crate::savebench::measure(python.as_deref(), &path, process_runs)?));
+            save_tables.push((len, crate::bench::save::measure(python.as_deref(), &path, process_runs)?));
         }
         all.extend(sfcs_rows(args.sfcs_path.as_deref(), size, runs)?);
         if let Some(device) = &args.device {
@@ -422,7 +446,7 @@ pub fn run(args: Args) -> Result<()> {
     } else {
         let object_runs = args.runs.unwrap_or(3).max(1);
         eprintln!("{}: object storage, {object_runs} runs ...", size_name(sizes[0]));
-        crate::objectbench::run(python.as_deref(), &args.dir, sizes[0], object_runs, false).unwrap_or_else(|e| {
+        crate::bench::object::run(python.as_deref(), &args.dir, sizes[0], object_runs, false).unwrap_or_else(|e| {
             eprintln!("object rows skipped: {e:#}");
             format!("## Object storage\n\nSkipped: {e:#}.\n")
         })
@@ -438,7 +462,7 @@ pub fn run(args: Args) -> Result<()> {
             .to_owned()
     } else {
         eprintln!("{}: training checkpoints, {runs} runs ...", size_name(sizes[0]));
-        crate::trainbench::run(python.as_deref(), &args.dir, sizes[0], runs).unwrap_or_else(|e| {
+        crate::bench::train::run(python.as_deref(), &args.dir, sizes[0], runs).unwrap_or_else(|e| {
             eprintln!("training rows skipped: {e:#}");
             format!("## Training checkpoints\n\nSkipped: {e:#}.\n")
         })
@@ -448,7 +472,7 @@ pub fn run(args: Args) -> Result<()> {
     // Per-tensor cost and selection, for the first size (not in the smoke run: it writes files
     // of 5,000 and 510 tensors and a 9-shard model).
     let tensors_section = match (&python, args.quick) {
-        (Some(py), false) => crate::tensorbench::run(py, &args.dir, sizes[0], sizes[0], runs, args.no_cold)
+        (Some(py), false) => crate::bench::tensor::run(py, &args.dir, sizes[0], sizes[0], runs, args.no_cold)
             .unwrap_or_else(|e| {
                 eprintln!("tensor rows skipped: {e:#}");
                 format!("\nSkipped: {e:#}.\n")
@@ -530,7 +554,7 @@ pub fn run(args: Args) -> Result<()> {
 
     for (len, rows) in &save_tables {
         let label = size_name(*len - *len % (64 << 20));
-        for (what, ratio, need) in crate::savebench::checks(rows) {
+        for (what, ratio, need) in crate::bench::save::checks(rows) {
             checks.push(Check { what: format!("{label} save: {what}"), ratio, need });
         }
     }
@@ -546,11 +570,11 @@ pub fn run(args: Args) -> Result<()> {
     }
     for (len, rows) in &save_tables {
         report.push('\n');
-        report.push_str(&crate::savebench::render(rows, *len, process_runs));
+        report.push_str(&crate::bench::save::render(rows, *len, process_runs));
     }
     for (len, rows) in &cache_tables {
         report.push('\n');
-        report.push_str(&crate::cachebench::render(rows, *len, process_runs));
+        report.push_str(&crate::bench::cache::render(rows, *len, process_runs));
     }
     for section in &pt_sections {
         report.push_str("\n## PyTorch `.pt` checkpoints and dtype conversion\n\n");
@@ -592,7 +616,7 @@ pub fn run(args: Args) -> Result<()> {
     let json = report_json(&all, &checks, runs);
     std::fs::write(args.out.join("load.json"), serde_json::to_string_pretty(&json)?)?;
     // One SVG chart per table, beside the Markdown (the Benchmarks page, docs/src/benchmarks.md, shows them).
-    for p in crate::charts::write(&crate::charts::tables(&json), &args.out)? {
+    for p in crate::bench::charts::write(&crate::bench::charts::tables(&json), &args.out)? {
         eprintln!("wrote {}", p.display());
     }
     eprintln!("wrote {}/load.{{md,csv,json}}", args.out.display());

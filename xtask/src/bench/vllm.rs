@@ -8,7 +8,7 @@
 //! 4 shards with an index, written once by `test_vllm_real.write_llama`. Warm, a third row is
 //! the floor of any loader: vLLM's `load_weights` timed alone over tensors already in memory.
 
-use crate::benchkit::{date, machine, median_of, run_order, warm};
+use crate::bench::kit::{date, machine, median_of, run_order, warm};
 use crate::test::root;
 use anyhow::{bail, Context, Result};
 use std::fmt::Write as _;
@@ -101,7 +101,7 @@ fn one(python: &Path, model: &Path, loader: &str) -> Result<Run> {
 
 /// Runs the comparison and returns the Markdown report.
 pub fn run(dir: &Path, runs: usize) -> Result<String> {
-    crate::pybench::setup()?; // builds the wheel into target/wheels, which vllm_venv installs
+    crate::bench::python::setup()?; // builds the wheel into target/wheels, which vllm_venv installs
     let python = crate::test::vllm_venv()?;
     std::fs::create_dir_all(dir)?;
     let model = model(&python, dir)?;
@@ -116,7 +116,7 @@ pub fn run(dir: &Path, runs: usize) -> Result<String> {
                 if cache == "cold" {
                     // Dirty pages (a model just written) are not dropped by POSIX_FADV_DONTNEED.
                     nix::unistd::sync();
-                    files.iter().try_for_each(|f| crate::cachebench::evict(f))?;
+                    files.iter().try_for_each(|f| crate::bench::cache::evict(f))?;
                 } else {
                     files.iter().try_for_each(|f| warm(f))?;
                 }

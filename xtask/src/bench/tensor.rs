@@ -19,7 +19,7 @@
 //!   selected, loaded cold with each range read alone, all read as one, and the default
 //!   (`TURBOIO_COALESCE_GAP`): where merging across a gap pays on this disk.
 
-use crate::benchkit::{median_of as median, size_name};
+use crate::bench::kit::{median_of as median, size_name};
 use crate::test::root;
 use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
@@ -146,7 +146,7 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, model_size: u64, runs: usi
     }
 
     if !no_cold {
-        let dir = crate::benchkit::sharded_model(data_dir, model_size)?;
+        let dir = crate::bench::kit::sharded_model(data_dir, model_size)?;
         eprintln!("tensors: 10% of a 9-shard model vs the whole, cold, {runs} runs ...");
         let v = script(python, &["subset", "--model", &dir.to_string_lossy(), "--runs", &runs_s])?;
         let get = |what: &str| -> (f64, Option<u64>, u64, u64) {

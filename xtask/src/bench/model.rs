@@ -6,7 +6,7 @@
 //! then a 2-rank gloo run of turboio's fastsafetensors API, direct against collectives, with the
 //! bytes each rank read from storage.
 
-use crate::benchkit::{drop_caches, median_of as median, warm};
+use crate::bench::kit::{drop_caches, median_of as median, warm};
 use crate::test::root;
 use anyhow::{bail, Context, Result};
 use std::fmt::Write as _;
@@ -52,7 +52,7 @@ fn run_child(python: &Path, loader: &str, dir: &Path) -> Result<(f64, Option<Vec
 
 /// Runs the model rows; returns the Markdown section (table and checks).
 pub fn run(python: &Path, data_dir: &Path, size: u64, runs: usize, no_cold: bool) -> Result<String> {
-    let dir = crate::benchkit::sharded_model(data_dir, size)?;
+    let dir = crate::bench::kit::sharded_model(data_dir, size)?;
     let shards: Vec<PathBuf> = std::fs::read_dir(&dir)?
         .flatten()
         .map(|e| e.path())
@@ -68,7 +68,7 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, runs: usize, no_cold: bool
         let mut these: Vec<Row> =
             LOADERS.iter().map(|&loader| Row { loader, cache, times: Vec::new(), bytes_read: None }).collect();
         for r in 0..runs {
-            for i in crate::benchkit::run_order(LOADERS.len(), r) {
+            for i in crate::bench::kit::run_order(LOADERS.len(), r) {
                 if cache == "cold" {
                     drop_caches().map_err(|e| anyhow::anyhow!("cold rows: {e}"))?;
                 } else {
@@ -95,7 +95,7 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, runs: usize, no_cold: bool
             std::thread::scope(|sc| {
                 let hs: Vec<_> = shards
                     .iter()
-                    .map(|p| sc.spawn(move || crate::ceiling::odirect_sequential(p, 32, 1 << 20)))
+                    .map(|p| sc.spawn(move || crate::bench::ceiling::odirect_sequential(p, 32, 1 << 20)))
                     .collect();
                 hs.into_iter()
                     .try_for_each(|h| h.join().map_err(|_| anyhow::anyhow!("ceiling thread panicked"))?.map(drop))
@@ -108,7 +108,7 @@ pub fn run(python: &Path, data_dir: &Path, size: u64, runs: usize, no_cold: bool
     let _ = writeln!(
         s,
         "\n### Whole model: {} in {} shards (median of {runs}; each load in its own Python process, load + touch of every page)\n",
-        crate::benchkit::size_name(total),
+        crate::bench::kit::size_name(total),
         shards.len()
     );
     let _ = writeln!(s, "| loader | cache | s | GB/s | one job is | bytes read per rank |");
