@@ -98,19 +98,23 @@ pub fn check_links() -> Result<()> {
     Ok(())
 }
 
+/// The lines of a Markdown text outside its fenced code blocks.
+fn prose(text: &str) -> impl Iterator<Item = &str> {
+    let mut fenced = false;
+    text.lines().filter(move |line| {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            return false;
+        }
+        !fenced
+    })
+}
+
 /// The relative links of a Markdown text (`[text](target#anchor)`), outside code blocks and
 /// code spans: `(path, anchor)`; web links and mail addresses are left out.
 fn links(text: &str) -> Vec<(String, Option<String>)> {
     let mut out = Vec::new();
-    let mut fenced = false;
-    for line in text.lines() {
-        if line.trim_start().starts_with("```") {
-            fenced = !fenced;
-            continue;
-        }
-        if fenced {
-            continue;
-        }
+    for line in prose(text) {
         // Code spans hold no links.
         let mut plain = String::new();
         for (i, part) in line.split('`').enumerate() {
@@ -141,13 +145,8 @@ fn links(text: &str) -> Vec<(String, Option<String>)> {
 /// `-` and `_` kept; a repeated heading gets `-1`, `-2`, ...
 fn anchors(text: &str) -> BTreeSet<String> {
     let mut seen = BTreeSet::new();
-    let mut fenced = false;
-    for line in text.lines() {
-        if line.trim_start().starts_with("```") {
-            fenced = !fenced;
-            continue;
-        }
-        let Some(title) = line.strip_prefix('#').filter(|_| !fenced) else { continue };
+    for line in prose(text) {
+        let Some(title) = line.strip_prefix('#') else { continue };
         let title = title.trim_start_matches('#').trim();
         let slug: String = title
             .chars()

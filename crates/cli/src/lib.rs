@@ -9,7 +9,7 @@ mod pt;
 mod sigbus;
 mod size;
 
-use clap::{Parser, Subcommand};
+use clap::{FromArgMatches, Parser, Subcommand};
 use out::{outln, Shown};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -35,7 +35,7 @@ struct Cli {
     /// AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL, GOOGLE_APPLICATION_CREDENTIALS,
     /// AZURE_STORAGE_ACCOUNT_NAME, ... (prefer the environment for secrets: a command line is
     /// visible to other users).
-    #[arg(long = "storage-option", global = true, value_name = "KEY=VALUE", value_parser = parse_key_value, help_heading = "Object storage and the node cache (any command)")]
+    #[arg(long = "storage-option", global = true, value_name = "KEY=VALUE", value_parser = parse_key_value, help_heading = "Object storage and the node cache")]
     storage_option: Vec<(String, String)>,
     /// The node cache's directory for remote objects (default: $TURBOIO_CACHE_DIR).
     ///
@@ -43,18 +43,13 @@ struct Cli {
     /// $TURBOIO_CACHE_DIR, none if unset): the first load of an object version writes it
     /// through to a file here while loading it; later loads of that version read the local
     /// file. Processes loading the same object at once fetch it once. See `turboio cache`.
-    #[arg(
-        long = "cache-dir",
-        global = true,
-        value_name = "DIR",
-        help_heading = "Object storage and the node cache (any command)"
-    )]
+    #[arg(long = "cache-dir", global = true, value_name = "DIR", help_heading = "Object storage and the node cache")]
     cache_dir: Option<PathBuf>,
     /// Bound on the node cache's size, e.g. 500GB or 2TiB (default: $TURBOIO_CACHE_MAX_SIZE).
     ///
     /// Without it (and $TURBOIO_CACHE_MAX_SIZE) the bound is the file system's free space, of
     /// which 5% is kept free; least recently used entries go first.
-    #[arg(long = "cache-max-size", global = true, value_name = "SIZE", value_parser = size::parse_size, help_heading = "Object storage and the node cache (any command)")]
+    #[arg(long = "cache-max-size", global = true, value_name = "SIZE", value_parser = size::parse_size, help_heading = "Object storage and the node cache")]
     cache_max_size: Option<u64>,
     /// How long the node cache trusts an object's version without asking: 90s, 5m, 1h.
     ///
@@ -63,7 +58,7 @@ struct Cli {
     /// copy, and loads again if the object was replaced): within it a cached
     /// object loads with no request to the store, as fast as a local file; an object replaced
     /// meanwhile is noticed when it ends. Seconds, or 90s, 5m, 1h.
-    #[arg(long = "cache-revalidate", global = true, value_name = "INTERVAL", value_parser = turboio::cache::parse_interval, help_heading = "Object storage and the node cache (any command)")]
+    #[arg(long = "cache-revalidate", global = true, value_name = "INTERVAL", value_parser = turboio::cache::parse_interval, help_heading = "Object storage and the node cache")]
     cache_revalidate: Option<std::time::Duration>,
 }
 
@@ -292,6 +287,24 @@ enum CacheAction {
     },
 }
 
+/// The global options that mean nothing to `turboio cache` (it reads the directory only): kept
+/// there (a command line may give them before any subcommand) but left out of its help.
+const NOT_FOR_CACHE: [&str; 3] = ["storage_option", "cache_max_size", "cache_revalidate"];
+
+/// The command line's definition, with the global options that mean nothing to `cache` hidden
+/// from its help and its subcommands': a hidden copy of each is given to `cache` (clap then
+/// propagates the copy, not the original, below it).
+fn command() -> clap::Command {
+    use clap::CommandFactory;
+    let cmd = Cli::command();
+    let hidden: Vec<clap::Arg> = cmd
+        .get_arguments()
+        .filter(|a| NOT_FOR_CACHE.contains(&a.get_id().as_str()))
+        .map(|a| a.clone().hide(true))
+        .collect();
+    cmd.mut_subcommand("cache", |c| c.args(hidden))
+}
+
 /// The command with this process's arguments (the binary's `main`).
 pub fn main() -> ExitCode {
     ExitCode::from(run(std::env::args_os()))
@@ -306,7 +319,7 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
-    let cli = match Cli::try_parse_from(args) {
+    let cli = match command().try_get_matches_from(args).and_then(|m| Cli::from_arg_matches(&m)) {
         Ok(cli) => cli,
         Err(e) => {
             // Help and version go to stdout with status 0, usage errors to stderr with 2.

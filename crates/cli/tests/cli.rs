@@ -511,7 +511,7 @@ fn help_is_short_and_says_what_each_option_is_for() {
     let o = turboio(&["load", "-h"]);
     let out = stdout(&o);
     assert!(out.contains("--page-cache <POLICY>") && out.contains("not the node cache"), "{out}");
-    assert!(out.contains("Object storage and the node cache (any command):"), "{out}");
+    assert!(out.contains("Object storage and the node cache:"), "{out}");
     let own = out.split("Object storage and the node cache").next().unwrap();
     assert!(!own.lines().any(|l| l.trim_start().starts_with("--cache-dir")), "the global options are apart: {out}");
     for cmd in ["gen", "encrypt"] {
@@ -521,6 +521,21 @@ fn help_is_short_and_says_what_each_option_is_for() {
     }
     let out = stdout(&turboio(&["cache", "prune", "-h"]));
     assert!(out.contains("--max-size <SIZE>") && out.contains("e.g. 50GiB"), "{out}");
+    // `cache` lists only what means something there: the cache's directory.
+    for args in [&["cache", "-h"][..], &["cache", "ls", "-h"], &["cache", "prune", "-h"], &["cache", "du", "--help"]] {
+        let out = stdout(&turboio(args));
+        assert!(out.contains("--cache-dir"), "{args:?}: {out}");
+        for other in ["--storage-option", "--cache-max-size", "--cache-revalidate"] {
+            assert!(!out.contains(other), "{args:?} lists {other}: {out}");
+        }
+    }
+    let out = stdout(&turboio(&["load", "-h"]));
+    assert!(out.contains("--storage-option") && out.contains("--cache-revalidate"), "{out}");
+    // Given before the subcommand, they are still accepted (and ignored by `cache`).
+    let d = scratch();
+    let dir = d.path().join("cache");
+    let o = turboio(&["--cache-dir", dir.to_str().unwrap(), "--cache-revalidate", "5m", "cache", "du"]);
+    assert!(o.status.success(), "{}", stderr(&o));
     // The older spelling still works.
     let d = scratch();
     let f = d.path().join("s.safetensors");
