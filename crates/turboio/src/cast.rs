@@ -145,7 +145,7 @@ struct Piece<'a> {
 /// Converts the floating tensors of a loaded file (host memory) to `target`, into a new CPU
 /// arena; a file with nothing to convert is given back as it is. `count_progress`: the source
 /// was not populated yet, so the bytes it reads count as read here. Placing the result on a
-/// device is the caller's next stage ([`crate::to_device::upload_loaded`]).
+/// device is the caller's next stage ([`crate::to_device::place`]).
 pub(crate) fn cast_loaded(
     src: LoadedFile,
     target: Dtype,

@@ -7,11 +7,11 @@ use crate::cast;
 use crate::loaded::LoadedFile;
 use crate::options::{CachePolicy, LoadOptions};
 use crate::plan::{cpu_device, io_options, load_plain, open, plan_unallocated, read_header};
+use crate::to_device::{off_host, place};
 use crate::{Error, Result};
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
-use turboio_device::DeviceKind;
 use turboio_format::{Dtype, Header};
 use turboio_storage::ReadRequest;
 
@@ -63,7 +63,7 @@ pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Resul
     let started = Instant::now();
     // A device that converts in its own memory: the plain load onto it, then its kernel.
     let mut fallback = None;
-    if let Some(device) = opts.device.as_ref().filter(|d| d.id().kind != DeviceKind::Cpu && d.casts()) {
+    if let Some(device) = off_host(opts).filter(|d| d.casts()) {
         let src = load_plain(path, &LoadOptions { dtype: None, ..opts.clone() })?;
         if !cast::converts_any(&src.header, target) {
             return Ok(src);
@@ -89,7 +89,7 @@ pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Resul
     planned.allocate(&cpu, &host)?;
     if !planned.header().is_some_and(|h| cast::converts_any(h, target)) {
         // Nothing to convert: the plain load, onto the asked-for device (the CPU one is planned).
-        if opts.device.as_ref().is_some_and(|d| d.id().kind != DeviceKind::Cpu) {
+        if off_host(opts).is_some() {
             drop(planned);
             return load_plain(path, &LoadOptions { dtype: None, ..opts.clone() });
         }
@@ -100,10 +100,7 @@ pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Resul
     let fused = planned.defer_cold_populate();
     let read = planned.fill(&cpu, &host, &io_options(&host))?;
     let src = planned.finish(read, &host)?;
-    let mut out = cast::cast_loaded(src, target, opts, &cpu, fused)?;
-    if let Some(device) = opts.device.as_ref().filter(|d| d.id().kind != DeviceKind::Cpu) {
-        out = crate::to_device::upload_loaded(out, device, opts)?;
-    }
+    let mut out = place(cast::cast_loaded(src, target, opts, &cpu, fused)?, opts)?;
     out.report.elapsed = started.elapsed();
     out.report.fallbacks.extend(fallback);
     Ok(out)

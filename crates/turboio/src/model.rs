@@ -593,13 +593,7 @@ fn load_files(mut files: ModelFiles, local: bool, opts: &LoadOptions, started: I
     if let Some((t, asked)) = target {
         shards = shards
             .into_iter()
-            .map(|s| {
-                let out = crate::cast::cast_loaded(s, t, asked, &cpu, false)?;
-                match asked.device.as_ref().filter(|d| d.id().kind != turboio_device::DeviceKind::Cpu) {
-                    Some(device) => crate::to_device::upload_loaded(out, device, asked),
-                    None => Ok(out),
-                }
-            })
+            .map(|s| crate::to_device::place(crate::cast::cast_loaded(s, t, asked, &cpu, false)?, asked))
             .collect::<Result<Vec<_>>>()?;
     }
     let owner: HashMap<String, usize> = shards

@@ -297,15 +297,18 @@ pub(crate) const SLOTS_PER_READER: usize = 2;
 /// read overlaps its last copy early, large enough that a copy's fixed costs vanish.
 pub(crate) const DEFAULT_CHUNK: usize = 8 << 20;
 
-/// Places a load held in host memory (a conversion's arena) on `device`: its data section is
-/// copied into new device memory through the device's staging slots (two in flight: the next
-/// slot is filled while the last one's copy runs), and the file is given back held there
+/// The device of `opts` when it is not the CPU (a load there goes through this module).
+pub(crate) fn off_host(opts: &LoadOptions) -> Option<&std::sync::Arc<dyn Device>> {
+    opts.device.as_ref().filter(|d| d.id().kind != turboio_device::DeviceKind::Cpu)
+}
+
+/// Places a load held in host memory (a conversion's arena) on the device of `opts`, when that
+/// is not the CPU (else gives it back as it is): its data section is copied into new device
+/// memory through the device's staging slots (two in flight: the next slot is filled while the
+/// last one's copy runs), and the file is given back held there
 /// ([`Held::Staged`](crate::Held::Staged)), its data section at the allocation's start.
-pub(crate) fn upload_loaded(
-    mut file: crate::loaded::LoadedFile,
-    device: &std::sync::Arc<dyn Device>,
-    opts: &LoadOptions,
-) -> Result<crate::loaded::LoadedFile> {
+pub(crate) fn place(mut file: crate::loaded::LoadedFile, opts: &LoadOptions) -> Result<crate::loaded::LoadedFile> {
+    let Some(device) = off_host(opts) else { return Ok(file) };
     let path = file.path.clone();
     let host = file.memory.host().and_then(|m| m.get(file.data_base..)).ok_or_else(|| Error::Unsupported {
         path: path.clone(),
@@ -389,8 +392,12 @@ impl StagePlan {
     /// Readers and slots for `total` bytes: one reader per thread asked for (at most one per
     /// chunk), [`SLOTS_PER_READER`] slots each, all within the device pool's
     /// [`max_buffers`](turboio_device::StagingPool::max_buffers) so that a steady-state load
-    /// takes every slot from the pool and pins nothing.
-    pub(crate) fn new(chunk: usize, total: u64, threads: usize, device: &dyn Device) -> StagePlan {
+    /// takes every slot from the pool and pins nothing. `per_slot`: every file is read cold with
+    /// `O_DIRECT`, and each slot gets a reader of its own (the same slots in all, so nothing more
+    /// is pinned): each reads its slot with one `pread` and uploads it as soon as it is full, so
+    /// every slot is being read from the disk but for the moment of its copy (a reader with
+    /// several slots, reading them in one call, left them all idle between its calls).
+    pub(crate) fn new(chunk: usize, total: u64, threads: usize, device: &dyn Device, per_slot: bool) -> StagePlan {
         let chunk = if chunk == 0 { DEFAULT_CHUNK } else { chunk.next_multiple_of(4096) };
         let chunks = usize::try_from(total.div_ceil(chunk as u64)).unwrap_or(usize::MAX).max(1);
         let mut readers = turboio_storage::threads_or_default(threads).clamp(1, chunks);
@@ -400,6 +407,9 @@ impl StagePlan {
                 readers = readers.min((max / 2).max(1));
                 slots_per_reader = (max / readers).clamp(1, SLOTS_PER_READER);
             }
+        }
+        if per_slot {
+            return StagePlan { chunk, readers: readers * slots_per_reader, slots_per_reader: 1 };
         }
         StagePlan { chunk, readers, slots_per_reader }
     }
@@ -505,14 +515,8 @@ fn load_staged(files: &[Staged<'_>], device: &dyn Device, chunk: usize) -> Resul
             }
         })
         .collect();
-    let mut plan = StagePlan::new(chunk, total, io.threads, device);
-    if ctx.iter().all(|c| c.read == StageRead::ColdDirect) {
-        // Cold with O_DIRECT: a reader per slot, each reading its slot with one `pread` and
-        // uploading it as soon as it is full, so every slot is being read from the disk except
-        // for the moment of its copy (a reader with several slots, reading them in one call,
-        // left them all idle between its calls). The same slots in all: nothing more is pinned.
-        plan = StagePlan { readers: plan.readers * plan.slots_per_reader, slots_per_reader: 1, ..plan };
-    }
+    let per_slot = ctx.iter().all(|c| c.read == StageRead::ColdDirect);
+    let plan = StagePlan::new(chunk, total, io.threads, device, per_slot);
     let mut chunks = Vec::new();
     for (i, f) in files.iter().enumerate() {
         chunks_of(i, f.job.runs, plan.chunk, f.job.opened.offset(), &mut chunks);
