@@ -453,12 +453,7 @@ impl CudaDevice {
         let mut kept = Vec::new();
         let t = std::time::Instant::now();
         for _ in 0..bytes.div_ceil(slot).max(1) {
-            let arena = Arena::new(slot, false)?;
-            // SAFETY: the arena's pages stay mapped until the registration is dropped (the
-            // tuple's order: registration first), and the driver only pins them.
-            let registered = unsafe { ffi::Registered::new(&self.shared.ctx, arena.as_slice(), false) }
-                .map_err(|e| self.shared.driver_error("cuMemHostRegister", e))?;
-            kept.push((registered, arena));
+            kept.push(PinnedStaging::new(&self.shared.ctx, slot, self.shared.id)?);
         }
         let secs = t.elapsed().as_secs_f64();
         let pinned = kept.len() * slot;
@@ -523,6 +518,22 @@ struct PinnedStaging {
     // Fields drop in order: unregistered before unmapped.
     _registered: ffi::Registered,
     arena: Arena,
+}
+
+impl PinnedStaging {
+    /// `len` bytes of fresh anonymous memory, registered with the driver.
+    fn new(ctx: &Arc<CudaContext>, len: usize, device: DeviceId) -> Result<PinnedStaging> {
+        let arena = Arena::new(len, false)?;
+        // SAFETY: the arena's pages stay mapped until the registration is dropped (the
+        // struct's field order), and the driver only pins them.
+        let registered =
+            unsafe { ffi::Registered::new(ctx, arena.as_slice(), false) }.map_err(|e| DeviceError::OutOfMemory {
+                device,
+                len,
+                source: std::io::Error::other(format!("pinning host memory: {}", ffi::describe(e))),
+            })?;
+        Ok(PinnedStaging { _registered: registered, arena })
+    }
 }
 
 impl fmt::Debug for PinnedStaging {
@@ -632,16 +643,7 @@ impl Device for CudaDevice {
         let id = self.shared.id;
         let buf = self.pool.take(len, |len| -> Result<Staging> {
             if pinned {
-                let arena = Arena::new(len, false)?;
-                // SAFETY: the arena's pages stay mapped until the registration is dropped (the
-                // struct's field order), and the driver only pins them.
-                let registered = unsafe { ffi::Registered::new(&ctx, arena.as_slice(), false) }.map_err(|e| {
-                    DeviceError::OutOfMemory {
-                        device: id,
-                        len,
-                        source: std::io::Error::other(format!("pinning host memory: {}", ffi::describe(e))),
-                    }
-                })?;
+                let slot = PinnedStaging::new(&ctx, len, id)?;
                 // An event per slot, made with it: a transfer holds one slot and one event, so
                 // uploads find a free event and never create one.
                 let event = ffi::Event::new(&ctx).map_err(|e| DeviceError::Driver {
@@ -649,7 +651,7 @@ impl Device for CudaDevice {
                     message: format!("creating an event: {}", ffi::describe(e)),
                 })?;
                 events.lock().unwrap_or_else(|p| p.into_inner()).push(event);
-                Ok(Box::new(PinnedStaging { _registered: registered, arena }))
+                Ok(Box::new(slot))
             } else {
                 Ok(Box::new(Arena::new(len, false)?))
             }
