@@ -75,14 +75,8 @@ pub fn blocks(file: &Path, text: &str) -> Vec<Block> {
 /// Every block of the README and the book.
 pub fn all_blocks() -> Result<Vec<Block>> {
     let root = root();
-    let mut files = vec![root.join("README.md")];
-    let mut pages: Vec<PathBuf> =
-        std::fs::read_dir(root.join("docs/src"))?.map(|e| e.map(|e| e.path())).collect::<std::io::Result<_>>()?;
-    pages.retain(|p| p.extension().is_some_and(|x| x == "md"));
-    pages.sort();
-    files.extend(pages);
     let mut out = Vec::new();
-    for f in files {
+    for f in crate::docs::pages()? {
         let text = std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?;
         out.extend(blocks(f.strip_prefix(&root).unwrap_or(&f), &text));
     }

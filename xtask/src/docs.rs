@@ -54,6 +54,19 @@ fn mdbook() -> Result<PathBuf> {
     Ok(local)
 }
 
+/// The README, then every page of the book (`docs/src/*.md`) in name order.
+pub fn pages() -> Result<Vec<PathBuf>> {
+    let mut book = Vec::new();
+    for e in std::fs::read_dir(root().join("docs/src")).context("reading docs/src")? {
+        let p = e?.path();
+        if p.extension().is_some_and(|x| x == "md") {
+            book.push(p);
+        }
+    }
+    book.sort();
+    Ok([vec![root().join("README.md")], book].concat())
+}
+
 /// The README and every page of the book, checked (see the module docs).
 pub fn check_links() -> Result<()> {
     let root = root();
@@ -65,15 +78,7 @@ pub fn check_links() -> Result<()> {
             errors.push(format!("docs/src/SUMMARY.md names {target}, which does not exist"));
         }
     }
-    let mut pages: Vec<PathBuf> = vec![root.join("README.md")];
-    for e in std::fs::read_dir(&src)? {
-        let p = e?.path();
-        if p.extension().is_some_and(|x| x == "md") {
-            pages.push(p);
-        }
-    }
-    pages.sort();
-    for page in &pages {
+    for page in &pages()? {
         let text = std::fs::read_to_string(page)?;
         let shown = page.strip_prefix(&root).unwrap_or(page).display().to_string();
         for (target, anchor) in links(&text) {
