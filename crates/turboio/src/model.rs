@@ -684,13 +684,15 @@ fn is_shard_name(name: &str) -> bool {
 /// Whether a file is the temporary file of a shard whose writer is gone: a temporary name of
 /// the atomic writer for a shard name, abandoned by the writer's own rule
 /// (`turboio_io_posix::abandoned_temp`: unlocked, and a dead process of this host or untouched
-/// for an hour). (The writer removes such files when the same name is saved again; shard names
-/// of killed saves may never be saved again, so the model save removes them.)
+/// for an hour). Shard names of killed saves may never be saved again, and the index's writer
+/// looks for leftovers of its name once per process and directory (`turboio_io_posix`'s
+/// leftover scan), so it never sees those of a saver that died after this process's first save
+/// there: the model save, which lists the directory anyway, removes both.
 fn is_dead_writers_temp(path: &Path) -> bool {
     #[cfg(feature = "posix")]
     {
         let shard = path.file_name().and_then(turboio_io_posix::temp_target).and_then(|t| t.to_str());
-        shard.is_some_and(is_shard_name) && turboio_io_posix::abandoned_temp(path)
+        shard.is_some_and(|n| is_shard_name(n) || n == INDEX_NAME) && turboio_io_posix::abandoned_temp(path)
     }
     #[cfg(not(feature = "posix"))]
     {
