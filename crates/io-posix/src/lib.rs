@@ -111,8 +111,9 @@
 //!    are removed: unlocked, and either written on this boot and PID namespace by a process
 //!    that no longer exists, or untouched for an hour (see [`abandoned_temp`]; a PID alone is
 //!    wrong across hosts sharing a file system and across containers). The directory is listed
-//!    for them once per process ([`leftover_scans`]), at the first save into it: leftovers a
-//!    writer killed later leaves are removed by the next process's first save there.
+//!    for them at the first save into it and then at most once a minute ([`leftover_scans`]):
+//!    leftovers a writer killed after a listing leaves are removed by the first save after the
+//!    next listing (this process's or another's).
 //!
 //! Other data paths (GPUDirect Storage writes from device memory) use the same protocol through
 //! [`PosixStorage::replace_with`], which hands the temporary file to the caller's transfer.
@@ -226,7 +227,7 @@ pub fn residency_probes() -> u64 {
 }
 
 /// How many times this process has listed a directory for the leftovers of earlier saves
-/// (once per directory it saves into; see step 6 of the write protocol).
+/// (at the first save into a directory, then at most once a minute; see step 6 of the write protocol).
 pub fn leftover_scans() -> u64 {
     temp::SCANS.load(std::sync::atomic::Ordering::Relaxed)
 }

@@ -37,7 +37,7 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 /// What temporary names contain after the target's name.
 pub(crate) const TEMP_MARK: &str = ".turboio-tmp.";
@@ -190,10 +190,15 @@ pub fn abandoned_temp(path: &Path) -> bool {
     }
 }
 
-/// Leftovers (temporary files and second names of replaced files) seen by this process's one
+/// Leftovers (temporary files and second names of replaced files) seen by this process's last
 /// scan of each directory it saved into, by the target name they belong to (cut to
-/// [`MAX_NAME_PREFIX`] bytes, as in the leftovers' names).
-type Leftovers = HashMap<PathBuf, HashMap<Vec<u8>, Vec<OsString>>>;
+/// [`MAX_NAME_PREFIX`] bytes, as in the leftovers' names), and when that scan was made.
+type Leftovers = HashMap<PathBuf, (Instant, HashMap<Vec<u8>, Vec<OsString>>)>;
+
+/// How long a scan of a directory stands: the first save into it after this lists it again, so
+/// that a long-lived process also removes what writers killed after its last scan left behind.
+/// At most one listing a minute per directory: 35 ms among 80,000 files.
+pub(crate) const RESCAN_AFTER: Duration = Duration::from_secs(60);
 
 /// Directories remembered at most; past this the memory starts over (a later save into a
 /// forgotten directory scans it again: correct, only slower).
@@ -220,25 +225,26 @@ fn scan(dir: &Path) -> HashMap<Vec<u8>, Vec<OsString>> {
 /// saves left by writers killed before deleting them (handed to the background deleter: they
 /// may be large). Best effort: a save never fails because of it.
 ///
-/// The directory is listed once per process (the first save into it): a save used to list its
-/// whole directory each time, 4 ms in an empty directory and 35 ms among 80,000 files, which
-/// made saving many files into one directory quadratic. Later saves of a name recheck the
-/// leftovers of that name the scan saw and a live writer still held; leftovers a writer killed
-/// after this process's scan leaves behind are removed by the next process's scan.
+/// The directory is listed at the first save into it and then at most once per
+/// [`RESCAN_AFTER`]: a save used to list its whole directory each time, 4 ms in an empty
+/// directory and 35 ms among 80,000 files, which made saving many files into one directory
+/// quadratic. Saves between two listings recheck the leftovers of their name the last listing
+/// saw and a live writer still held; leftovers a writer killed after a listing leaves behind
+/// are removed by the first save after the next one (in this process or another).
 pub(crate) fn remove_abandoned(dir: &Path, name: &OsStr) {
     let key = name.as_bytes()[..name.len().min(MAX_NAME_PREFIX)].to_vec();
     let candidates = {
         let mut scanned = SCANNED.lock().unwrap_or_else(|p| p.into_inner());
         let scanned = scanned.get_or_insert_with(HashMap::new);
-        if !scanned.contains_key(dir) {
-            if scanned.len() >= MAX_DIRECTORIES {
+        if scanned.get(dir).is_none_or(|(at, _)| at.elapsed() >= RESCAN_AFTER) {
+            if scanned.len() >= MAX_DIRECTORIES && !scanned.contains_key(dir) {
                 scanned.clear();
             }
             // Listing under the lock: saves into one directory from several threads wait for
             // the one listing instead of each making their own.
-            scanned.insert(dir.to_owned(), scan(dir));
+            scanned.insert(dir.to_owned(), (Instant::now(), scan(dir)));
         }
-        scanned.get_mut(dir).and_then(|d| d.remove(&key)).unwrap_or_default()
+        scanned.get_mut(dir).and_then(|(_, d)| d.remove(&key)).unwrap_or_default()
     };
     let (temps, retired) = (prefix_of(name, TEMP_MARK), prefix_of(name, RETIRED_MARK));
     let mut kept = Vec::new();
@@ -262,7 +268,7 @@ pub(crate) fn remove_abandoned(dir: &Path, name: &OsStr) {
     }
     if !kept.is_empty() {
         let mut scanned = SCANNED.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(d) = scanned.as_mut().and_then(|s| s.get_mut(dir)) {
+        if let Some((_, d)) = scanned.as_mut().and_then(|s| s.get_mut(dir)) {
             d.entry(key).or_default().extend(kept);
         }
     }
@@ -295,5 +301,40 @@ mod tests {
             assert_eq!(parse(OsStr::new(not)), None, "{not}");
         }
         assert_eq!(owner_tag().len(), 8);
+    }
+
+    /// The temporary name a writer with `pid` (and this process's owner tag) gives `name`.
+    fn temp_of(dir: &Path, name: &str, pid: u32) -> PathBuf {
+        dir.join(format!(".{name}{TEMP_MARK}{pid}.{}.00000000deadbeef", owner_tag()))
+    }
+
+    #[test]
+    fn a_long_lived_process_lists_a_directory_again_after_a_while() {
+        let dir = tempfile::tempdir().unwrap();
+        let dir = dir.path();
+        let name = OsStr::new("m.bin");
+        // The first save into the directory lists it.
+        let before = SCANS.load(Ordering::Relaxed);
+        remove_abandoned(dir, name);
+        assert!(SCANS.load(Ordering::Relaxed) > before);
+        // Then a writer of this host dies mid-save (a process that has exited: its PID is free).
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let left = temp_of(dir, "m.bin", dead);
+        fs::write(&left, b"partial").unwrap();
+        assert!(abandoned_temp(&left), "a dead writer's temporary");
+        // A save right after does not list the directory again: the leftover stays ...
+        remove_abandoned(dir, name);
+        assert!(left.exists());
+        // ... until the listing is older than RESCAN_AFTER: the next save lists again and
+        // removes it.
+        {
+            let mut scanned = SCANNED.lock().unwrap();
+            let (at, _) = scanned.as_mut().unwrap().get_mut(dir).unwrap();
+            *at = Instant::now().checked_sub(RESCAN_AFTER).unwrap();
+        }
+        remove_abandoned(dir, name);
+        assert!(!left.exists(), "the leftover of a writer killed after the first listing is removed");
     }
 }
