@@ -215,8 +215,8 @@ enum Command {
     Gen {
         /// Output file (with --shards: the model directory).
         out: PathBuf,
-        /// Write a sharded model directory of about this many shards (with its
-        /// model.safetensors.index.json) instead of one file.
+        /// Write a sharded model directory of this many shards (one per tensor if the sample
+        /// has fewer tensors), with its model.safetensors.index.json, instead of one file.
         #[arg(long, value_parser = parse_count)]
         shards: Option<usize>,
         /// Approximate size, e.g. 4GiB, 512MiB, 100MB, 123456 (at least the smallest sample, about 362 KiB).
@@ -857,7 +857,8 @@ fn load_model(path: &Path, mut opts: LoadOptions, repeat: usize, check: bool) ->
     Ok(())
 }
 
-/// `gen --shards N`: a sample of `size` bytes written as a model directory of about N shards.
+/// `gen --shards N`: a sample of `size` bytes written as a model directory of N shards (one per
+/// tensor if it has fewer).
 fn gen_model(
     dir: &Path,
     shards: usize,

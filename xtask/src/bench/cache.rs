@@ -37,8 +37,8 @@ pub const LOADERS: [&str; 9] = [
     "fastsafetensors",
 ];
 
-/// Concurrent processes in the second scenario.
-const PROCS: usize = 4;
+/// Concurrent processes in the second scenario (the full bench's; a smoke run takes fewer).
+pub const PROCS: usize = 4;
 
 /// One loader's measurements.
 #[derive(Debug, Default, Clone)]
@@ -50,7 +50,7 @@ pub struct CacheRow {
     pub next: Vec<f64>,
     /// Disk bytes read by the two loads.
     pub disk_two: Vec<u64>,
-    /// The slowest of `PROCS` concurrent loads.
+    /// The slowest of the concurrent loads.
     pub together: Vec<f64>,
     /// Disk bytes read by the concurrent loads.
     pub disk_together: Vec<u64>,
@@ -174,7 +174,7 @@ pub(crate) fn evict(file: &Path) -> Result<()> {
 }
 
 /// Runs both scenarios for every loader, `runs` times, in a shuffled order each run.
-pub fn measure(python: &Path, file: &Path, encrypted: &Path, runs: usize) -> Result<Vec<CacheRow>> {
+pub fn measure(python: &Path, file: &Path, encrypted: &Path, runs: usize, procs: usize) -> Result<Vec<CacheRow>> {
     let mut rows: Vec<CacheRow> = LOADERS.iter().map(|&loader| CacheRow { loader, ..Default::default() }).collect();
     for r in 0..runs {
         for i in run_order(LOADERS.len(), r) {
@@ -184,7 +184,7 @@ pub fn measure(python: &Path, file: &Path, encrypted: &Path, runs: usize) -> Res
             let (cold, how, d1) = together(python, loader, &target, 1)?;
             let (next, _, d2) = together(python, loader, &target, 1)?;
             evict(&target)?;
-            let (t, _, d3) = together(python, loader, &target, PROCS)?;
+            let (t, _, d3) = together(python, loader, &target, procs)?;
             let row = &mut rows[i];
             row.cold.push(cold);
             row.next.push(next);
@@ -200,7 +200,7 @@ pub fn measure(python: &Path, file: &Path, encrypted: &Path, runs: usize) -> Res
 }
 
 /// The table, with each loader's disk reads as a multiple of the file's size.
-pub fn render(rows: &[CacheRow], len: u64, runs: usize) -> String {
+pub fn render(rows: &[CacheRow], len: u64, runs: usize, procs: usize) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -209,7 +209,7 @@ pub fn render(rows: &[CacheRow], len: u64, runs: usize) -> String {
     );
     let _ = writeln!(
         s,
-        "| loader | cold s | next process s | cold / next | disk read, 2 loads | {PROCS} at once s | {PROCS} at once / one cold | disk read, {PROCS} loads | how |"
+        "| loader | cold s | next process s | cold / next | disk read, 2 loads | {procs} at once s | {procs} at once / one cold | disk read, {procs} loads | how |"
     );
     let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---|");
     let x = |b: Option<u64>| b.map(|b| format!("{:.2}x file", b as f64 / len as f64)).unwrap_or_default();

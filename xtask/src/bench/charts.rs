@@ -71,14 +71,14 @@ pub fn write(tables: &[Table], dir: &Path) -> Result<Vec<PathBuf>> {
 
 fn draw(t: &Table, path: &Path) -> Result<()> {
     let n = t.bars.len();
-    let height = 70 + 26 * n as u32;
+    let height = 86 + 26 * n as u32;
     let root = SVGBackend::new(path, (860, height)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
     let max = t.bars.iter().map(|b| b.1).fold(0.0f64, f64::max).max(1e-9) * 1.15;
     let mut chart = ChartBuilder::on(&root)
         .caption(&t.title, ("sans-serif", 16))
         .margin(10)
-        .x_label_area_size(24)
+        .x_label_area_size(40)
         .y_label_area_size(270)
         .build_cartesian_2d(0.0..max, (0..n).into_segmented())
         .map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -212,16 +212,17 @@ pub fn encrypted_twin(plain: &Path) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// A sharded model directory of about `size` bytes (`turboio gen --shards 8`, which writes 9
-/// shards at the bench sizes), generated once under `dir`.
+/// A sharded model directory of about `size` bytes in 9 shards (`turboio gen --shards 9`),
+/// generated once under `dir` (a directory generated before `gen` wrote exactly N shards has
+/// the 9 that `--shards 8` wrote then).
 pub(crate) fn sharded_model(dir: &Path, size: u64) -> Result<PathBuf> {
     let out = dir.join(format!("model-{}", size >> 20));
     if out.join("model.safetensors.index.json").exists() {
         return Ok(out);
     }
-    eprintln!("generating {} (about 9 shards) ...", out.display());
+    eprintln!("generating {} (9 shards) ...", out.display());
     let status = std::process::Command::new(cli()?)
-        .args(["gen", "--shards", "8", "--size"])
+        .args(["gen", "--shards", "9", "--size"])
         .arg(size.to_string())
         .arg(&out)
         .status()?;
@@ -229,9 +230,24 @@ pub(crate) fn sharded_model(dir: &Path, size: u64) -> Result<PathBuf> {
     Ok(out)
 }
 
-/// The `turboio` binary next to this one (built if needed; as it is on a machine without cargo,
-/// such as a GPU machine running `.ci/gpu` from its bundle).
+/// What names the `turboio` command the CLI rows run instead of building
+/// `target/release/turboio` (`cargo xtask test`'s smoke run gives the wheel's console script,
+/// the same code, so that it does not compile the CLI once more).
+pub const CLI_VAR: &str = "TURBOIO_BENCH_CLI";
+
+/// The `turboio` binary next to this one: `$TURBOIO_BENCH_CLI` if set, else built once per bench
+/// process (a later edit of the sources never lands in the middle of a run; on a machine without
+/// cargo, such as a GPU machine running `.ci/gpu` from its bundle, the one already there).
 pub(crate) fn cli() -> Result<PathBuf> {
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    if let Some(bin) = BUILT.get() {
+        return Ok(bin.clone());
+    }
+    if let Some(given) = std::env::var_os(CLI_VAR) {
+        let bin = PathBuf::from(given);
+        anyhow::ensure!(bin.is_file(), "{CLI_VAR}={}: no such file", bin.display());
+        return Ok(BUILT.get_or_init(|| bin).clone());
+    }
     let bin = crate::test::root().join("target/release/turboio");
     let built = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .args(["build", "--release", "--quiet", "-p", "turboio-cli", "--bin", "turboio"])
@@ -242,7 +258,7 @@ pub(crate) fn cli() -> Result<PathBuf> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && bin.exists() => {}
         Err(e) => return Err(e.into()),
     }
-    Ok(bin)
+    Ok(BUILT.get_or_init(|| bin).clone())
 }
 
 /// Runs `turboio load` and returns the load time it reports.

@@ -57,7 +57,18 @@ pub struct Args {
     /// Skip the save rows.
     #[arg(long)]
     pub no_save: bool,
-    /// Only the whole-model rows: a model directory of 8 shards (the first size, default
+    /// Only the save rows, with their checks: the first size (default 1GiB) saved by turboio's
+    /// savers, the Python peers and the disk's O_DIRECT ceiling, and a process's first
+    /// background save against the floor of any snapshot; written to `saves.md` in `--out`.
+    /// (The full bench runs these rows too.)
+    #[arg(long)]
+    pub saves: bool,
+    /// Only the Python loaders' rows (hot, cold with the file evicted, cold with every cache
+    /// dropped) for each size: the README's table and its charts, written to `load.{md,csv,json}`
+    /// and SVGs in `--out` as by the full bench.
+    #[arg(long, conflicts_with = "no_python")]
+    pub python_only: bool,
+    /// Only the whole-model rows: a model directory of 9 shards (the first size, default
     /// 4GiB), loaded as one job by turboio against turboio file after file, safetensors looped
     /// over the shards and fastsafetensors, hot and cold, and a 2-rank gloo run (direct vs
     /// collectives) with the bytes each rank read; written to `model.md` in `--out`.
@@ -350,6 +361,8 @@ pub fn run(args: Args) -> Result<()> {
     }
     // The sections that start many Python processes (each imports torch) run once in a smoke run.
     let process_runs = if args.quick { 1 } else { runs };
+    // Processes loading at once in the page-cache table (each imports torch: 2 in a smoke run).
+    let together = if args.quick { 2 } else { crate::bench::cache::PROCS };
     if args.pt {
         let size = if args.sizes.is_empty() && !args.quick { 4 << 30 } else { sizes[0] };
         let python = crate::bench::python::setup()?;
@@ -359,11 +372,35 @@ pub fn run(args: Args) -> Result<()> {
         println!("{report}\nwrote {}", args.out.join("pt.md").display());
         return Ok(());
     }
+    if args.saves {
+        let size = if args.sizes.is_empty() && !args.quick { 1 << 30 } else { sizes[0] };
+        let python = if args.no_python { None } else { Some(crate::bench::python::setup()?) };
+        let path = sample(&args.dir, size)?;
+        let len = std::fs::metadata(&path)?.len();
+        eprintln!("{}: saves, {runs} runs ...", size_name(size));
+        let rows = crate::bench::save::measure(python.as_deref(), &path, runs)?;
+        let label = size_name(len - len % (64 << 20));
+        let checks: Vec<Check> = crate::bench::save::checks(&rows)
+            .into_iter()
+            .map(|(what, ratio, need)| Check { what: format!("{label} save: {what}"), ratio, need })
+            .collect();
+        let mut report = render(&[], &checks, runs);
+        report.push('\n');
+        report.push_str(&crate::bench::save::render(&rows, len, runs));
+        std::fs::create_dir_all(&args.out)?;
+        std::fs::write(args.out.join("saves.md"), &report)?;
+        println!("{report}\nwrote {}", args.out.join("saves.md").display());
+        return Ok(());
+    }
     if args.gpu_only {
         let device = args.device.as_deref().context("--gpu-only needs --device cuda:N")?;
         return run_gpu_only(&args, device, &sizes, runs);
     }
     let pool = ArenaPool::with_huge_pages(1, false);
+    // The CLI rows' binary, built before the first measurement (not in the middle of the run).
+    if !args.python_only {
+        crate::bench::kit::cli()?;
+    }
     let python = if args.no_python { None } else { Some(crate::bench::python::setup()?) };
     let mut all: Vec<Row> = Vec::new();
     let mut cache_tables: Vec<(u64, Vec<crate::bench::cache::CacheRow>)> = Vec::new();
@@ -382,6 +419,9 @@ pub fn run(args: Args) -> Result<()> {
                 eprintln!("{}: python, cold (every cache dropped), {runs} runs ...", size_name(size));
                 all.extend(crate::bench::python::measure(py, &path, &pt, len, runs, true)?);
             }
+            if args.python_only {
+                continue;
+            }
             eprintln!("{}: .pt rows ...", size_name(size));
             pt_sections.push(crate::bench::pt::run(
                 py,
@@ -398,7 +438,7 @@ pub fn run(args: Args) -> Result<()> {
             if !args.no_cold {
                 eprintln!("{}: page cache across processes, {process_runs} runs ...", size_name(size));
                 let enc = encrypted_twin(&path)?;
-                let rows = crate::bench::cache::measure(py, &path, &enc, process_runs)?;
+                let rows = crate::bench::cache::measure(py, &path, &enc, process_runs, together)?;
                 cache_tables.push((len, rows));
             }
         }
@@ -439,7 +479,11 @@ pub fn run(args: Args) -> Result<()> {
     // The object-storage rows, for the first size (skipped with the reason when the server
     // cannot be installed or started). Not in the smoke run: it builds s3s-fs and installs
     // Run:ai (minutes on a fresh machine); `cargo xtask bench --object --quick` is its smoke run.
-    let object_section = if args.quick {
+    let not_in_this_run =
+        |what: &str, command: &str| format!("## {what}\n\nNot in this run (--python-only): `{command}`.\n");
+    let object_section = if args.python_only {
+        not_in_this_run("Object storage", "cargo xtask bench --object")
+    } else if args.quick {
         "## Object storage\n\nNot in the --quick smoke run (it builds s3s-fs and installs Run:ai Model Streamer): \
          `cargo xtask bench --object --quick`.\n"
             .to_owned()
@@ -456,7 +500,9 @@ pub fn run(args: Args) -> Result<()> {
 
     // The training-checkpoint rows against DeepNVMe, for the first size. Not in the smoke run:
     // DeepSpeed's op takes minutes to build on a fresh machine.
-    let training_section = if args.quick {
+    let training_section = if args.python_only {
+        not_in_this_run("Training checkpoints", "cargo xtask bench --training")
+    } else if args.quick {
         "## Training checkpoints\n\nNot in the --quick smoke run (it builds DeepSpeed's async_io op): \
          `cargo xtask bench --training --quick`.\n"
             .to_owned()
@@ -471,13 +517,13 @@ pub fn run(args: Args) -> Result<()> {
 
     // Per-tensor cost and selection, for the first size (not in the smoke run: it writes files
     // of 5,000 and 510 tensors and a 9-shard model).
-    let tensors_section = match (&python, args.quick) {
+    let tensors_section = match (&python, args.quick || args.python_only) {
         (Some(py), false) => crate::bench::tensor::run(py, &args.dir, sizes[0], sizes[0], runs, args.no_cold)
             .unwrap_or_else(|e| {
                 eprintln!("tensor rows skipped: {e:#}");
                 format!("\nSkipped: {e:#}.\n")
             }),
-        _ => "\nNot in this run (--quick or --no-python): `cargo xtask bench --tensors`.\n".to_owned(),
+        _ => "\nNot in this run (--quick, --python-only or --no-python): `cargo xtask bench --tensors`.\n".to_owned(),
     };
     std::fs::write(args.out.join("tensors.md"), &tensors_section)?;
 
@@ -574,7 +620,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     for (len, rows) in &cache_tables {
         report.push('\n');
-        report.push_str(&crate::bench::cache::render(rows, *len, process_runs));
+        report.push_str(&crate::bench::cache::render(rows, *len, process_runs, together));
     }
     for section in &pt_sections {
         report.push_str("\n## PyTorch `.pt` checkpoints and dtype conversion\n\n");

@@ -1,5 +1,5 @@
 //! `cargo xtask bench --model`: a sharded model directory (9 shards of about 480 MiB at the
-//! default 4 GiB, mixed dtypes, written by `turboio gen --shards 8`) loaded hot and cold, each
+//! default 4 GiB, mixed dtypes, written by `turboio gen --shards 9`) loaded hot and cold, each
 //! run in a process of its own (`crates/py/bench/py_model.py`) with the loaders in a shuffled
 //! order: turboio's one-job `load_model` against turboio loading the shards one after another,
 //! `safetensors.torch.load_file` looped over the shards, and fastsafetensors with all the files;

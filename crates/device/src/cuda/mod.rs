@@ -821,7 +821,8 @@ impl Device for CudaDevice {
     /// cuda:0` on hot 1.07 GB files: copying from the registered page-cache mapping took
     /// 0.68-0.91 s (five loads: `cuMemHostRegister` pins and maps every 4 KiB page of the file
     /// for each load), staging through pinned buffers 0.17-0.35 s (six loads). So automatic loads
-    /// stage; `LoadMode::Mapped` still takes the mapping.
+    /// stage; `LoadMode::Mapped` takes the mapping only where registration is allowed
+    /// (`TURBOIO_CUDA_REGISTER_PAGE_CACHE=1`), and stages otherwise.
     fn prefers_host_uploads(&self) -> bool {
         false
     }
