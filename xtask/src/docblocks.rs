@@ -148,7 +148,9 @@ pub fn run(python: &Path) -> Result<()> {
             .with_context(|| format!("{at}: cannot run"))?;
         let pgid = child.id();
         let out = child.wait_with_output().with_context(|| format!("{at}: cannot run"))?;
-        let _ = Command::new("kill").args(["-KILL", &format!("-{pgid}")]).stderr(std::process::Stdio::null()).status();
+        // killpg(2) itself: procps-ng 4.0.2's `kill -KILL -PGID` signals process group 2 instead
+        // (it misreads a negative PID), which killed whatever ran there.
+        let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pgid as i32), nix::sys::signal::Signal::SIGKILL);
         if out.status.success() {
             ran += 1;
             eprintln!("ran {at} in {:.1} s", started.elapsed().as_secs_f64());
