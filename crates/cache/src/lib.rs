@@ -589,13 +589,26 @@ pub(crate) fn filling_here(key: &str, on: bool) {
     }
 }
 
+/// The identity of a file checked once: its inode with what changes whenever another file
+/// takes its place (a new file may get a deleted one's inode number back, at once on ext4).
+type FileIdentity = (u64, u64, Option<u32>, u64, (i64, i64), (i64, i64));
+
 /// True if the bytes of a shared cache's entry match the hash recorded at its publication
 /// (each file checked once per process: entries are never rewritten in place, a new version
-/// is a new file).
+/// is a new file). A file is known by its inode number, its generation, its size and its
+/// change and modification times, so that a file planted in place of a checked one is checked
+/// too, even when it got the same inode number.
 fn verified(slot: &Slot, file: &std::fs::File, md: &std::fs::Metadata) -> bool {
     use std::os::unix::fs::MetadataExt;
-    static DONE: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
-    let id = (md.dev(), md.ino());
+    static DONE: Mutex<Vec<FileIdentity>> = Mutex::new(Vec::new());
+    let id: FileIdentity = (
+        md.dev(),
+        md.ino(),
+        sys::generation(file),
+        md.size(),
+        (md.ctime(), md.ctime_nsec()),
+        (md.mtime(), md.mtime_nsec()),
+    );
     if DONE.lock().unwrap_or_else(|p| p.into_inner()).contains(&id) {
         return true;
     }

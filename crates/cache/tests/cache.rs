@@ -644,7 +644,11 @@ fn a_shared_cache_checks_the_recorded_hash() {
     let entry = cache.cache().entries().unwrap()[0].clone();
     let meta = std::fs::read_to_string(entry.path.with_extension("json")).unwrap();
     assert!(meta.contains("\"sha256\""), "{meta}");
-    // Another user's process rewrites the entry (same length, another inode).
+    // A hit: the entry's bytes are checked, and the file is remembered as checked.
+    let (got, local) = read_all(&cache, &path);
+    assert!(got == data && local);
+    // Another user's process replaces the entry (same length; ext4 gives the new file the old
+    // one's inode number back at once): it must be checked again, not taken for the checked one.
     let _ = std::fs::remove_file(&entry.path);
     std::fs::write(&entry.path, vec![0x77u8; data.len()]).unwrap();
     let before = inner.read.load(Ordering::Relaxed);
