@@ -379,11 +379,7 @@ pub fn run(args: Args) -> Result<()> {
         let len = std::fs::metadata(&path)?.len();
         eprintln!("{}: saves, {runs} runs ...", size_name(size));
         let rows = crate::bench::save::measure(python.as_deref(), &path, runs)?;
-        let label = size_name(len - len % (64 << 20));
-        let checks: Vec<Check> = crate::bench::save::checks(&rows)
-            .into_iter()
-            .map(|(what, ratio, need)| Check { what: format!("{label} save: {what}"), ratio, need })
-            .collect();
+        let checks = crate::bench::save::checks(&rows, len);
         let mut report = render(&[], &checks, runs);
         report.push('\n');
         report.push_str(&crate::bench::save::render(&rows, len, runs));
@@ -599,10 +595,7 @@ pub fn run(args: Args) -> Result<()> {
     }
 
     for (len, rows) in &save_tables {
-        let label = size_name(*len - *len % (64 << 20));
-        for (what, ratio, need) in crate::bench::save::checks(rows) {
-            checks.push(Check { what: format!("{label} save: {what}"), ratio, need });
-        }
+        checks.extend(crate::bench::save::checks(rows, *len));
     }
 
     // The checks' thresholds are about 1-4 GiB files; a --quick smoke run (64 MiB, 2 runs) only

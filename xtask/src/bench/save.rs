@@ -183,8 +183,17 @@ pub fn render(rows: &[SaveRow], len: u64, runs: usize) -> String {
     s
 }
 
+/// The acceptance checks of a save table of a `len`-byte file, named after its size.
+pub(crate) fn checks(rows: &[SaveRow], len: u64) -> Vec<crate::bench::kit::Check> {
+    let label = crate::bench::kit::size_name(len - len % (64 << 20));
+    ratios(rows)
+        .into_iter()
+        .map(|(what, ratio, need)| crate::bench::kit::Check { what: format!("{label} save: {what}"), ratio, need })
+        .collect()
+}
+
 /// The acceptance ratios: `(what, ratio, needed)`.
-pub fn checks(rows: &[SaveRow]) -> Vec<(String, f64, f64)> {
+fn ratios(rows: &[SaveRow]) -> Vec<(String, f64, f64)> {
     let find = |n: &str| rows.iter().find(|r| r.saver == n && r.skipped.is_none());
     let mut out = Vec::new();
     if let Some(t) = find(SAVERS[0]) {
