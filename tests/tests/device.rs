@@ -591,7 +591,7 @@ fn a_models_shards_fill_through_one_pipeline() {
         let dev = |decrypts: bool| {
             Arc::new(if decrypts { OpaqueDevice::new(0).with_decryption() } else { OpaqueDevice::new(0) })
         };
-        let (a, b, c, e) = (dev(false), dev(false), dev(false), dev(true));
+        let (a, b, c, e, eb) = (dev(false), dev(false), dev(false), dev(true), dev(true));
         vec![
             ("plain", &plain, a.clone(), LoadOptions { mode: LoadMode::Copied, ..dev_opts(&a) }),
             (
@@ -611,9 +611,27 @@ fn a_models_shards_fill_through_one_pipeline() {
                 },
             ),
             ("encrypted", &encrypted, e.clone(), LoadOptions { encryption: Some(enc.clone()), ..dev_opts(&e) }),
+            (
+                "encrypted, bypass",
+                &encrypted,
+                eb.clone(),
+                LoadOptions {
+                    encryption: Some(enc.clone()),
+                    mode: LoadMode::Copied,
+                    cache: turboio::CachePolicy::Bypass,
+                    ..dev_opts(&eb)
+                },
+            ),
         ]
     };
     for (label, dir, dev, opts) in cases {
+        if label.ends_with("bypass") {
+            // Cold, as a bypassing load is meant for (a hot file is read from the page cache).
+            for f in std::fs::read_dir(dir).unwrap() {
+                let f = turboio::posix::PosixStorage::new().open_posix(&f.unwrap().path()).unwrap();
+                f.evict_cache().unwrap();
+            }
+        }
         let m = turboio::load_model(dir, &opts).unwrap_or_else(|e| panic!("{label}: {e}"));
         let want: Vec<usize> = if label == "selection" { vec![1, 5] } else { (0..7).collect() };
         assert_eq!(m.len(), want.len(), "{label}");
@@ -622,12 +640,21 @@ fn a_models_shards_fill_through_one_pipeline() {
             let shard = m.shards().iter().find(|s| s.tensor(&names[i]).is_some()).unwrap();
             assert!(shard.to_host(t.name()).unwrap() == data[i], "{label}: tensor {} differs", names[i]);
         }
-        if label == "encrypted" {
+        if label.starts_with("encrypted") {
             assert_eq!(dev.decrypted_bytes(), dev.uploaded_bytes(), "{label}: every byte decrypted on the device");
             assert!(dev.decrypted_bytes() > 0);
         }
         for s in m.shards() {
             assert!(s.report().read.method.starts_with("staged"), "{label}: {}", s.report().read.method);
+            if label.ends_with("bypass") && turboio::posix::io_uring_available() {
+                // Every shard cold with O_DIRECT (the scratch directory is on the disk): the
+                // storage's io_uring reads into the slots.
+                assert!(
+                    s.report().read.method.contains("as its read completes"),
+                    "{label}: {}",
+                    s.report().read.method
+                );
+            }
             assert!(s.report().fallbacks.is_empty(), "{label}: {:?}", s.report().fallbacks);
         }
     }

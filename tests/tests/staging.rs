@@ -66,11 +66,15 @@ fn steady_state_loads_pin_nothing_and_decide_once() {
     assert_eq!(pool.free_buffers() as u64, first.pinned_allocations, "every slot came back to the pool");
 
     // Every later load: hot, cold kept, cold bypassing the cache; nothing pinned, no new event.
+    // Bypassing the cache, the storage's io_uring reads into the slots where there is one.
+    let uring = if turboio::posix::io_uring_available() { "O_DIRECT io_uring" } else { "O_DIRECT" };
     for (label, cache, evicted, want) in [
         ("hot", CachePolicy::Keep, false, "hot"),
         ("cold, kept", CachePolicy::Keep, true, "read-ahead cursor"),
-        ("cold, bypass", CachePolicy::Bypass, true, "O_DIRECT"),
+        ("cold, bypass", CachePolicy::Bypass, true, uring),
+        ("cold, bypass again", CachePolicy::Bypass, true, uring),
     ] {
+        let registrations = turboio::posix::slot_registrations();
         if evicted {
             evict(&file);
         }
@@ -79,6 +83,13 @@ fn steady_state_loads_pin_nothing_and_decide_once() {
         assert_eq!((c.pinned_allocations, c.pinned_bytes), (0, 0), "{label}: a steady-state load pins nothing");
         assert_eq!(c.events_created, 0, "{label}: events are reused");
         assert_eq!(c.synchronizations, 0, "{label}: every transfer was waited for; no device-wide wait");
+        if label == "cold, bypass again" {
+            assert_eq!(
+                turboio::posix::slot_registrations(),
+                registrations,
+                "{label}: the slots were registered with io_uring by the load before"
+            );
+        }
     }
 
     // A model, shard after shard: only slots the pool lacks are pinned (none: the same chunk).

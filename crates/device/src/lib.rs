@@ -213,6 +213,14 @@ pub trait HostBuffer: Send + fmt::Debug {
     fn as_slice(&self) -> &[u8];
     /// The bytes, writable.
     fn as_mut_slice(&mut self) -> &mut [u8];
+
+    /// A number naming this buffer's memory for the whole process, never given to other memory
+    /// even after this buffer is freed, or `None` (the default) when the buffer cannot promise
+    /// one. A reader may keep state about the memory under it between loads (io_uring's
+    /// registered buffers).
+    fn serial(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// A staging buffer owned by whoever holds it; it travels into [`Device::upload`] and back out
@@ -223,6 +231,12 @@ pub type Staging = Box<dyn HostBuffer>;
 pub trait PendingTransfer: Send {
     /// Blocks until the copy is complete and returns the staging buffer.
     fn wait(self: Box<Self>) -> Result<Staging>;
+
+    /// True when the copy is known to be complete, so [`wait`](Self::wait) would not block;
+    /// asked without blocking (the default, `false`, means "not known": wait to find out).
+    fn is_complete(&self) -> bool {
+        false
+    }
 }
 
 /// The handle [`Device::upload`] returns.
@@ -239,6 +253,14 @@ impl Transfer {
         match self {
             Transfer::Done(s) => Ok(s),
             Transfer::Pending(p) => p.wait(),
+        }
+    }
+
+    /// True when the copy is known to be complete ([`PendingTransfer::is_complete`]).
+    pub fn is_complete(&self) -> bool {
+        match self {
+            Transfer::Done(_) => true,
+            Transfer::Pending(p) => p.is_complete(),
         }
     }
 }

@@ -17,7 +17,10 @@
 //!   [`DEFAULT_MAX_BUFFERS`], enough for 16 readers of 4 slots); a load never takes more slots
 //!   than that, so a steady-state load never pins.
 //! - [`StagingPool::release`] frees every free slot now (e.g. before a phase that wants the
-//!   host memory); [`StagingPool::set_max_buffers`] resizes it.
+//!   host memory); [`StagingPool::set_max_buffers`] resizes it. Cold loads that bypass the page
+//!   cache also register the slots with the local storage's io_uring, once (the kernel then
+//!   holds their pages until the registration is dropped); `turboio::posix::release_registered_slots`
+//!   drops it, and the Python pool's `release()` calls both.
 //! - Buffers are never zeroed by turboio: the CUDA device maps fresh anonymous memory (zero
 //!   pages from the kernel) and registers it, the test devices use plain anonymous memory.
 //!
@@ -88,6 +91,10 @@ impl HostBuffer for Counted {
 
     fn as_mut_slice(&mut self) -> &mut [u8] {
         self.buf.as_mut_slice()
+    }
+
+    fn serial(&self) -> Option<u64> {
+        self.buf.serial()
     }
 }
 
@@ -237,6 +244,10 @@ impl HostBuffer for PooledStaging {
 
     fn as_mut_slice(&mut self) -> &mut [u8] {
         self.buf.as_mut().map_or(&mut [], |b| b.as_mut_slice())
+    }
+
+    fn serial(&self) -> Option<u64> {
+        self.buf.as_ref().and_then(|b| b.serial())
     }
 }
 

@@ -138,6 +138,7 @@
 mod plan;
 mod read;
 mod retire;
+mod slots;
 mod sys;
 mod temp;
 mod uring;
@@ -145,6 +146,7 @@ mod write;
 
 pub use read::PosixFile;
 pub use retire::{deletions_pending, remove_in_background, wait_for_deletions};
+pub use slots::{release_registered_slots, slot_registrations};
 pub use temp::{abandoned_temp, owner_tag, temp_target, STALE_AFTER, STALE_AFTER_WITHOUT_LOCKS};
 pub use write::{Faults, Step, TempFile};
 

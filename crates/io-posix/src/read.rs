@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use turboio_storage::{
-    for_each_chunk, run_workers, split_requests, Chunk, DirectIo, IoOptions, RangeReader, ReadAhead, ReadRequest,
-    StorageError, StorageFile,
+    for_each_chunk, read_into_slots_one_by_one, run_workers, slot_target, split_requests, Chunk, DirectIo, IoOptions,
+    RangeReader, ReadAhead, ReadRequest, SlotFeed, SlotMemory, SlotRead, StorageError, StorageFile,
 };
 
 /// Default bytes per chunk handed to a worker.
@@ -377,7 +377,10 @@ impl Run<'_, '_, '_> {
             }
         }
         let queue = Mutex::new(chunks.into_iter());
-        run_workers(rings, |ring, stop| UringWorker::new(self, ring).run(&queue, stop))?;
+        run_workers(rings, |mut ring, stop| {
+            let mut source = Queue { queue: &queue, failed: stop, opts: self.opts };
+            UringWorker::new(self, &mut ring).run(&mut source)
+        })?;
         Ok(ReadMethod::IoUring)
     }
 }
@@ -416,6 +419,59 @@ struct Active<'c> {
     pieces: Vec<Piece>,
     next: usize,
     pending: usize,
+    /// The source's name for the chunk ([`Next::Chunk`]).
+    tag: usize,
+    /// The registered buffer the chunk's memory lies in.
+    fixed: Option<u16>,
+}
+
+/// What a [`Source`] gives a ring to read next.
+enum Next<'c> {
+    /// A chunk, with the source's name for it and the index of the registered buffer its
+    /// memory lies in, if any.
+    Chunk { chunk: Chunk<'c>, tag: usize, fixed: Option<u16> },
+    /// Nothing yet: ask again after a completion.
+    Later,
+    /// Nothing more.
+    End,
+}
+
+/// Where a ring's chunks come from and where they go once read.
+trait Source<'c> {
+    /// The next chunk. `wait`: nothing is in flight, so block until there is one (never
+    /// answer [`Next::Later`]).
+    fn next(&mut self, wait: bool) -> Result<Next<'c>, StorageError>;
+    /// Every byte of `chunk` is in.
+    fn done(&mut self, chunk: Chunk<'c>, tag: usize) -> Result<(), StorageError>;
+}
+
+/// The chunks of one `read_ranges` call, shared by its workers: the hook and the progress
+/// counter see each chunk once it is complete.
+struct Queue<'q, 'c, 'o, 'h> {
+    queue: &'q Mutex<std::vec::IntoIter<Chunk<'c>>>,
+    failed: &'q AtomicBool,
+    opts: &'o IoOptions<'h>,
+}
+
+impl<'c> Source<'c> for Queue<'_, 'c, '_, '_> {
+    fn next(&mut self, _wait: bool) -> Result<Next<'c>, StorageError> {
+        if self.failed.load(Ordering::Relaxed) {
+            return Ok(Next::End);
+        }
+        self.opts.check_cancel()?;
+        Ok(match self.queue.lock().unwrap_or_else(|p| p.into_inner()).next() {
+            Some(chunk) => Next::Chunk { chunk, tag: 0, fixed: None },
+            None => Next::End,
+        })
+    }
+
+    fn done(&mut self, chunk: Chunk<'c>, _tag: usize) -> Result<(), StorageError> {
+        if let Some(hook) = self.opts.hook {
+            hook(chunk.offset, chunk.dst)?;
+        }
+        self.opts.add_progress(chunk.dst.len() as u64);
+        Ok(())
+    }
 }
 
 /// A request in flight.
@@ -428,7 +484,7 @@ struct InFlight {
 /// One worker thread's ring and everything the kernel may write into.
 struct UringWorker<'r, 'f, 'o, 'h, 'c> {
     run: &'r Run<'f, 'o, 'h>,
-    ring: Ring,
+    ring: &'r mut Ring,
     block: usize,
     /// Bounce buffers, allocated on demand, at most one per request in flight.
     bounce: Vec<AlignedBuf>,
@@ -448,7 +504,7 @@ impl Drop for UringWorker<'_, '_, '_, '_, '_> {
 }
 
 impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
-    fn new(run: &'r Run<'f, 'o, 'h>, ring: Ring) -> Self {
+    fn new(run: &'r Run<'f, 'o, 'h>, ring: &'r mut Ring) -> Self {
         UringWorker {
             run,
             ring,
@@ -462,19 +518,19 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
         }
     }
 
-    /// Starts a chunk: plans its pieces.
-    fn activate(&mut self, chunk: Chunk<'c>) -> usize {
+    /// Starts a chunk: plans its pieces. A chunk in a registered buffer is read in as few
+    /// requests as the plan allows (the kernel splits a large one and queues its parts at once).
+    fn activate(&mut self, chunk: Chunk<'c>, tag: usize, fixed: Option<u16>) -> usize {
         let (fd, direct) = match self.run.bypass() {
             Some(fd) => (fd.as_raw_fd(), true),
             None => (self.run.file.file.as_raw_fd(), false),
         };
         let (offset, len, base) = (chunk.offset, chunk.dst.len(), chunk.dst.as_mut_ptr());
-        let pieces = if direct {
-            plan_direct(offset, base as usize, len, self.block)
-        } else {
-            plan_buffered(offset, len, self.block)
-        };
-        let a = Active { offset, base, len, _dst: PhantomData, fd, direct, pieces, next: 0, pending: 0 };
+        let congruent = base as u64 % crate::plan::ALIGN == offset % crate::plan::ALIGN;
+        let block = if fixed.is_some() && congruent { MAX_BLOCK } else { self.block };
+        let pieces =
+            if direct { plan_direct(offset, base as usize, len, block) } else { plan_buffered(offset, len, block) };
+        let a = Active { offset, base, len, _dst: PhantomData, fd, direct, pieces, next: 0, pending: 0, tag, fixed };
         match self.free_slots.pop() {
             Some(i) => {
                 self.active[i] = Some(a);
@@ -495,6 +551,7 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
         let Some(&piece) = a.pieces.get(a.next) else {
             return Ok(true);
         };
+        let fixed = a.fixed;
         let (buf, len, offset, bounce) = match piece {
             Piece::Direct { offset, dst_off, len } => {
                 // SAFETY: `dst_off + len <= chunk.dst.len()` (the plan stays inside the chunk),
@@ -529,8 +586,15 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
         // or a bounce buffer taken off the free list, used by no other request. Both outlive
         // the request: destinations are borrowed for the whole call, bounce buffers belong to
         // `self`, and `Drop` waits for the ring to drain before either goes away. `fd` is owned
-        // by the `PosixFile`, which outlives the call.
-        let pushed = unsafe { self.ring.push_read(fd, buf, len32, offset, id as u64) };
+        // by the `PosixFile`, which outlives the call. A piece read into the chunk's memory lies
+        // inside it, so inside the registered buffer the source named for the chunk (the
+        // source guarantees that buffer is this memory).
+        let pushed = unsafe {
+            match (fixed, bounce) {
+                (Some(index), None) => self.ring.push_read_fixed(fd, buf, len32, offset, index, id as u64),
+                _ => self.ring.push_read(fd, buf, len32, offset, id as u64),
+            }
+        };
         if let Err(e) = pushed {
             self.free_ids.push(id);
             if let Some(b) = bounce {
@@ -546,8 +610,8 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
         Ok(last)
     }
 
-    /// Handles one completion. Returns the chunk if it is now complete.
-    fn complete(&mut self, id: u64, res: i32, skip_work: bool) -> Result<Option<Chunk<'c>>, StorageError> {
+    /// Handles one completion. Returns the chunk, and its tag, if it is now complete.
+    fn complete(&mut self, id: u64, res: i32, skip_work: bool) -> Result<Option<(Chunk<'c>, usize)>, StorageError> {
         let Some(f) = usize::try_from(id).ok().and_then(|i| self.inflight.get_mut(i)).and_then(Option::take) else {
             return Ok(None);
         };
@@ -577,19 +641,22 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
             return Ok(None);
         }
         self.free_slots.push(f.slot);
-        Ok(self.active[f.slot].take().map(|a| Chunk {
-            offset: a.offset,
-            // SAFETY: `base` and `len` come from the chunk's `&'c mut [u8]`, which was given up
-            // in `activate`; every piece is complete, so neither the kernel nor any other
-            // reference touches these bytes any more.
-            dst: unsafe { std::slice::from_raw_parts_mut(a.base, a.len) },
+        Ok(self.active[f.slot].take().map(|a| {
+            let chunk = Chunk {
+                offset: a.offset,
+                // SAFETY: `base` and `len` come from the chunk's `&'c mut [u8]`, which was given
+                // up in `activate`; every piece is complete, so neither the kernel nor any other
+                // reference touches these bytes any more.
+                dst: unsafe { std::slice::from_raw_parts_mut(a.base, a.len) },
+            };
+            (chunk, a.tag)
         }))
     }
 
-    /// Keeps the ring full with pieces of chunks pulled from `queue` until they run out, an
-    /// error occurs, or the caller cancels; then waits for everything in flight.
-    fn run(mut self, queue: &Mutex<std::vec::IntoIter<Chunk<'c>>>, failed: &AtomicBool) -> Result<(), StorageError> {
-        let opts = self.run.opts;
+    /// Keeps the ring full with pieces of chunks pulled from `source` until they run out, an
+    /// error occurs, or the caller cancels; hands each chunk back to `source` once complete;
+    /// then waits for everything in flight.
+    fn run(mut self, source: &mut dyn Source<'c>) -> Result<(), StorageError> {
         let mut current: Option<usize> = None;
         let mut exhausted = false;
         let mut error: Option<StorageError> = None;
@@ -599,20 +666,21 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
                 let slot = match current {
                     Some(s) => s,
                     None => {
-                        if exhausted || failed.load(Ordering::Relaxed) {
-                            exhausted = true;
+                        if exhausted {
                             break;
                         }
-                        if let Err(e) = opts.check_cancel() {
-                            error = Some(e);
-                            break;
+                        match source.next(self.ring.in_flight() == 0) {
+                            Ok(Next::Chunk { chunk, tag, fixed }) => self.activate(chunk, tag, fixed),
+                            Ok(Next::Later) => break,
+                            Ok(Next::End) => {
+                                exhausted = true;
+                                break;
+                            }
+                            Err(e) => {
+                                error = Some(e);
+                                break;
+                            }
                         }
-                        let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
-                        let Some(chunk) = next else {
-                            exhausted = true;
-                            break;
-                        };
-                        self.activate(chunk)
                     }
                 };
                 match self.submit_next(slot) {
@@ -622,7 +690,11 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
                 }
             }
             if self.ring.in_flight() == 0 {
-                break;
+                if exhausted || error.is_some() {
+                    break;
+                }
+                // A source answered `Later` with nothing in flight: ask again, waiting.
+                continue;
             }
             if let Err(e) = self.ring.submit_and_wait() {
                 error.get_or_insert(StorageError::io(&self.run.file.path, "read (io_uring)", e));
@@ -632,14 +704,10 @@ impl<'r, 'f, 'o, 'h, 'c> UringWorker<'r, 'f, 'o, 'h, 'c> {
             self.ring.reap(&mut cqes);
             for (id, res) in cqes.drain(..) {
                 match self.complete(id, res, error.is_some()) {
-                    Ok(Some(chunk)) if error.is_none() => {
-                        if let Some(hook) = opts.hook {
-                            if let Err(e) = hook(chunk.offset, chunk.dst) {
-                                error = Some(e);
-                                continue;
-                            }
+                    Ok(Some((chunk, tag))) if error.is_none() => {
+                        if let Err(e) = source.done(chunk, tag) {
+                            error = Some(e);
                         }
-                        opts.add_progress(chunk.dst.len() as u64);
                     }
                     Ok(_) => {}
                     Err(e) => {
@@ -688,6 +756,58 @@ impl StorageFile for PosixFile {
         })
     }
 
+    fn reads_into_slots(&self, opts: &IoOptions<'_>) -> bool {
+        opts.direct == DirectIo::On
+            && self.cfg.method != ReadMethod::Threads
+            && io_uring_available()
+            && !self.refused_at_read.load(Ordering::Relaxed)
+            && matches!(self.direct_file(), Ok(Some(_)))
+    }
+
+    fn read_into_slots(
+        &self,
+        feed: &mut dyn SlotFeed,
+        opts: &IoOptions<'_>,
+    ) -> Result<turboio_storage::ReadInfo, StorageError> {
+        if !self.reads_into_slots(opts) {
+            return read_into_slots_one_by_one(self, feed, opts);
+        }
+        let Some(direct) = self.direct_file()? else {
+            return read_into_slots_one_by_one(self, feed, opts);
+        };
+        let slots: Vec<SlotMemory> = (0..feed.slots()).map(|i| feed.slot_memory(i)).collect();
+        // Every slot's read in flight, and room for the bounce pieces of unaligned ones.
+        let depth = u32::try_from(slots.len().saturating_mul(2)).unwrap_or(u32::MAX).clamp(16, 1024);
+        let Ok(mut lease) = crate::slots::take(depth, &slots) else {
+            // No ring here (seccomp, a container policy): one slot at a time.
+            return read_into_slots_one_by_one(self, feed, opts);
+        };
+        let fixed = lease.index.iter().any(Option::is_some);
+        let run = Run {
+            file: self,
+            opts,
+            direct_fd: Some(direct.as_fd()),
+            refused: AtomicBool::new(false),
+            read_ahead: false,
+        };
+        let index = std::mem::take(&mut lease.index);
+        let result = {
+            let mut source = Fed { file: self, feed, slots: &slots, index: &index, opts };
+            UringWorker::new(&run, &mut lease.ring).run(&mut source)
+        };
+        crate::slots::give_back(lease);
+        let refused = run.refused.load(Ordering::Relaxed);
+        if refused {
+            self.refused_at_read.store(true, Ordering::Relaxed);
+        }
+        result?;
+        Ok(turboio_storage::ReadInfo {
+            method: if fixed { "io_uring, registered buffers" } else { "io_uring" },
+            direct: !refused,
+            direct_refused: refused,
+        })
+    }
+
     fn local_file(&self) -> Option<&File> {
         Some(&self.file)
     }
@@ -702,6 +822,59 @@ impl StorageFile for PosixFile {
             // Advisory: if the kernel refuses, the readers read the pages themselves.
             let _ = sys::will_need(&self.file, offset, len);
         }
+    }
+}
+
+/// The chunks of a [`SlotFeed`] as a ring's [`Source`]: each read the feed asks for becomes a
+/// chunk over its slot's memory, named by the slot, and the feed is told once it is in.
+struct Fed<'a, 'o, 'h> {
+    file: &'a PosixFile,
+    feed: &'a mut dyn SlotFeed,
+    slots: &'a [SlotMemory],
+    index: &'a [Option<u16>],
+    opts: &'o IoOptions<'h>,
+}
+
+impl<'a> Source<'a> for Fed<'a, '_, '_> {
+    fn next(&mut self, wait: bool) -> Result<Next<'a>, StorageError> {
+        self.opts.check_cancel()?;
+        let (slot, offset, len) = match self.feed.next(wait)? {
+            SlotRead::Read { slot, offset, len } => (slot, offset, len),
+            SlotRead::Later if !wait => return Ok(Next::Later),
+            SlotRead::Later => {
+                return Err(StorageError::Unsupported {
+                    backend: "posix",
+                    what: "a slot feed that answers `Later` when told to wait".into(),
+                })
+            }
+            SlotRead::End => return Ok(Next::End),
+        };
+        let mem = match self.slots.get(slot) {
+            Some(m) if m.len >= len && !m.ptr.is_null() => *m,
+            _ => {
+                return Err(slot_target(&*self.feed, slot, len, &self.file.path).err().unwrap_or(
+                    StorageError::Unsupported {
+                        backend: "posix",
+                        what: format!("slot {slot} changed during the read"),
+                    },
+                ))
+            }
+        };
+        self.file.check_range(offset, len)?;
+        // SAFETY: the `SlotFeed` contract: the slot's memory is valid for writes of `mem.len >=
+        // len` bytes for the whole call, and nothing but this read touches it until `filled` is
+        // called for it (in `done`, once every piece is in), nor is it handed out again before.
+        let dst = unsafe { std::slice::from_raw_parts_mut(mem.ptr, len) };
+        Ok(Next::Chunk { chunk: Chunk { offset, dst }, tag: slot, fixed: self.index.get(slot).copied().flatten() })
+    }
+
+    fn done(&mut self, chunk: Chunk<'a>, slot: usize) -> Result<(), StorageError> {
+        if let Some(hook) = self.opts.hook {
+            hook(chunk.offset, chunk.dst)?;
+        }
+        let (offset, len) = (chunk.offset, chunk.dst.len());
+        self.opts.add_progress(len as u64);
+        self.feed.filled(slot, offset, len)
     }
 }
 

@@ -54,6 +54,56 @@ impl Ring {
         unsafe { self.push(&entry) }
     }
 
+    /// [`push_read`](Self::push_read) into registered buffer `index`
+    /// ([`register_buffers`](Self::register_buffers)): the kernel skips pinning the pages for
+    /// this request.
+    ///
+    /// # Safety
+    ///
+    /// As `push_read`; and `buf .. buf + len` must lie inside the memory registered as `index`,
+    /// which must still be the memory it was when registered.
+    pub(crate) unsafe fn push_read_fixed(
+        &mut self,
+        fd: RawFd,
+        buf: *mut u8,
+        len: u32,
+        offset: u64,
+        index: u16,
+        user_data: u64,
+    ) -> io::Result<()> {
+        let entry = opcode::ReadFixed::new(types::Fd(fd), buf, len, index).offset(offset).build().user_data(user_data);
+        // SAFETY: the caller's guarantees are `push`'s.
+        unsafe { self.push(&entry) }
+    }
+
+    /// Registers `bufs` (address, length) as the ring's fixed buffers, in order (replacing any
+    /// registered before): the kernel pins their pages once, here, instead of at every request.
+    ///
+    /// # Safety
+    ///
+    /// Each buffer must be mapped for its length. The kernel keeps its own references to the
+    /// pages until [`unregister_buffers`](Self::unregister_buffers) or the ring is dropped, so
+    /// freeing the memory is safe, but the registration then names pages no longer mapped there:
+    /// a caller must never read into an index whose memory is gone.
+    pub(crate) unsafe fn register_buffers(&mut self, bufs: &[(*mut u8, usize)]) -> io::Result<()> {
+        if self.in_flight > 0 {
+            return Err(io::Error::other("io_uring buffers registered while requests are in flight"));
+        }
+        let _ = self.ring.submitter().unregister_buffers();
+        let iov: Vec<libc::iovec> =
+            bufs.iter().map(|&(p, len)| libc::iovec { iov_base: p.cast(), iov_len: len }).collect();
+        // SAFETY: the caller guarantees the memory is mapped; the kernel pins it.
+        unsafe { self.ring.submitter().register_buffers(&iov) }
+    }
+
+    /// Drops the registration of [`register_buffers`](Self::register_buffers), unpinning the
+    /// pages (nothing may be in flight).
+    pub(crate) fn unregister_buffers(&mut self) {
+        if self.in_flight == 0 {
+            let _ = self.ring.submitter().unregister_buffers();
+        }
+    }
+
     /// Queues a write of `len` bytes from `buf` at `offset` of `fd`, like
     /// [`push_read`](Self::push_read).
     ///

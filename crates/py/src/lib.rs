@@ -424,14 +424,17 @@ impl PyStagingPool {
         self.pool.set_max_buffers(n)
     }
 
-    /// Frees the free slots now (slots in use come back, and are kept, when their loads end).
+    /// Frees the free slots now (slots in use come back, and are kept, when their loads end),
+    /// and drops the io_uring registration of slots that cold loads bypassing the page cache
+    /// keep (the kernel would hold their pages until the next such load).
     fn release(&self) {
-        self.pool.release()
+        self.pool.release();
+        turboio::posix::release_registered_slots();
     }
 
     /// Frees the free slots (the older name of `release`).
     fn clear(&self) {
-        self.pool.release()
+        self.release()
     }
 
     fn __repr__(&self) -> String {

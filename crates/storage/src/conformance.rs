@@ -7,7 +7,7 @@
 //! Files are created through the backend's own [`Storage::write_file`] so that the suite works
 //! for backends whose files live somewhere `std::fs` cannot reach.
 
-use crate::{BytesSource, IoOptions, ReadRequest, Storage, StorageError, WriteSource};
+use crate::{BytesSource, IoOptions, ReadRequest, SlotFeed, SlotMemory, SlotRead, Storage, StorageError, WriteSource};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -52,6 +52,7 @@ pub fn run_all(storage: &dyn Storage, dir: &Path, caps: Capabilities, opts: &IoO
     missing_file(storage, dir);
     concurrent_readers(storage, dir, opts);
     hook_sees_every_byte(storage, dir, opts);
+    slot_reads(storage, dir, opts);
     overwrite_replaces(storage, dir, opts);
     failed_write_keeps_old_file(storage, dir, caps, opts);
     if caps.lists {
@@ -315,4 +316,114 @@ pub fn list_and_remove(storage: &dyn Storage, dir: &Path, caps: Capabilities, op
     storage.remove_file(&sub.join("b.bin")).expect("removing a missing file is not an error");
     assert_eq!(storage.list(&sub).unwrap(), vec![sub.join("a.safetensors")]);
     assert_eq!(read_all(storage, &sub.join("nested/c.bin"), opts), b"nested/c.bin");
+}
+
+/// A [`SlotFeed`] for the suite: reads `spans` (offset, length) into `slots` slots, copies each
+/// filled slot out to `out` at once (so its slot is free again), and can fail its `fail_at`th
+/// `filled`.
+struct TestFeed {
+    slots: Vec<Vec<u8>>,
+    spans: Vec<(u64, usize)>,
+    next: usize,
+    /// Slots handed out and not filled yet: (slot, span index).
+    reading: Vec<(usize, usize)>,
+    free: Vec<usize>,
+    out: Vec<Option<Vec<u8>>>,
+    filled: usize,
+    fail_at: Option<usize>,
+}
+
+impl TestFeed {
+    fn new(slots: usize, slot_len: usize, spans: Vec<(u64, usize)>, fail_at: Option<usize>) -> TestFeed {
+        let out = vec![None; spans.len()];
+        TestFeed {
+            slots: (0..slots).map(|_| vec![0xAA; slot_len]).collect(),
+            spans,
+            next: 0,
+            reading: Vec::new(),
+            free: (0..slots).collect(),
+            out,
+            filled: 0,
+            fail_at,
+        }
+    }
+}
+
+// SAFETY: each slot is a `Vec` this feed owns for its whole life and never resizes; a slot is
+// handed out only from `free` and is read here only in `filled`, after which it is free again.
+#[allow(unsafe_code)]
+unsafe impl SlotFeed for TestFeed {
+    fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn slot_memory(&self, slot: usize) -> SlotMemory {
+        // The pointer of a Vec the feed owns and never resizes; nothing here reads through it
+        // while the slot is out.
+        let v = &self.slots[slot];
+        SlotMemory { ptr: v.as_ptr().cast_mut(), len: v.len(), serial: None }
+    }
+
+    fn slot_mut(&mut self, slot: usize) -> &mut [u8] {
+        self.slots.get_mut(slot).map_or(&mut [], |v| &mut v[..])
+    }
+
+    fn next(&mut self, wait: bool) -> crate::Result<SlotRead> {
+        let Some(&(offset, len)) = self.spans.get(self.next) else { return Ok(SlotRead::End) };
+        let Some(slot) = self.free.pop() else {
+            // Slots come back in `filled`, so a feed told to wait would wait forever.
+            assert!(!wait, "asked to wait with every slot's read in flight");
+            return Ok(SlotRead::Later);
+        };
+        self.reading.push((slot, self.next));
+        self.next += 1;
+        Ok(SlotRead::Read { slot, offset, len })
+    }
+
+    fn filled(&mut self, slot: usize, offset: u64, len: usize) -> crate::Result<()> {
+        let at = self.reading.iter().position(|&(s, _)| s == slot).expect("filled a slot that was not handed out");
+        let (_, span) = self.reading.swap_remove(at);
+        assert_eq!(self.spans[span], (offset, len), "filled says another read than was asked for");
+        self.filled += 1;
+        if Some(self.filled) == self.fail_at {
+            return Err(StorageError::Unsupported { backend: "feed", what: "the feed failed on purpose".into() });
+        }
+        self.out[span] = Some(self.slots[slot][..len].to_vec());
+        self.free.push(slot);
+        Ok(())
+    }
+}
+
+/// [`StorageFile::read_into_slots`] reads every span a feed asks for into its slots (odd
+/// offsets and lengths, more spans than slots), tells the feed once per read, stops at a
+/// read past the end with an error, and returns an error the feed gave.
+pub fn slot_reads(storage: &dyn Storage, dir: &Path, opts: &IoOptions<'_>) {
+    let name = storage.name();
+    let len = (6 << 20) + 777;
+    let path = scratch(dir, "slot_reads.bin");
+    let data = pattern(len, 91);
+    write(storage, &path, &data, opts);
+    let f = storage.open(&path).unwrap();
+    let slot = 1 << 20;
+    let mut spans: Vec<(u64, usize)> = (0..6).map(|i| ((i << 20) as u64, slot)).collect();
+    spans.extend([(4095u64, 4098usize), (13, slot - 13), ((6 << 20) as u64, 777), (12345, 1)]);
+    let mut feed = TestFeed::new(3, slot, spans.clone(), None);
+    f.read_into_slots(&mut feed, opts).unwrap_or_else(|e| panic!("{name}: read_into_slots failed: {e}"));
+    for (i, &(off, n)) in spans.iter().enumerate() {
+        let got = feed.out[i].as_deref().unwrap_or_else(|| panic!("{name}: span {off}+{n} was never filled"));
+        assert!(got == &data[off as usize..off as usize + n], "{name}: span {off}+{n} differs");
+    }
+    assert_eq!(feed.filled, spans.len(), "{name}: one `filled` per read");
+
+    // A read past the end fails the call, naming the file; nothing more is asked for after it.
+    let mut feed = TestFeed::new(2, slot, vec![(0, 4096), ((len - 10) as u64, 20), (0, 4096), (0, 4096)], None);
+    let e = f.read_into_slots(&mut feed, opts).expect_err("a read past the end");
+    assert!(e.to_string().contains("slot_reads.bin"), "{name}: the error names the file: {e}");
+    assert!(feed.next <= 3, "{name}: reads were asked for after the failure");
+
+    // The feed's own error ends the call with it: no read is handed to the feed after it.
+    let mut feed = TestFeed::new(2, slot, spans, Some(2));
+    let e = f.read_into_slots(&mut feed, opts).expect_err("the feed failed");
+    assert!(e.to_string().contains("on purpose"), "{name}: the feed's error comes back: {e}");
+    assert_eq!(feed.filled, 2, "{name}: the feed was told of reads after its error");
 }

@@ -37,7 +37,9 @@
 //! With the `conformance` feature, the `conformance` module exports the checks every backend's tests run
 //! (round trips, odd offsets, short and missing files, concurrent readers, failed writes).
 #![deny(missing_docs)]
-#![forbid(unsafe_code)]
+// No unsafe code here; the one unsafe item is a trait declaration (`SlotFeed`), whose promise
+// the local backend's io_uring relies on.
+#![deny(unsafe_code)]
 
 mod error;
 mod parallel;
@@ -215,6 +217,66 @@ pub struct ReadInfo {
     pub direct_refused: bool,
 }
 
+/// One slot of a [`SlotFeed`]: caller memory a backend reads chunks into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotMemory {
+    /// The first byte (page-aligned where the feed can, so `O_DIRECT` reads go straight in).
+    pub ptr: *mut u8,
+    /// Bytes usable.
+    pub len: usize,
+    /// A number that names this memory for the whole process and is never given to other
+    /// memory, even after this memory is freed (`None` when the feed cannot promise one). A
+    /// backend may keep state about the memory between calls under it (the local backend keeps
+    /// slots registered with its io_uring, so a steady-state load registers nothing).
+    pub serial: Option<u64>,
+}
+
+/// What a [`SlotFeed`] wants read next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotRead {
+    /// Read `len` bytes at file `offset` into the first bytes of slot `slot`.
+    Read {
+        /// Index of the slot (below [`SlotFeed::slots`]).
+        slot: usize,
+        /// Absolute offset in the file.
+        offset: u64,
+        /// Bytes (at most the slot's length).
+        len: usize,
+    },
+    /// No slot is free yet (only when asked without waiting).
+    Later,
+    /// Nothing more to read.
+    End,
+}
+
+/// The caller's side of [`StorageFile::read_into_slots`]: a fixed set of memory slots, and a
+/// queue of reads into them that the backend pulls one at a time, telling the feed as each is
+/// complete (so the feed can hand the slot's bytes on, e.g. start a device copy, and give the
+/// slot back through a later [`next`](Self::next)).
+///
+/// # Safety
+///
+/// An implementation promises that every slot's memory ([`slot_memory`](Self::slot_memory),
+/// the same for the whole call) is valid for writes of its length until the call returns, and
+/// that from the moment [`next`](Self::next) hands out a slot until [`filled`](Self::filled)
+/// is called for it (or the call returns) nothing but the backend reads or writes that slot,
+/// and it is not handed out again.
+#[allow(unsafe_code)]
+pub unsafe trait SlotFeed {
+    /// How many slots there are.
+    fn slots(&self) -> usize;
+    /// Slot `slot`'s memory, for a backend whose reads complete after it returns (io_uring).
+    fn slot_memory(&self, slot: usize) -> SlotMemory;
+    /// Slot `slot`'s memory as a slice (empty for a slot that does not exist), for a backend
+    /// that reads into it before asking for anything else.
+    fn slot_mut(&mut self, slot: usize) -> &mut [u8];
+    /// The next read. `wait`: nothing is in flight, so block until a slot is free (never
+    /// answer [`SlotRead::Later`]); otherwise answer `Later` when none is.
+    fn next(&mut self, wait: bool) -> Result<SlotRead>;
+    /// The read handed out with `slot` is complete: its `len` bytes at `offset` are in the slot.
+    fn filled(&mut self, slot: usize, offset: u64, len: usize) -> Result<()>;
+}
+
 /// An open file.
 pub trait StorageFile: Send + Sync + Debug {
     /// The path it was opened with.
@@ -252,6 +314,27 @@ pub trait StorageFile: Send + Sync + Debug {
     fn read_ranges_reported(&self, requests: Vec<ReadRequest<'_>>, opts: &IoOptions<'_>) -> Result<ReadInfo> {
         self.read_ranges(requests, opts)?;
         Ok(ReadInfo { method: "storage", direct: false, direct_refused: false })
+    }
+
+    /// True if [`read_into_slots`](Self::read_into_slots) is this backend's own, faster way to
+    /// read a file a slot at a time with `opts` (the local backend: `O_DIRECT` through io_uring,
+    /// each completion handed on as it comes, the slots registered once as fixed buffers). A
+    /// caller that reads into slots with many threads of its own asks first and keeps its
+    /// threads where this is false (the default).
+    fn reads_into_slots(&self, _opts: &IoOptions<'_>) -> bool {
+        false
+    }
+
+    /// Reads what `feed` asks for into its slots, a read at a time, telling it as each one is
+    /// complete. Every read fills its slot completely or the call fails; on an error (the
+    /// backend's, or one `feed` returned) nothing more is asked for, the reads in flight are
+    /// waited for, and the error is returned. `opts.threads` and `opts.chunk_size` do not
+    /// apply; `opts.hook` runs on each read's bytes before the feed is told.
+    ///
+    /// The default reads one slot at a time with [`read_ranges`](Self::read_ranges) on the
+    /// calling thread (correct everywhere; see [`reads_into_slots`](Self::reads_into_slots)).
+    fn read_into_slots(&self, feed: &mut dyn SlotFeed, opts: &IoOptions<'_>) -> Result<ReadInfo> {
+        read_into_slots_one_by_one(self, feed, opts)
     }
 
     /// True if [`read_to_device`](Self::read_to_device) can write into memory of this device kind.
@@ -448,5 +531,53 @@ pub trait Storage: Send + Sync + Debug {
     fn remove_file(&self, path: &Path) -> Result<()> {
         let _ = path;
         Err(StorageError::Unsupported { backend: self.name(), what: "removing a file".into() })
+    }
+}
+
+/// The memory of `slot` of `feed`, checked to hold `len` bytes (for backends implementing
+/// [`StorageFile::read_into_slots`]).
+pub fn slot_target(feed: &dyn SlotFeed, slot: usize, len: usize, path: &Path) -> Result<SlotMemory> {
+    let mem = if slot < feed.slots() { Some(feed.slot_memory(slot)) } else { None };
+    match mem {
+        Some(m) if m.len >= len && !m.ptr.is_null() => Ok(m),
+        _ => Err(StorageError::Unsupported {
+            backend: "storage",
+            what: format!(
+                "reading {len} bytes of {} into slot {slot} of {} (missing or too small)",
+                shown(path),
+                feed.slots()
+            ),
+        }),
+    }
+}
+
+/// [`StorageFile::read_into_slots`]'s default: one slot at a time with
+/// [`read_ranges_reported`](StorageFile::read_ranges_reported) on the calling thread (for a
+/// backend whose own way does not apply to a call).
+pub fn read_into_slots_one_by_one<F: StorageFile + ?Sized>(
+    file: &F,
+    feed: &mut dyn SlotFeed,
+    opts: &IoOptions<'_>,
+) -> Result<ReadInfo> {
+    let mut info = ReadInfo { method: "storage", direct: false, direct_refused: false };
+    loop {
+        opts.check_cancel()?;
+        let (slot, offset, len) = match feed.next(true)? {
+            SlotRead::Read { slot, offset, len } => (slot, offset, len),
+            SlotRead::End => return Ok(info),
+            SlotRead::Later => {
+                return Err(StorageError::Unsupported {
+                    backend: "storage",
+                    what: "a slot feed that answers `Later` when told to wait".into(),
+                })
+            }
+        };
+        slot_target(feed, slot, len, file.path())?;
+        let dst = feed.slot_mut(slot).get_mut(..len).ok_or_else(|| StorageError::Unsupported {
+            backend: "storage",
+            what: format!("slot {slot} is smaller than its {len}-byte read"),
+        })?;
+        info = file.read_ranges_reported(vec![ReadRequest { offset, dst }], &IoOptions { threads: 1, ..*opts })?;
+        feed.filled(slot, offset, len)?;
     }
 }

@@ -13,7 +13,11 @@
 //! 3. **Staged** ([`load_staged`]): readers fill pinned slots from the device's pool (pinned once
 //!    per process) that the device copies while the next chunk is read; how the file is read
 //!    (hot, cold kept in the page cache behind one read-ahead cursor, cold with `O_DIRECT`) is
-//!    decided once per load.
+//!    decided once per load. Cold with `O_DIRECT`, on storage that reads into slots itself
+//!    ([`StorageFile::reads_into_slots`](turboio_storage::StorageFile::reads_into_slots): the
+//!    local backend's io_uring, the slots registered once as fixed buffers), one thread keeps
+//!    every free slot's read in flight and starts each slot's copy as its read completes
+//!    ([`by_completion`]).
 //!
 //! A path that is refused falls through to the next with one line in
 //! [`LoadReport::fallbacks`](crate::LoadReport::fallbacks) saying why; nothing here fails a
@@ -363,9 +367,11 @@ pub(crate) enum StageRead {
     /// Cold, and kept in the page cache (so the next process is hot): buffered reads led by
     /// one read-ahead cursor for the whole load.
     ColdKept,
-    /// Cold, the page cache bypassed: `O_DIRECT` reads straight into the slots; a fill of such
-    /// files alone gets a reader per slot (one `pread` per slot, its copy issued as soon as it
-    /// is full), a fill mixing them with others reads a reader's slots in one call (io_uring).
+    /// Cold, the page cache bypassed: `O_DIRECT` reads straight into the slots. A fill of such
+    /// files alone, on storage that reads into slots itself, is the storage's (io_uring, each
+    /// completion starting its slot's copy: [`by_completion`]); elsewhere it gets a reader per
+    /// slot (one `pread` per slot, its copy issued as soon as it is full); a fill mixing them
+    /// with others reads a reader's slots in one call.
     ColdDirect,
 }
 
@@ -517,6 +523,15 @@ fn load_staged(files: &[Staged<'_>], device: &dyn Device, chunk: usize) -> Resul
         .collect();
     let per_slot = ctx.iter().all(|c| c.read == StageRead::ColdDirect);
     let plan = StagePlan::new(chunk, total, io.threads, device, per_slot);
+    // Every file cold with O_DIRECT, on storage that reads into slots itself (io_uring):
+    // one thread, every slot's read in flight, each copy started as its read completes.
+    let by_completion = per_slot
+        && files.iter().zip(&ctx).all(|(f, c)| {
+            (f.key.is_some() || !f.job.opened.encrypted()) && f.job.opened.raw().reads_into_slots(&c.per_read)
+        });
+    if by_completion {
+        return by_completion::fill(files, &ctx, device, &plan);
+    }
     let mut chunks = Vec::new();
     for (i, f) in files.iter().enumerate() {
         chunks_of(i, f.job.runs, plan.chunk, f.job.opened.offset(), &mut chunks);
@@ -765,6 +780,246 @@ impl Cursor {
             }
             let opened = p.files[file].job.opened;
             opened.raw().will_need(opened.offset() + start, end - start);
+        }
+    }
+}
+
+/// Cold files read with `O_DIRECT` by the storage itself into the slots
+/// ([`StorageFile::read_into_slots`](turboio_storage::StorageFile::read_into_slots)): the
+/// storage keeps a read in flight for every free slot and tells the feed here as each
+/// completes, which starts that slot's copy at once; a slot is read again as soon as its copy
+/// is done. One thread; no CPU copy.
+mod by_completion {
+    use super::{Chunk, Error, Result, StagePlan, StageRead, Staged, StagedFile};
+    use std::collections::VecDeque;
+    use turboio_device::{AfterUpload, Device, Staging, Transfer};
+    use turboio_storage::{ReadInfo, SlotFeed, SlotMemory, SlotRead, StorageError};
+
+    /// Fills every file of `files` (all cold, `O_DIRECT`, on storage that reads into slots).
+    pub(super) fn fill(
+        files: &[Staged<'_>],
+        ctx: &[StagedFile<'_>],
+        device: &dyn Device,
+        plan: &StagePlan,
+    ) -> Result<Vec<ReadInfo>> {
+        let first = files[0].job.opened.path();
+        let mut per_file: Vec<Vec<Chunk>> = Vec::with_capacity(files.len());
+        for (i, f) in files.iter().enumerate() {
+            let mut chunks = Vec::new();
+            super::chunks_of(i, f.job.runs, plan.chunk, f.job.opened.offset(), &mut chunks);
+            per_file.push(chunks);
+        }
+        let total_chunks: usize = per_file.iter().map(Vec::len).sum();
+        let want = (plan.readers * plan.slots_per_reader).clamp(1, total_chunks.max(1));
+        let bufs = slots(device, want, plan.chunk).map_err(|e| Error::device(first, e))?;
+        let mut feed = Feed::new(files, device, bufs);
+        let mut infos = Vec::with_capacity(files.len());
+        let mut result = Ok(());
+        for (i, (chunks, c)) in per_file.into_iter().zip(ctx).enumerate() {
+            feed.start(i, chunks);
+            let raw = files[i].job.opened.raw();
+            match raw.read_into_slots(&mut feed, &c.per_read) {
+                Ok(r) => infos.push(ReadInfo {
+                    method: match r.method {
+                        "io_uring, registered buffers" => {
+                            "staged: cold, O_DIRECT io_uring into registered pinned slots, each copy started as its read completes"
+                        }
+                        "io_uring" => "staged: cold, O_DIRECT io_uring into pinned slots, each copy started as its read completes",
+                        _ => StageRead::ColdDirect.method(),
+                    },
+                    ..r
+                }),
+                Err(e) => {
+                    result = Err(feed.error.take().unwrap_or_else(|| match e {
+                        StorageError::Cancelled => Error::Cancelled { path: files[i].job.opened.path().to_owned() },
+                        e => Error::storage(files[i].job.opened.path(), e),
+                    }));
+                    break;
+                }
+            }
+        }
+        // Every copy is waited for, success or not (the device may be reading the slots); the
+        // slots go back to the pool when `feed` is dropped.
+        let drained = feed.drain();
+        result?;
+        drained?;
+        Ok(infos)
+    }
+
+    /// `n` slots of `chunk` bytes from the device's pool; the ones the pool does not have are
+    /// pinned on several threads at once (a new process's first load).
+    fn slots(device: &dyn Device, n: usize, chunk: usize) -> turboio_device::Result<Vec<Staging>> {
+        let pooled = device.staging_pool().map_or(0, |p| p.free_buffers());
+        let threads = if pooled >= n { 1 } else { turboio_storage::default_threads().clamp(1, n) };
+        if threads == 1 {
+            return (0..n).map(|_| device.alloc_staging(chunk)).collect();
+        }
+        let per = n.div_ceil(threads);
+        let parts: Vec<turboio_device::Result<Vec<Staging>>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let count = per.min(n.saturating_sub(t * per));
+                    s.spawn(move || (0..count).map(|_| device.alloc_staging(chunk)).collect())
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+        });
+        let mut out = Vec::with_capacity(n);
+        for p in parts {
+            out.extend(p?);
+        }
+        Ok(out)
+    }
+
+    /// The slots and the copies in flight, as the storage's [`SlotFeed`].
+    struct Feed<'p, 'a> {
+        files: &'p [Staged<'a>],
+        device: &'p dyn Device,
+        /// Each slot's buffer, while it is here (not in a copy).
+        bufs: Vec<Option<Staging>>,
+        memory: Vec<SlotMemory>,
+        free: Vec<usize>,
+        /// The chunk each slot is being read for.
+        reading: Vec<Option<Chunk>>,
+        /// Copies in flight, oldest first: (slot, file).
+        copies: VecDeque<(usize, usize, Transfer)>,
+        /// The file being read and its chunks.
+        file: usize,
+        chunks: Vec<Chunk>,
+        next: usize,
+        /// A device error met in a callback (the storage sees a stand-in).
+        error: Option<Error>,
+    }
+
+    impl<'p, 'a> Feed<'p, 'a> {
+        fn new(files: &'p [Staged<'a>], device: &'p dyn Device, mut bufs: Vec<Staging>) -> Self {
+            let memory = bufs
+                .iter_mut()
+                .map(|b| {
+                    let serial = b.serial();
+                    let s = b.as_mut_slice();
+                    SlotMemory { ptr: s.as_mut_ptr(), len: s.len(), serial }
+                })
+                .collect();
+            let n = bufs.len();
+            Feed {
+                files,
+                device,
+                bufs: bufs.into_iter().map(Some).collect(),
+                memory,
+                free: (0..n).rev().collect(),
+                reading: vec![None; n],
+                copies: VecDeque::with_capacity(n),
+                file: 0,
+                chunks: Vec::new(),
+                next: 0,
+                error: None,
+            }
+        }
+
+        fn start(&mut self, file: usize, chunks: Vec<Chunk>) {
+            self.file = file;
+            self.chunks = chunks;
+            self.next = 0;
+        }
+
+        /// Takes back the slot of the oldest copy, waiting for it.
+        fn reclaim(&mut self) -> Result<()> {
+            if let Some((slot, file, t)) = self.copies.pop_front() {
+                let buf = t.wait().map_err(|e| Error::device(self.files[file].job.opened.path(), e))?;
+                self.bufs[slot] = Some(buf);
+                self.free.push(slot);
+            }
+            Ok(())
+        }
+
+        /// Waits for every copy in flight.
+        fn drain(&mut self) -> Result<()> {
+            let mut result = Ok(());
+            while !self.copies.is_empty() {
+                if let Err(e) = self.reclaim() {
+                    result = result.and(Err(e));
+                }
+            }
+            result
+        }
+
+        /// Keeps a device error for the caller; the storage gets a stand-in that names it.
+        fn fail(&mut self, e: Error) -> StorageError {
+            let what = e.to_string();
+            self.error.get_or_insert(e);
+            StorageError::Unsupported { backend: "device", what }
+        }
+    }
+
+    // SAFETY: every slot's memory is its `Staging` buffer, owned by `bufs` (or by a copy, which
+    // gives it back) until the feed is dropped, after the storage's call has returned; the
+    // pointers in `memory` were taken from those buffers, whose heap memory never moves. A slot
+    // is handed out by `next` only from `free` and is not touched again until `filled`, which
+    // starts its copy; it returns to `free` only once that copy is done.
+    #[allow(unsafe_code)]
+    unsafe impl SlotFeed for Feed<'_, '_> {
+        fn slots(&self) -> usize {
+            self.memory.len()
+        }
+
+        fn slot_memory(&self, slot: usize) -> SlotMemory {
+            self.memory[slot]
+        }
+
+        fn slot_mut(&mut self, slot: usize) -> &mut [u8] {
+            match self.bufs.get_mut(slot).and_then(Option::as_mut) {
+                Some(b) => b.as_mut_slice(),
+                None => &mut [],
+            }
+        }
+
+        fn next(&mut self, wait: bool) -> turboio_storage::Result<SlotRead> {
+            let Some(&chunk) = self.chunks.get(self.next) else { return Ok(SlotRead::End) };
+            // Slots whose copies are done, without waiting.
+            while self.copies.front().is_some_and(|(_, _, t)| t.is_complete()) {
+                if let Err(e) = self.reclaim() {
+                    return Err(self.fail(e));
+                }
+            }
+            if self.free.is_empty() {
+                if !wait {
+                    return Ok(SlotRead::Later);
+                }
+                if let Err(e) = self.reclaim() {
+                    return Err(self.fail(e));
+                }
+            }
+            let Some(slot) = self.free.pop() else {
+                return Err(StorageError::Unsupported { backend: "device", what: "no staging slot".into() });
+            };
+            self.next += 1;
+            self.reading[slot] = Some(chunk);
+            let offset = self.files[self.file].job.opened.offset() + chunk.pos;
+            Ok(SlotRead::Read { slot, offset, len: chunk.len })
+        }
+
+        fn filled(&mut self, slot: usize, _offset: u64, len: usize) -> turboio_storage::Result<()> {
+            let (Some(chunk), Some(buf)) =
+                (self.reading.get_mut(slot).and_then(Option::take), self.bufs.get_mut(slot).and_then(Option::take))
+            else {
+                return Err(StorageError::Unsupported { backend: "device", what: format!("slot {slot} was not read") });
+            };
+            let f = &self.files[chunk.file];
+            let after = match f.key {
+                Some(key) => AfterUpload::Keystream { key, pos: chunk.pos },
+                None => AfterUpload::Nothing,
+            };
+            match self.device.upload_with(buf, len.min(chunk.len), f.job.memory, f.job.shift + chunk.at, after) {
+                Ok(t) => {
+                    self.copies.push_back((slot, chunk.file, t));
+                    Ok(())
+                }
+                Err(e) => {
+                    let e = Error::device(f.job.opened.path(), e);
+                    Err(self.fail(e))
+                }
+            }
         }
     }
 }

@@ -16,7 +16,11 @@ use std::sync::{Arc, Condvar, Mutex};
 pub struct Arena {
     map: RawMap,
     len: usize,
+    serial: u64,
 }
+
+/// The next [`Arena::serial`]: never reused in a process.
+static NEXT_SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl Arena {
     /// Maps a new arena of `len` bytes. With `huge_pages`, asks for transparent huge pages
@@ -33,7 +37,14 @@ impl Arena {
             // Advisory: a kernel without THP refuses, and 4 KiB pages still work.
             let _ = map.advise(0, map.len(), MmapAdvise::MADV_HUGEPAGE);
         }
-        Ok(Arena { map, len })
+        let serial = NEXT_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Arena { map, len, serial })
+    }
+
+    /// A number naming this arena's memory for the whole process, never given to another
+    /// arena (see [`HostBuffer::serial`]).
+    pub fn serial(&self) -> u64 {
+        self.serial
     }
 
     /// Bytes in use.
@@ -99,6 +110,10 @@ impl HostBuffer for Arena {
 
     fn as_mut_slice(&mut self) -> &mut [u8] {
         Arena::as_mut_slice(self)
+    }
+
+    fn serial(&self) -> Option<u64> {
+        Some(self.serial)
     }
 }
 

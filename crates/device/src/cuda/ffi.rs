@@ -220,6 +220,14 @@ impl Event {
         Ok(())
     }
 
+    /// True when the recorded work is done (`cuEventQuery`, which does not block); false
+    /// while it runs, and on any error (the wait that follows reports it).
+    pub(crate) fn is_done(&self) -> bool {
+        let Ok(_bound) = bind(&self.ctx) else { return false };
+        // SAFETY: the event is live (destroyed only in Drop).
+        unsafe { sys::cuEventQuery(self.event) == sys::CUresult::CUDA_SUCCESS }
+    }
+
     /// Blocks until the recorded work is done.
     pub(crate) fn wait(&mut self) -> Result<(), DriverError> {
         self.pending = false;

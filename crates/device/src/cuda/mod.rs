@@ -550,6 +550,10 @@ impl HostBuffer for PinnedStaging {
     fn as_mut_slice(&mut self) -> &mut [u8] {
         self.arena.as_mut_slice()
     }
+
+    fn serial(&self) -> Option<u64> {
+        Some(self.arena.serial())
+    }
 }
 
 /// An upload in flight: the event after its copy (and kernel), and the buffer it reads.
@@ -569,6 +573,10 @@ impl PendingTransfer for CudaPending {
             self.shared.events.lock().unwrap_or_else(|p| p.into_inner()).push(e);
         }
         self.staging.take().ok_or(DeviceError::Driver { device, message: "transfer waited twice".into() })
+    }
+
+    fn is_complete(&self) -> bool {
+        self.event.as_ref().is_none_or(ffi::Event::is_done)
     }
 }
 

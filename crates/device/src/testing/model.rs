@@ -412,6 +412,10 @@ impl PendingTransfer for ModelPending {
             .take()
             .ok_or(DeviceError::Driver { device: self.inner.id, message: "transfer waited twice".into() })
     }
+
+    fn is_complete(&self) -> bool {
+        Instant::now() >= self.done
+    }
 }
 
 impl Drop for ModelPending {
