@@ -402,6 +402,39 @@ fn converting_loads_refuse_non_floating_targets_and_skip_needless_copies() {
     turboio::format::cast(&data, Dtype::BF16, Dtype::F32, &mut want).unwrap();
     assert_eq!(w.bytes().unwrap(), &want[..]);
     assert_eq!(m.tensor("i").unwrap().bytes().unwrap(), &ints[..]);
+    // Onto a device that converts: the plain shards through the staging engine, then the
+    // device's kernel on each (none on the host), and the unconverted shards freed.
+    let dev = Arc::new(OpaqueDevice::new(2));
+    let opts =
+        LoadOptions { dtype: Some(Dtype::F32), device: Some(dev.clone() as Arc<dyn Device>), ..Default::default() };
+    let m = turboio::load_model(&model, &opts).unwrap();
+    assert_eq!(m.shards().len(), 2, "one tensor per shard");
+    let w = m.tensor("w").unwrap();
+    assert_eq!(w.dtype(), Dtype::F32);
+    let shard = m.shard_of("w").unwrap();
+    assert_eq!(shard.to_host("w").unwrap(), want, "converted on the device");
+    assert_eq!(m.shard_of("i").unwrap().to_host("i").unwrap(), ints, "passed through");
+    assert_eq!(dev.cast_elements(), 32, "the device converted the 32 bf16 elements");
+    assert_eq!(shard.report().converted, 1);
+    assert!(m.shards().iter().all(|s| s.report().fallbacks.is_empty()));
+    drop(m);
+    assert_eq!(dev.live_allocations(), 0, "every shard's memory, converted or not, was freed");
+    // A device whose kernel cannot run: converted on the host and placed, and the reports say
+    // why; a single file the same.
+    let dev = Arc::new(OpaqueDevice::new(3).with_cast_failure("no NVRTC here"));
+    let opts = LoadOptions { device: Some(dev.clone() as Arc<dyn Device>), ..opts };
+    let m = turboio::load_model(&model, &opts).unwrap();
+    assert_eq!(m.shard_of("w").unwrap().to_host("w").unwrap(), want, "converted on the host");
+    assert_eq!(m.shard_of("i").unwrap().to_host("i").unwrap(), ints);
+    assert_eq!(dev.cast_elements(), 0);
+    for s in m.shards() {
+        assert!(s.report().fallbacks.iter().any(|f| f.contains("no NVRTC here")), "{:?}", s.report().fallbacks);
+    }
+    let f = turboio::load(&path, &opts).unwrap();
+    assert_eq!(f.to_host("w").unwrap(), want);
+    assert!(f.report().fallbacks.iter().any(|f| f.contains("no NVRTC here")), "{:?}", f.report().fallbacks);
+    drop((m, f));
+    assert_eq!(dev.live_allocations(), 0);
 }
 
 #[test]

@@ -21,6 +21,8 @@
 //! - [`with_staging_pool`](OpaqueDevice::with_staging_pool): staging buffers come from a pool.
 //! - [`with_key_failure`](OpaqueDevice::with_key_failure): [`prepare_key`](Device::prepare_key)
 //!   fails, as the CUDA device's does without NVRTC.
+//! - [`with_cast_failure`](OpaqueDevice::with_cast_failure): [`cast`](Device::cast) fails, as
+//!   the CUDA device's does without NVRTC.
 
 mod model;
 
@@ -109,6 +111,7 @@ pub struct OpaqueDevice {
     /// [`Device::prefers_host_uploads`]).
     prefers_host_uploads: bool,
     key_failure: Option<String>,
+    cast_failure: Option<String>,
     pool: Option<StagingPool>,
     host_upload_refused: AtomicBool,
     /// Why [`Device::uploads_from_page_cache`] says no, when it does (as CUDA's does).
@@ -202,6 +205,7 @@ impl OpaqueDevice {
             host_uploads: false,
             prefers_host_uploads: true,
             key_failure: None,
+            cast_failure: None,
             pool: None,
             host_upload_refused: AtomicBool::new(false),
             page_cache_refusal: None,
@@ -259,6 +263,12 @@ impl OpaqueDevice {
     pub fn with_key_failure(mut self, message: &str) -> Self {
         self.decrypts = true;
         self.key_failure = Some(message.to_owned());
+        self
+    }
+
+    /// Claims to convert dtypes but fails [`Device::cast`] with `message`.
+    pub fn with_cast_failure(mut self, message: &str) -> Self {
+        self.cast_failure = Some(message.to_owned());
         self
     }
 
@@ -498,6 +508,9 @@ impl Device for OpaqueDevice {
     /// Converts with `turboio_format::cast` on the device's own memory (standing in for the
     /// GPU kernel, which the host-compiled kernel tests compare with that same function).
     fn cast(&self, src: &dyn Allocation, dst: &dyn Allocation, jobs: &[CastJob]) -> Result<()> {
+        if let Some(message) = &self.cast_failure {
+            return Err(DeviceError::Driver { device: self.id(), message: message.clone() });
+        }
         self.synchronize()?;
         let (s, d) = (self.own(src)?, self.own(dst)?);
         let mut mem = self.memory.lock().unwrap_or_else(|p| p.into_inner());

@@ -455,7 +455,47 @@ fn load_model_once(path: &Path, opts: &LoadOptions, started: Instant) -> Result<
 }
 
 /// Loads the model `files` (resolved, not yet checked if `local`).
-fn load_files(mut files: ModelFiles, local: bool, opts: &LoadOptions, started: Instant) -> Result<LoadedModel> {
+fn load_files(files: ModelFiles, local: bool, opts: &LoadOptions, started: Instant) -> Result<LoadedModel> {
+    // A device that converts in its own memory: the plain load onto it (the staging engine,
+    // shard after shard), then its kernel on each shard; where the kernel cannot run, the
+    // shards are converted on the host instead, and the reports say why.
+    let Some((target, device)) = opts.dtype.zip(crate::to_device::off_host(opts).filter(|d| d.casts())) else {
+        return load_files_once(files, local, opts, started);
+    };
+    crate::cast::check_target(files.origin(), target)?;
+    let LoadedModel { files: loaded_files, shards: plain, owner, mut report } =
+        load_files_once(files.clone(), local, &LoadOptions { dtype: None, ..opts.clone() }, started)?;
+    let mut shards = Vec::with_capacity(plain.len());
+    let mut failed = None;
+    for s in plain {
+        if !crate::cast::converts_any(&s.header, target) {
+            shards.push(s);
+            continue;
+        }
+        match crate::cast::cast_on_device(&s, target, device) {
+            Ok(c) => shards.push(c),
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    if let Some(e) = failed {
+        // Every shard's device memory is freed by now (the host load below places on it too).
+        drop(shards);
+        let why = format!("dtype conversion ran on the host: the device could not: {e}");
+        let mut m = load_files_once(files, local, opts, started)?;
+        for s in &mut m.shards {
+            s.report.fallbacks.push(why.clone());
+        }
+        return Ok(m);
+    }
+    report.elapsed = started.elapsed();
+    Ok(LoadedModel { files: loaded_files, shards, owner, report })
+}
+
+/// [`load_files`] in one pass: converting loads convert each shard on the host.
+fn load_files_once(mut files: ModelFiles, local: bool, opts: &LoadOptions, started: Instant) -> Result<LoadedModel> {
     // A selection with an index: the names are known before any shard is opened, and shards
     // holding none of the selected tensors are not opened at all (nor need they exist).
     if let (Some(selection), Some(map)) = (&opts.tensors, &files.weight_map) {

@@ -504,7 +504,7 @@ pub fn run(
                 &mut rows,
                 STEADY_DIRECT,
                 "cold",
-                "cache=bypass: O_DIRECT, a reader per slot, each slot copied as soon as it is read",
+                "cache=bypass: O_DIRECT io_uring into the registered slots (one thread), each copy started as its read completes",
             ),
         ];
         eprintln!("gpu model: cold, {runs} runs ...");
