@@ -12,9 +12,11 @@
 //! caller's slots are the same memory, which [`SlotMemory::serial`] says: a steady-state load
 //! registers nothing.
 //!
-//! The kernel holds the registered pages until the registration is replaced or dropped, even
-//! once the caller has freed them; [`release_registered_slots`] drops it (a caller that frees
-//! its slots to give the memory back calls it too).
+//! Up to [`MAX_KEPT`] idle rings are kept, each registered for one set of slots (a process
+//! loading into several GPUs has one pool of slots per GPU). The kernel holds the registered
+//! pages until a registration is replaced or dropped, even once the caller has freed them;
+//! [`release_registered_slots`] drops them all (a caller that frees its slots to give the
+//! memory back calls it too).
 
 use crate::uring::Ring;
 use std::io;
@@ -42,9 +44,13 @@ pub(crate) struct Lease {
     pid: u32,
 }
 
-/// The idle ring; a call takes it and gives it back (two calls at once: the second makes a
-/// ring of its own, and the one given back last is kept).
-static KEPT: Mutex<Option<Lease>> = Mutex::new(None);
+/// Idle rings kept, each with its registration (one per set of slots in use: a process loading
+/// into several GPUs has a pool, so a set of slots, per GPU).
+const MAX_KEPT: usize = 8;
+
+/// The idle rings, oldest first; a call takes the one registered for its slots (or makes one)
+/// and gives it back.
+static KEPT: Mutex<Vec<Lease>> = Mutex::new(Vec::new());
 /// Registrations made in this process (each pins the slots' pages once).
 static REGISTRATIONS: AtomicUsize = AtomicUsize::new(0);
 /// The kernel refused to register buffers here (`RLIMIT_MEMLOCK`, an old kernel): reads go
@@ -60,52 +66,69 @@ pub fn slot_registrations() -> usize {
 /// Drops the kept ring and its registration, unpinning every slot page the kernel holds for
 /// it. The next slot read registers its slots again.
 pub fn release_registered_slots() {
-    let kept = KEPT.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let kept = std::mem::take(&mut *KEPT.lock().unwrap_or_else(|p| p.into_inner()));
     drop(kept);
 }
 
 /// A ring with room for `depth` requests, with `slots` registered where every one of them has a
-/// serial: the kept ring when it is deep enough and of this process, its registration reused
-/// when it covers the same memory.
+/// serial: a kept ring of this process, deep enough, whose registration covers the same memory
+/// if there is one; else a new ring (or, with [`MAX_KEPT`] kept, the oldest, registered anew).
 pub(crate) fn take(depth: u32, slots: &[SlotMemory]) -> io::Result<Lease> {
     let pid = std::process::id();
-    let kept = KEPT.lock().unwrap_or_else(|p| p.into_inner()).take();
-    let mut lease = match kept {
-        Some(l) if l.pid == pid && l.ring.depth() >= depth as usize => l,
-        // Inherited through fork (the ring is the parent's) or too shallow: a new one.
-        _ => Lease { ring: Ring::new(depth)?, registered: Vec::new(), index: Vec::new(), pid },
+    let want = wanted(slots);
+    let picked = {
+        let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
+        // Rings inherited through fork are the parent's: never used here.
+        kept.retain(|l| l.pid == pid);
+        let fits = |l: &Lease| l.ring.depth() >= depth as usize;
+        let covering = want.as_ref().and_then(|w| kept.iter().position(|l| fits(l) && covers(l, w).is_some()));
+        match covering {
+            Some(i) => Some(kept.remove(i)),
+            None if kept.len() >= MAX_KEPT => kept.iter().position(fits).map(|i| kept.remove(i)),
+            None => None,
+        }
     };
-    lease.index = register(&mut lease, slots);
+    let mut lease = match picked {
+        Some(l) => l,
+        None => Lease { ring: Ring::new(depth)?, registered: Vec::new(), index: Vec::new(), pid },
+    };
+    lease.index = register(&mut lease, slots, want);
     Ok(lease)
 }
 
 /// Gives the ring back for the next call.
 pub(crate) fn give_back(lease: Lease) {
     if lease.ring.in_flight() == 0 {
-        *KEPT.lock().unwrap_or_else(|p| p.into_inner()) = Some(lease);
+        let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
+        kept.push(lease);
+        if kept.len() > MAX_KEPT {
+            kept.remove(0);
+        }
     }
+}
+
+/// The slots as they would be registered; `None` when one has no serial (never registered).
+fn wanted(slots: &[SlotMemory]) -> Option<Vec<Registered>> {
+    slots.iter().map(|s| s.serial.map(|serial| Registered { serial, addr: s.ptr as usize, len: s.len })).collect()
+}
+
+/// Each wanted slot's index in the lease's registration, if it covers them all.
+fn covers(lease: &Lease, want: &[Registered]) -> Option<Vec<Option<u16>>> {
+    want.iter()
+        .map(|w| lease.registered.iter().position(|r| r == w).and_then(|i| u16::try_from(i).ok()).map(Some))
+        .collect()
 }
 
 /// Each slot's registered index, registering the slots when the lease's registration does not
 /// already cover them; all `None` when they cannot be (a slot without a serial, too many, the
 /// kernel refuses).
-fn register(lease: &mut Lease, slots: &[SlotMemory]) -> Vec<Option<u16>> {
+fn register(lease: &mut Lease, slots: &[SlotMemory], want: Option<Vec<Registered>>) -> Vec<Option<u16>> {
     let none = vec![None; slots.len()];
-    let Some(want) = slots
-        .iter()
-        .map(|s| s.serial.map(|serial| Registered { serial, addr: s.ptr as usize, len: s.len }))
-        .collect::<Option<Vec<Registered>>>()
-    else {
-        return none;
-    };
+    let Some(want) = want else { return none };
     if want.is_empty() || want.len() > MAX_REGISTERED {
         return none;
     }
-    let found: Option<Vec<Option<u16>>> = want
-        .iter()
-        .map(|w| lease.registered.iter().position(|r| r == w).and_then(|i| u16::try_from(i).ok()).map(Some))
-        .collect();
-    if let Some(index) = found {
+    if let Some(index) = covers(lease, &want) {
         return index;
     }
     if REFUSED.load(Ordering::Relaxed) {

@@ -1,7 +1,7 @@
 //! Reads into a caller's slots through the kept io_uring: the slots are registered as fixed
 //! buffers once and the registration is reused while they are the same memory (the arenas'
-//! serials), so a steady-state load registers nothing; new memory, or a release, registers
-//! again; the bytes are right every time.
+//! serials), so a steady-state load registers nothing, also when loads alternate between two
+//! sets of slots; new memory, or a release, registers again; the bytes are right every time.
 //!
 //! One test in this binary: the registration count is process-wide.
 
@@ -120,6 +120,12 @@ fn slots_are_registered_once_and_read_right_every_time() {
     // New memory (a fresh arena at, possibly, a freed one's address) registers again.
     arenas[1] = Arena::new(slot, false).unwrap();
     assert_eq!(read(&mut arenas), (1, method), "a new slot: registered again");
+    // Another set of slots alongside (another GPU's pool): each set is registered once, then
+    // loads that alternate between them register nothing.
+    let mut other: Vec<Arena> = (0..3).map(|_| Arena::new(slot, false).unwrap()).collect();
+    assert_eq!(read(&mut other), (1, method), "a second set of slots: registered on a ring of its own");
+    assert_eq!(read(&mut arenas), (0, method), "the first set's ring was kept");
+    assert_eq!(read(&mut other), (0, method), "and the second's");
     release_registered_slots();
     assert_eq!(read(&mut arenas), (1, method), "after a release: registered again");
 }
