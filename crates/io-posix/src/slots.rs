@@ -1,22 +1,23 @@
 //! Reads into a caller's slots ([`StorageFile::read_into_slots`](turboio_storage::StorageFile::read_into_slots)):
-//! `O_DIRECT` through one io_uring, kept for the process, with the slots registered as its
-//! fixed buffers.
+//! `O_DIRECT` through an io_uring kept for the process, with the slots registered as its fixed
+//! buffers.
 //!
-//! A staged GPU load reads a cold file into a few dozen pinned slots and starts each slot's
-//! device copy the moment its read completes. One thread keeps every free slot's read in
-//! flight (the disk sees a deep queue of large reads; the kernel splits each and queues its
+//! A staged GPU load reads a cold file into pinned slots and starts each slot's device copy the
+//! moment its read completes. Each reader's thread keeps a read in flight for every free slot of
+//! its own (the disk sees a deep queue of large reads; the kernel splits each and queues its
 //! parts at once) and sleeps in the kernel between completions. Registering the slots
-//! (`IORING_REGISTER_BUFFERS`) spares the kernel pinning and unpinning every page of every read;
-//! registering is itself costly (256 MiB of slots: 6-10 ms to register, 3-4 ms to unregister on
-//! the 2-vCPU VM), so the ring and its registration are kept between calls and reused while the
-//! caller's slots are the same memory, which [`SlotMemory::serial`] says: a steady-state load
-//! registers nothing.
+//! (`IORING_REGISTER_BUFFERS`) spares the kernel pinning and unpinning every page of every read
+//! (the `O_DIRECT` ceiling of `bench --gpu-model` spends 0.01 s of CPU per GB with it, 0.06-0.09
+//! without); registering is itself costly (256 MiB of slots: 6-10 ms to register, 3-4 ms to
+//! unregister on the 2-vCPU VM), so rings and their registrations are kept between calls and
+//! reused while the caller's slots are the same memory, which [`SlotMemory::serial`] says: a
+//! steady-state load registers nothing.
 //!
-//! Up to [`MAX_KEPT`] idle rings are kept, each registered for one set of slots (a process
-//! loading into several GPUs has one pool of slots per GPU). The kernel holds the registered
-//! pages until a registration is replaced or dropped, even once the caller has freed them;
-//! [`release_registered_slots`] drops them all (a caller that frees its slots to give the
-//! memory back calls it too).
+//! Up to [`MAX_KEPT`] idle rings are kept, each registered for one set of slots (a staged load
+//! has a ring per reader, and a process loading into several GPUs one pool of slots per GPU).
+//! The kernel holds the registered pages until a registration is replaced or dropped, even once
+//! the caller has freed them; [`release_registered_slots`] drops them all (a caller that frees
+//! its slots to give the memory back calls it too).
 
 use crate::uring::Ring;
 use std::io;
@@ -44,9 +45,10 @@ pub(crate) struct Lease {
     pid: u32,
 }
 
-/// Idle rings kept, each with its registration (one per set of slots in use: a process loading
-/// into several GPUs has a pool, so a set of slots, per GPU).
-const MAX_KEPT: usize = 8;
+/// Idle rings kept, each with its registration (one per set of slots in use: a staged load has
+/// a ring per reader, each with its own slots, and a process loading into several GPUs a pool
+/// per GPU; 16 readers for each of 4 GPUs).
+const MAX_KEPT: usize = 64;
 
 /// The idle rings, oldest first; a call takes the one registered for its slots (or makes one)
 /// and gives it back.

@@ -15,9 +15,9 @@
 //!    (hot, cold kept in the page cache behind one read-ahead cursor, cold with `O_DIRECT`) is
 //!    decided once per load. Cold with `O_DIRECT`, on storage that reads into slots itself
 //!    ([`StorageFile::reads_into_slots`](turboio_storage::StorageFile::reads_into_slots): the
-//!    local backend's io_uring, the slots registered once as fixed buffers), one thread keeps
-//!    every free slot's read in flight and starts each slot's copy as its read completes
-//!    ([`by_completion`]).
+//!    local backend's io_uring, the slots registered once as fixed buffers), each reader keeps
+//!    a read in flight for every free slot of its own and starts each slot's copy as its read
+//!    completes ([`by_completion`]).
 //!
 //! A path that is refused falls through to the next with one line in
 //! [`LoadReport::fallbacks`](crate::LoadReport::fallbacks) saying why; nothing here fails a
@@ -522,16 +522,17 @@ fn load_staged(files: &[Staged<'_>], device: &dyn Device, chunk: usize) -> Resul
         })
         .collect();
     let per_slot = ctx.iter().all(|c| c.read == StageRead::ColdDirect);
-    let plan = StagePlan::new(chunk, total, io.threads, device, per_slot);
-    // Every file cold with O_DIRECT, on storage that reads into slots itself (io_uring):
-    // one thread, every slot's read in flight, each copy started as its read completes.
+    // Every file cold with O_DIRECT, on storage that reads into slots itself (io_uring): a ring
+    // per reader, every slot's read in flight, each copy started as its read completes.
     let by_completion = per_slot
         && files.iter().zip(&ctx).all(|(f, c)| {
             (f.key.is_some() || !f.job.opened.encrypted()) && f.job.opened.raw().reads_into_slots(&c.per_read)
         });
     if by_completion {
+        let plan = StagePlan::new(chunk, total, io.threads, device, false);
         return by_completion::fill(files, &ctx, device, &plan);
     }
+    let plan = StagePlan::new(chunk, total, io.threads, device, per_slot);
     let mut chunks = Vec::new();
     for (i, f) in files.iter().enumerate() {
         chunks_of(i, f.job.runs, plan.chunk, f.job.opened.offset(), &mut chunks);
@@ -785,15 +786,34 @@ impl Cursor {
 }
 
 /// Cold files read with `O_DIRECT` by the storage itself into the slots
-/// ([`StorageFile::read_into_slots`](turboio_storage::StorageFile::read_into_slots)): the
-/// storage keeps a read in flight for every free slot and tells the feed here as each
-/// completes, which starts that slot's copy at once; a slot is read again as soon as its copy
-/// is done. One thread; no CPU copy.
+/// ([`StorageFile::read_into_slots`](turboio_storage::StorageFile::read_into_slots)): each
+/// reader (a *lane*: its own slots, its own io_uring in the local backend, the slots registered
+/// as its fixed buffers) keeps a read in flight for every free slot of its own and is told as
+/// each completes, which starts that slot's copy at once; a slot is read again as soon as its
+/// copy is done. The lanes take chunks from one queue, every file's in order, so they read the
+/// same file side by side and one lane starts the next file while the other finishes the last
+/// reads of the one before (a single ring would drain at every file's end). No CPU copy.
 mod by_completion {
     use super::{Chunk, Error, Result, StagePlan, StageRead, Staged, StagedFile};
     use std::collections::VecDeque;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Mutex;
     use turboio_device::{AfterUpload, Device, Staging, Transfer};
     use turboio_storage::{ReadInfo, SlotFeed, SlotMemory, SlotRead, StorageError};
+
+    /// What the lanes share.
+    struct Shared<'p, 'a> {
+        files: &'p [Staged<'a>],
+        ctx: &'p [StagedFile<'a>],
+        device: &'p dyn Device,
+        /// Every file's chunks, in order; `next` is the first no lane has taken.
+        chunks: &'p [Chunk],
+        next: &'p AtomicUsize,
+        /// A lane failed: the others stop asking for chunks.
+        failed: &'p AtomicBool,
+        /// Per file: how its reads went (merged over the lanes).
+        infos: &'p [Mutex<Option<ReadInfo>>],
+    }
 
     /// Fills every file of `files` (all cold, `O_DIRECT`, on storage that reads into slots).
     pub(super) fn fill(
@@ -803,47 +823,95 @@ mod by_completion {
         plan: &StagePlan,
     ) -> Result<Vec<ReadInfo>> {
         let first = files[0].job.opened.path();
-        let mut per_file: Vec<Vec<Chunk>> = Vec::with_capacity(files.len());
+        let mut chunks = Vec::new();
         for (i, f) in files.iter().enumerate() {
-            let mut chunks = Vec::new();
             super::chunks_of(i, f.job.runs, plan.chunk, f.job.opened.offset(), &mut chunks);
-            per_file.push(chunks);
         }
-        let total_chunks: usize = per_file.iter().map(Vec::len).sum();
-        let want = (plan.readers * plan.slots_per_reader).clamp(1, total_chunks.max(1));
-        let bufs = slots(device, want, plan.chunk).map_err(|e| Error::device(first, e))?;
-        let mut feed = Feed::new(files, device, bufs);
-        let mut infos = Vec::with_capacity(files.len());
-        let mut result = Ok(());
-        for (i, (chunks, c)) in per_file.into_iter().zip(ctx).enumerate() {
-            feed.start(i, chunks);
-            let raw = files[i].job.opened.raw();
-            match raw.read_into_slots(&mut feed, &c.per_read) {
-                Ok(r) => infos.push(ReadInfo {
-                    method: match r.method {
-                        "io_uring, registered buffers" => {
-                            "staged: cold, O_DIRECT io_uring into registered pinned slots, each copy started as its read completes"
-                        }
-                        "io_uring" => "staged: cold, O_DIRECT io_uring into pinned slots, each copy started as its read completes",
-                        _ => StageRead::ColdDirect.method(),
-                    },
-                    ..r
-                }),
-                Err(e) => {
-                    result = Err(feed.error.take().unwrap_or_else(|| match e {
-                        StorageError::Cancelled => Error::Cancelled { path: files[i].job.opened.path().to_owned() },
-                        e => Error::storage(files[i].job.opened.path(), e),
-                    }));
-                    break;
+        // Every lane's share of slots (the same slots a hot load takes, so nothing more is pinned).
+        let lanes = plan.readers.clamp(1, chunks.len().max(1));
+        let per_lane = plan.slots_per_reader.max(1);
+        // Never more slots than chunks: the same count a hot load of the same files takes.
+        let total = (lanes * per_lane).min(chunks.len().max(1));
+        let mut bufs = slots(device, total, plan.chunk).map_err(|e| Error::device(first, e))?;
+        let next = AtomicUsize::new(0);
+        let failed = AtomicBool::new(false);
+        let infos: Vec<Mutex<Option<ReadInfo>>> = files.iter().map(|_| Mutex::new(None)).collect();
+        let shared = Shared { files, ctx, device, chunks: &chunks, next: &next, failed: &failed, infos: &infos };
+        // The same slots go to the same lane at every load (the pool hands them out in any
+        // order), so each lane's slots are the ones its ring registered before.
+        bufs.sort_by_key(|b| b.serial().unwrap_or(u64::MAX));
+        let mut shares = Vec::with_capacity(lanes);
+        while !bufs.is_empty() {
+            let rest = bufs.split_off(per_lane.min(bufs.len()));
+            shares.push(std::mem::replace(&mut bufs, rest));
+        }
+        let result = turboio_storage::run_workers(shares, |share, _| lane(&shared, share));
+        result?;
+        Ok(infos
+            .into_iter()
+            .map(|m| {
+                m.into_inner().unwrap_or_else(|p| p.into_inner()).unwrap_or(ReadInfo {
+                    // Nothing of it to read (an empty selection).
+                    method: StageRead::ColdDirect.method(),
+                    direct: false,
+                    direct_refused: false,
+                })
+            })
+            .collect())
+    }
+
+    /// One lane: reads the queue's chunks, a file's run at a time, through its own slots.
+    fn lane(shared: &Shared<'_, '_>, bufs: Vec<Staging>) -> Result<()> {
+        let mut feed = Feed::new(shared, bufs);
+        let result = (|| -> Result<()> {
+            loop {
+                if shared.failed.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
+                let Some(&Chunk { file, .. }) = shared.chunks.get(shared.next.load(Ordering::Relaxed)) else {
+                    return Ok(());
+                };
+                feed.file = file;
+                let opened = shared.files[file].job.opened;
+                match opened.raw().read_into_slots(&mut feed, &shared.ctx[file].per_read) {
+                    Ok(r) => merge(&shared.infos[file], r),
+                    Err(e) => {
+                        return Err(feed.error.take().unwrap_or_else(|| match e {
+                            StorageError::Cancelled => Error::Cancelled { path: opened.path().to_owned() },
+                            e => Error::storage(opened.path(), e),
+                        }))
+                    }
                 }
             }
+        })();
+        if result.is_err() {
+            shared.failed.store(true, Ordering::Relaxed);
         }
         // Every copy is waited for, success or not (the device may be reading the slots); the
         // slots go back to the pool when `feed` is dropped.
         let drained = feed.drain();
-        result?;
-        drained?;
-        Ok(infos)
+        result.and(drained)
+    }
+
+    /// Adds one call's report to a file's.
+    fn merge(info: &Mutex<Option<ReadInfo>>, r: ReadInfo) {
+        let method = match r.method {
+            "io_uring, registered buffers" => {
+                "staged: cold, O_DIRECT io_uring into registered pinned slots, each copy started as its read completes"
+            }
+            "io_uring" => "staged: cold, O_DIRECT io_uring into pinned slots, each copy started as its read completes",
+            _ => StageRead::ColdDirect.method(),
+        };
+        let mut info = info.lock().unwrap_or_else(|p| p.into_inner());
+        *info = Some(match *info {
+            None => ReadInfo { method, ..r },
+            Some(i) => ReadInfo {
+                // A lane whose slots could not be registered says so.
+                method: if i.method.len() < method.len() { i.method } else { method },
+                direct: i.direct && r.direct,
+                direct_refused: i.direct_refused || r.direct_refused,
+            },
+        });
     }
 
     /// `n` slots of `chunk` bytes from the device's pool; the ones the pool does not have are
@@ -871,10 +939,9 @@ mod by_completion {
         Ok(out)
     }
 
-    /// The slots and the copies in flight, as the storage's [`SlotFeed`].
-    struct Feed<'p, 'a> {
-        files: &'p [Staged<'a>],
-        device: &'p dyn Device,
+    /// One lane's slots and copies in flight, as the storage's [`SlotFeed`] for the file `file`.
+    struct Feed<'s, 'p, 'a> {
+        shared: &'s Shared<'p, 'a>,
         /// Each slot's buffer, while it is here (not in a copy).
         bufs: Vec<Option<Staging>>,
         memory: Vec<SlotMemory>,
@@ -883,16 +950,14 @@ mod by_completion {
         reading: Vec<Option<Chunk>>,
         /// Copies in flight, oldest first: (slot, file).
         copies: VecDeque<(usize, usize, Transfer)>,
-        /// The file being read and its chunks.
+        /// The file the current call reads.
         file: usize,
-        chunks: Vec<Chunk>,
-        next: usize,
         /// A device error met in a callback (the storage sees a stand-in).
         error: Option<Error>,
     }
 
-    impl<'p, 'a> Feed<'p, 'a> {
-        fn new(files: &'p [Staged<'a>], device: &'p dyn Device, mut bufs: Vec<Staging>) -> Self {
+    impl<'s, 'p, 'a> Feed<'s, 'p, 'a> {
+        fn new(shared: &'s Shared<'p, 'a>, mut bufs: Vec<Staging>) -> Self {
             let memory = bufs
                 .iter_mut()
                 .map(|b| {
@@ -903,30 +968,21 @@ mod by_completion {
                 .collect();
             let n = bufs.len();
             Feed {
-                files,
-                device,
+                shared,
                 bufs: bufs.into_iter().map(Some).collect(),
                 memory,
                 free: (0..n).rev().collect(),
                 reading: vec![None; n],
                 copies: VecDeque::with_capacity(n),
                 file: 0,
-                chunks: Vec::new(),
-                next: 0,
                 error: None,
             }
-        }
-
-        fn start(&mut self, file: usize, chunks: Vec<Chunk>) {
-            self.file = file;
-            self.chunks = chunks;
-            self.next = 0;
         }
 
         /// Takes back the slot of the oldest copy, waiting for it.
         fn reclaim(&mut self) -> Result<()> {
             if let Some((slot, file, t)) = self.copies.pop_front() {
-                let buf = t.wait().map_err(|e| Error::device(self.files[file].job.opened.path(), e))?;
+                let buf = t.wait().map_err(|e| Error::device(self.shared.files[file].job.opened.path(), e))?;
                 self.bufs[slot] = Some(buf);
                 self.free.push(slot);
             }
@@ -950,15 +1006,22 @@ mod by_completion {
             self.error.get_or_insert(e);
             StorageError::Unsupported { backend: "device", what }
         }
+
+        /// The index of the queue's next chunk if it is of this call's file.
+        fn peek(&self) -> Option<usize> {
+            let i = self.shared.next.load(Ordering::Relaxed);
+            let ours = self.shared.chunks.get(i).is_some_and(|c| c.file == self.file);
+            (ours && !self.shared.failed.load(Ordering::Relaxed)).then_some(i)
+        }
     }
 
     // SAFETY: every slot's memory is its `Staging` buffer, owned by `bufs` (or by a copy, which
-    // gives it back) until the feed is dropped, after the storage's call has returned; the
+    // gives it back) until the feed is dropped, after the storage's calls have returned; the
     // pointers in `memory` were taken from those buffers, whose heap memory never moves. A slot
     // is handed out by `next` only from `free` and is not touched again until `filled`, which
     // starts its copy; it returns to `free` only once that copy is done.
     #[allow(unsafe_code)]
-    unsafe impl SlotFeed for Feed<'_, '_> {
+    unsafe impl SlotFeed for Feed<'_, '_, '_> {
         fn slots(&self) -> usize {
             self.memory.len()
         }
@@ -975,8 +1038,11 @@ mod by_completion {
         }
 
         fn next(&mut self, wait: bool) -> turboio_storage::Result<SlotRead> {
-            let Some(&chunk) = self.chunks.get(self.next) else { return Ok(SlotRead::End) };
-            // Slots whose copies are done, without waiting.
+            if self.peek().is_none() {
+                return Ok(SlotRead::End);
+            }
+            // A free slot first (the copies done take theirs back without waiting), so that a
+            // chunk taken from the queue is read at once.
             while self.copies.front().is_some_and(|(_, _, t)| t.is_complete()) {
                 if let Err(e) = self.reclaim() {
                     return Err(self.fail(e));
@@ -993,10 +1059,20 @@ mod by_completion {
             let Some(slot) = self.free.pop() else {
                 return Err(StorageError::Unsupported { backend: "device", what: "no staging slot".into() });
             };
-            self.next += 1;
-            self.reading[slot] = Some(chunk);
-            let offset = self.files[self.file].job.opened.offset() + chunk.pos;
-            Ok(SlotRead::Read { slot, offset, len: chunk.len })
+            // Take the queue's next chunk if it is still of this file (another lane may have
+            // taken it meanwhile).
+            loop {
+                let Some(i) = self.peek() else {
+                    self.free.push(slot);
+                    return Ok(SlotRead::End);
+                };
+                if self.shared.next.compare_exchange(i, i + 1, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+                    let chunk = self.shared.chunks[i];
+                    self.reading[slot] = Some(chunk);
+                    let offset = self.shared.files[self.file].job.opened.offset() + chunk.pos;
+                    return Ok(SlotRead::Read { slot, offset, len: chunk.len });
+                }
+            }
         }
 
         fn filled(&mut self, slot: usize, _offset: u64, len: usize) -> turboio_storage::Result<()> {
@@ -1005,12 +1081,12 @@ mod by_completion {
             else {
                 return Err(StorageError::Unsupported { backend: "device", what: format!("slot {slot} was not read") });
             };
-            let f = &self.files[chunk.file];
+            let f = &self.shared.files[chunk.file];
             let after = match f.key {
                 Some(key) => AfterUpload::Keystream { key, pos: chunk.pos },
                 None => AfterUpload::Nothing,
             };
-            match self.device.upload_with(buf, len.min(chunk.len), f.job.memory, f.job.shift + chunk.at, after) {
+            match self.shared.device.upload_with(buf, len.min(chunk.len), f.job.memory, f.job.shift + chunk.at, after) {
                 Ok(t) => {
                     self.copies.push_back((slot, chunk.file, t));
                     Ok(())

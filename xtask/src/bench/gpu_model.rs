@@ -511,7 +511,7 @@ pub fn run(
                 &mut rows,
                 STEADY_DIRECT,
                 "cold",
-                "cache=bypass: O_DIRECT io_uring into the registered slots (one thread), each copy started as its read completes",
+                "cache=bypass: O_DIRECT io_uring into the registered slots (a ring per reader), each copy started as its read completes",
             ),
         ];
         eprintln!("gpu model: cold, {runs} runs ...");
