@@ -101,9 +101,23 @@ def test_every_python_api_pins_once_per_process_and_loads_the_whole_file(tmp):
         step("fastsafetensors drop-in", fast)
         helper = turboio.init_io_helper()
         step("an IOHelper", lambda: turboio.load(path, map_location="cuda:0", helper=helper))
+
+        def cold_bypass():
+            import os
+            os.sync()
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+            turboio.load(path, map_location="cuda:0", cache="bypass")
+
+        step("turboio.load cold, cache bypassed", cold_bypass)
+        step("turboio.load cold, cache bypassed, again", cold_bypass)
         pool = turboio.staging_pool("cuda:0")
-        print(json.dumps({{"steps": steps, "shapes": shapes, "pool_allocations": pool.allocations(),
-                          "pool_bytes": pool.live_bytes(), "max_buffers": pool.max_buffers}}))
+        out = {{"steps": steps, "shapes": shapes, "pool_allocations": pool.allocations(),
+               "pool_bytes": pool.live_bytes(), "max_buffers": pool.max_buffers}}
+        pool.release()
+        out["pool_bytes_after_release"] = pool.live_bytes()
+        print(json.dumps(out))
         """
     )
     for name, t in ref.items():
@@ -119,6 +133,7 @@ def test_every_python_api_pins_once_per_process_and_loads_the_whole_file(tmp):
         assert c["uploaded_bytes"] == first["uploaded_bytes"], (name, c)
     assert got["pool_allocations"] == first["pinned_allocations"], "the pool's slots are the ones first pinned"
     assert got["pool_allocations"] <= got["max_buffers"]
+    assert got["pool_bytes"] > 0 and got["pool_bytes_after_release"] == 0, "release() frees every free slot"
 
 
 def test_shard_after_shard_the_iterators_pin_nothing_after_the_first(tmp):
