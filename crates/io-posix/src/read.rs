@@ -466,11 +466,7 @@ impl<'c> Source<'c> for Queue<'_, 'c, '_, '_> {
     }
 
     fn done(&mut self, chunk: Chunk<'c>, _tag: usize) -> Result<(), StorageError> {
-        if let Some(hook) = self.opts.hook {
-            hook(chunk.offset, chunk.dst)?;
-        }
-        self.opts.add_progress(chunk.dst.len() as u64);
-        Ok(())
+        self.opts.chunk_read(chunk.offset, chunk.dst)
     }
 }
 
@@ -769,11 +765,9 @@ impl StorageFile for PosixFile {
         feed: &mut dyn SlotFeed,
         opts: &IoOptions<'_>,
     ) -> Result<turboio_storage::ReadInfo, StorageError> {
-        if !self.reads_into_slots(opts) {
-            return read_into_slots_one_by_one(self, feed, opts);
-        }
-        let Some(direct) = self.direct_file()? else {
-            return read_into_slots_one_by_one(self, feed, opts);
+        let direct = match self.direct_file() {
+            Ok(Some(direct)) if self.reads_into_slots(opts) => direct,
+            _ => return read_into_slots_one_by_one(self, feed, opts),
         };
         let slots: Vec<SlotMemory> = (0..feed.slots()).map(|i| feed.slot_memory(i)).collect();
         // Every slot's read in flight, and room for the bounce pieces of unaligned ones.
@@ -792,7 +786,7 @@ impl StorageFile for PosixFile {
         };
         let index = std::mem::take(&mut lease.index);
         let result = {
-            let mut source = Fed { file: self, feed, slots: &slots, index: &index, opts };
+            let mut source = Fed { file: self, feed, index: &index, opts };
             UringWorker::new(&run, &mut lease.ring).run(&mut source)
         };
         crate::slots::give_back(lease);
@@ -830,7 +824,7 @@ impl StorageFile for PosixFile {
 struct Fed<'a, 'o, 'h> {
     file: &'a PosixFile,
     feed: &'a mut dyn SlotFeed,
-    slots: &'a [SlotMemory],
+    /// Each slot's registered buffer, if any.
     index: &'a [Option<u16>],
     opts: &'o IoOptions<'h>,
 }
@@ -849,17 +843,8 @@ impl<'a> Source<'a> for Fed<'a, '_, '_> {
             }
             SlotRead::End => return Ok(Next::End),
         };
-        let mem = match self.slots.get(slot) {
-            Some(m) if m.len >= len && !m.ptr.is_null() => *m,
-            _ => {
-                return Err(slot_target(&*self.feed, slot, len, &self.file.path).err().unwrap_or(
-                    StorageError::Unsupported {
-                        backend: "posix",
-                        what: format!("slot {slot} changed during the read"),
-                    },
-                ))
-            }
-        };
+        // The same memory as registered: a feed's slots stay put for the whole call.
+        let mem = slot_target(&*self.feed, slot, len, &self.file.path)?;
         self.file.check_range(offset, len)?;
         // SAFETY: the `SlotFeed` contract: the slot's memory is valid for writes of `mem.len >=
         // len` bytes for the whole call, and nothing but this read touches it until `filled` is
@@ -869,12 +854,8 @@ impl<'a> Source<'a> for Fed<'a, '_, '_> {
     }
 
     fn done(&mut self, chunk: Chunk<'a>, slot: usize) -> Result<(), StorageError> {
-        if let Some(hook) = self.opts.hook {
-            hook(chunk.offset, chunk.dst)?;
-        }
-        let (offset, len) = (chunk.offset, chunk.dst.len());
-        self.opts.add_progress(len as u64);
-        self.feed.filled(slot, offset, len)
+        self.opts.chunk_read(chunk.offset, chunk.dst)?;
+        self.feed.filled(slot, chunk.offset, chunk.dst.len())
     }
 }
 

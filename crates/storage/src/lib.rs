@@ -148,6 +148,16 @@ impl IoOptions<'_> {
         }
     }
 
+    /// A chunk of a read is complete (`dst`, read at `offset`): runs the hook on it, then counts
+    /// it as progress. Every read path calls this once per chunk.
+    pub fn chunk_read(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
+        if let Some(hook) = self.hook {
+            hook(offset, dst)?;
+        }
+        self.add_progress(dst.len() as u64);
+        Ok(())
+    }
+
     /// Adds `n` bytes to the progress counter.
     pub fn add_progress(&self, n: u64) {
         if let Some(p) = self.progress {

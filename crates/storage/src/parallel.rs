@@ -71,10 +71,7 @@ where
             let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
             let Some(mut chunk) = next else { return Ok(()) };
             work(&mut state, &mut chunk)?;
-            if let Some(hook) = opts.hook {
-                hook(chunk.offset, chunk.dst)?;
-            }
-            opts.add_progress(chunk.dst.len() as u64);
+            opts.chunk_read(chunk.offset, chunk.dst)?;
         }
     })
 }

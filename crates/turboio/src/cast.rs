@@ -105,9 +105,24 @@ fn converted_header(path: &Path, header: &Header, target: Dtype) -> Result<(Head
     Ok((converted, data_len))
 }
 
+/// A load held in device memory, converted by the device's own kernel into a new allocation
+/// of that device ([`cast_on_device`]); given back as it is when none of its tensors converts.
+/// On an error `src` is freed too (a host conversion may then want the device's memory).
+pub(crate) fn convert_on_device(src: LoadedFile, target: Dtype, device: &Arc<dyn Device>) -> Result<LoadedFile> {
+    if !converts_any(&src.header, target) {
+        return Ok(src);
+    }
+    cast_on_device(&src, target, device)
+}
+
+/// The report's line for a conversion the device could not run (`why`), run on the host.
+pub(crate) fn ran_on_the_host(why: &Error) -> String {
+    format!("dtype conversion ran on the host: the device could not: {why}")
+}
+
 /// Converts a load held in device memory with the device's own kernel ([`Device::cast`]) into
 /// a new allocation of that device.
-pub(crate) fn cast_on_device(src: &LoadedFile, target: Dtype, device: &Arc<dyn Device>) -> Result<LoadedFile> {
+fn cast_on_device(src: &LoadedFile, target: Dtype, device: &Arc<dyn Device>) -> Result<LoadedFile> {
     let path = &src.path;
     let (header, data_len) = converted_header(path, &src.header, target)?;
     let memory = device.alloc(data_len.max(1)).map_err(|e| Error::device(path, e))?;

@@ -65,16 +65,13 @@ pub(crate) fn load_cast(path: &Path, opts: &LoadOptions, target: Dtype) -> Resul
     let mut fallback = None;
     if let Some(device) = off_host(opts).filter(|d| d.casts()) {
         let src = load_plain(path, &LoadOptions { dtype: None, ..opts.clone() })?;
-        if !cast::converts_any(&src.header, target) {
-            return Ok(src);
-        }
-        match cast::cast_on_device(&src, target, device) {
+        match cast::convert_on_device(src, target, device) {
             Ok(mut out) => {
                 out.report.elapsed = started.elapsed();
                 return Ok(out);
             }
             // The kernel cannot run (no NVRTC...): convert on the host, and say why.
-            Err(e) => fallback = Some(format!("dtype conversion ran on the host: the device could not: {e}")),
+            Err(e) => fallback = Some(cast::ran_on_the_host(&e)),
         }
     }
     let cpu = cpu_device(opts);

@@ -468,11 +468,7 @@ fn load_files(files: ModelFiles, local: bool, opts: &LoadOptions, started: Insta
     let mut shards = Vec::with_capacity(plain.len());
     let mut failed = None;
     for s in plain {
-        if !crate::cast::converts_any(&s.header, target) {
-            shards.push(s);
-            continue;
-        }
-        match crate::cast::cast_on_device(&s, target, device) {
+        match crate::cast::convert_on_device(s, target, device) {
             Ok(c) => shards.push(c),
             Err(e) => {
                 failed = Some(e);
@@ -483,7 +479,7 @@ fn load_files(files: ModelFiles, local: bool, opts: &LoadOptions, started: Insta
     if let Some(e) = failed {
         // Every shard's device memory is freed by now (the host load below places on it too).
         drop(shards);
-        let why = format!("dtype conversion ran on the host: the device could not: {e}");
+        let why = crate::cast::ran_on_the_host(&e);
         let mut m = load_files_once(files, local, opts, started)?;
         for s in &mut m.shards {
             s.report.fallbacks.push(why.clone());

@@ -809,8 +809,6 @@ mod by_completion {
         /// Every file's chunks, in order; `next` is the first no lane has taken.
         chunks: &'p [Chunk],
         next: &'p AtomicUsize,
-        /// A lane failed: the others stop asking for chunks.
-        failed: &'p AtomicBool,
         /// Per file: how its reads went (merged over the lanes).
         infos: &'p [Mutex<Option<ReadInfo>>],
     }
@@ -834,9 +832,8 @@ mod by_completion {
         let total = (lanes * per_lane).min(chunks.len().max(1));
         let mut bufs = slots(device, total, plan.chunk).map_err(|e| Error::device(first, e))?;
         let next = AtomicUsize::new(0);
-        let failed = AtomicBool::new(false);
         let infos: Vec<Mutex<Option<ReadInfo>>> = files.iter().map(|_| Mutex::new(None)).collect();
-        let shared = Shared { files, ctx, device, chunks: &chunks, next: &next, failed: &failed, infos: &infos };
+        let shared = Shared { files, ctx, device, chunks: &chunks, next: &next, infos: &infos };
         // The same slots go to the same lane at every load (the pool hands them out in any
         // order), so each lane's slots are the ones its ring registered before.
         bufs.sort_by_key(|b| b.serial().unwrap_or(u64::MAX));
@@ -845,27 +842,27 @@ mod by_completion {
             let rest = bufs.split_off(per_lane.min(bufs.len()));
             shares.push(std::mem::replace(&mut bufs, rest));
         }
-        let result = turboio_storage::run_workers(shares, |share, _| lane(&shared, share));
-        result?;
+        // A lane that fails sets `failed`: the others stop asking for chunks.
+        turboio_storage::run_workers(shares, |share, failed| lane(&shared, share, failed))?;
         Ok(infos
             .into_iter()
             .map(|m| {
-                m.into_inner().unwrap_or_else(|p| p.into_inner()).unwrap_or(ReadInfo {
+                m.into_inner().unwrap_or_else(|p| p.into_inner()).map_or(
                     // Nothing of it to read (an empty selection).
-                    method: StageRead::ColdDirect.method(),
-                    direct: false,
-                    direct_refused: false,
-                })
+                    ReadInfo { method: StageRead::ColdDirect.method(), direct: false, direct_refused: false },
+                    reported,
+                )
             })
             .collect())
     }
 
-    /// One lane: reads the queue's chunks, a file's run at a time, through its own slots.
-    fn lane(shared: &Shared<'_, '_>, bufs: Vec<Staging>) -> Result<()> {
-        let mut feed = Feed::new(shared, bufs);
+    /// One lane: reads the queue's chunks, a file's run at a time, through its own slots, until
+    /// they run out or another lane `failed`.
+    fn lane(shared: &Shared<'_, '_>, bufs: Vec<Staging>, failed: &AtomicBool) -> Result<()> {
+        let mut feed = Feed::new(shared, bufs, failed);
         let result = (|| -> Result<()> {
             loop {
-                if shared.failed.load(Ordering::Relaxed) {
+                if failed.load(Ordering::Relaxed) {
                     return Ok(());
                 }
                 let Some(&Chunk { file, .. }) = shared.chunks.get(shared.next.load(Ordering::Relaxed)) else {
@@ -884,34 +881,43 @@ mod by_completion {
                 }
             }
         })();
-        if result.is_err() {
-            shared.failed.store(true, Ordering::Relaxed);
-        }
         // Every copy is waited for, success or not (the device may be reading the slots); the
         // slots go back to the pool when `feed` is dropped.
         let drained = feed.drain();
         result.and(drained)
     }
 
-    /// Adds one call's report to a file's.
+    /// The report's method for each way the storage read (its `ReadInfo::method`), the least
+    /// of them first; any other is reported as [`StageRead::ColdDirect`]'s.
+    const METHODS: [(&str, &str); 2] = [
+        ("io_uring", "staged: cold, O_DIRECT io_uring into pinned slots, each copy started as its read completes"),
+        (
+            "io_uring, registered buffers",
+            "staged: cold, O_DIRECT io_uring into registered pinned slots, each copy started as its read completes",
+        ),
+    ];
+
+    /// Adds one call's report to a file's: the least of the lanes' methods (a lane whose slots
+    /// could not be registered says so), direct only if every call was.
     fn merge(info: &Mutex<Option<ReadInfo>>, r: ReadInfo) {
-        let method = match r.method {
-            "io_uring, registered buffers" => {
-                "staged: cold, O_DIRECT io_uring into registered pinned slots, each copy started as its read completes"
-            }
-            "io_uring" => "staged: cold, O_DIRECT io_uring into pinned slots, each copy started as its read completes",
-            _ => StageRead::ColdDirect.method(),
-        };
+        let rank = |storage: &str| METHODS.iter().position(|(m, _)| *m == storage).map_or(0, |i| i + 1);
         let mut info = info.lock().unwrap_or_else(|p| p.into_inner());
-        *info = Some(match *info {
-            None => ReadInfo { method, ..r },
+        let merged = match *info {
+            None => r,
             Some(i) => ReadInfo {
-                // A lane whose slots could not be registered says so.
-                method: if i.method.len() < method.len() { i.method } else { method },
+                method: if rank(i.method) <= rank(r.method) { i.method } else { r.method },
                 direct: i.direct && r.direct,
                 direct_refused: i.direct_refused || r.direct_refused,
             },
-        });
+        };
+        *info = Some(merged);
+    }
+
+    /// What a file's report says of how it was read (the storage's method put in its words).
+    fn reported(r: ReadInfo) -> ReadInfo {
+        let method =
+            METHODS.iter().find(|(m, _)| *m == r.method).map_or(StageRead::ColdDirect.method(), |(_, ours)| ours);
+        ReadInfo { method, ..r }
     }
 
     /// `n` slots of `chunk` bytes from the device's pool; the ones the pool does not have are
@@ -942,6 +948,8 @@ mod by_completion {
     /// One lane's slots and copies in flight, as the storage's [`SlotFeed`] for the file `file`.
     struct Feed<'s, 'p, 'a> {
         shared: &'s Shared<'p, 'a>,
+        /// Set when a lane failed.
+        failed: &'s AtomicBool,
         /// Each slot's buffer, while it is here (not in a copy).
         bufs: Vec<Option<Staging>>,
         memory: Vec<SlotMemory>,
@@ -957,7 +965,7 @@ mod by_completion {
     }
 
     impl<'s, 'p, 'a> Feed<'s, 'p, 'a> {
-        fn new(shared: &'s Shared<'p, 'a>, mut bufs: Vec<Staging>) -> Self {
+        fn new(shared: &'s Shared<'p, 'a>, mut bufs: Vec<Staging>, failed: &'s AtomicBool) -> Self {
             let memory = bufs
                 .iter_mut()
                 .map(|b| {
@@ -969,6 +977,7 @@ mod by_completion {
             let n = bufs.len();
             Feed {
                 shared,
+                failed,
                 bufs: bufs.into_iter().map(Some).collect(),
                 memory,
                 free: (0..n).rev().collect(),
@@ -1011,7 +1020,7 @@ mod by_completion {
         fn peek(&self) -> Option<usize> {
             let i = self.shared.next.load(Ordering::Relaxed);
             let ours = self.shared.chunks.get(i).is_some_and(|c| c.file == self.file);
-            (ours && !self.shared.failed.load(Ordering::Relaxed)).then_some(i)
+            (ours && !self.failed.load(Ordering::Relaxed)).then_some(i)
         }
     }
 
